@@ -1,0 +1,1 @@
+"""Adapters that plug graphslot into training frameworks."""

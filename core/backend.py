@@ -1,0 +1,701 @@
+"""The device-neutral backend interface.
+
+A :class:`Backend` is one device reached through one vendor's virtual-memory API.
+It has two layers in one class:
+
+* **Public, checked methods** (``reserve``, ``create``, ``map`` ...). They validate
+  every argument against graphslot's own ledger, refuse driver calls during graph
+  capture, serialise driver work behind one lock, count calls, and turn a driver's
+  failure into a :class:`~graphslot.errors.DriverError` that says what was being done.
+  Everything else in graphslot (slots, the offload engine, the planner) uses only these.
+* **Raw primitives** (``_reserve``, ``_create``, ``_map`` ...), about twenty of them,
+  which a backend implements. They receive arguments that are already valid and only
+  talk to the driver. They raise ``DriverError`` with the driver's error name and code.
+
+Virtual memory follows the CUDA/MUSA driver model: reserve a VA range, create physical
+backing, map backing at an offset of the range, grant access; later unmap (the VA stays
+reserved) and release (the pages return to the driver). A tensor view made with
+:meth:`Backend.tensor_at` keeps its ``data_ptr()`` whatever is mapped behind it.
+"""
+
+from __future__ import annotations
+
+import abc
+import contextlib
+import threading
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Callable, ContextManager, Iterator, Sequence, TypeVar
+
+from .errors import DriverError, InjectedFault, StateError, UsageError
+
+if TYPE_CHECKING:  # torch is a runtime dependency, but keep import of this module cheap
+    import torch
+
+__all__ = [
+    "Backend",
+    "Reservation",
+    "Allocation",
+    "Mapping",
+    "Ledger",
+    "FaultPlan",
+    "Transaction",
+    "DeviceGraph",
+    "align_up",
+]
+
+T = TypeVar("T")
+
+#: The VMM operations that count as driver calls (per-step counters use these names).
+VMM_OPS = ("reserve", "free", "create", "release", "map", "unmap", "set_access")
+
+
+def align_up(n: int, alignment: int) -> int:
+    """Round ``n`` up to a multiple of ``alignment`` (a positive integer)."""
+    return -(-n // alignment) * alignment
+
+
+def _fmt(n: int) -> str:
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= scale and n % scale == 0:
+            return f"{n // scale} {unit}"
+    return f"{n} B"
+
+
+# --------------------------------------------------------------------------- ledger
+
+
+@dataclass(eq=False)
+class Allocation:
+    """Physical backing created by :meth:`Backend.create`. ``handle`` is the backend's own."""
+
+    size: int
+    handle: Any
+    released: bool = False
+    mapped_at: set[tuple[int, int]] = field(default_factory=set)  # (reservation va, offset)
+
+    def __repr__(self) -> str:
+        state = "released" if self.released else f"{len(self.mapped_at)} mapping(s)"
+        return f"Allocation({_fmt(self.size)}, {state})"
+
+
+@dataclass(eq=False)
+class Mapping:
+    """One allocation mapped at ``offset`` of a reservation."""
+
+    offset: int
+    size: int
+    allocation: Allocation
+    accessible: bool = False
+
+
+@dataclass(eq=False)
+class Reservation:
+    """A reserved virtual address range. ``va`` never changes while it lives."""
+
+    va: int
+    size: int
+    freed: bool = False
+    mappings: dict[int, Mapping] = field(default_factory=dict)  # offset -> Mapping
+
+    @property
+    def end(self) -> int:
+        return self.va + self.size
+
+    def mapping_at(self, offset: int) -> Mapping | None:
+        return self.mappings.get(offset)
+
+    def is_accessible(self, offset: int, size: int) -> bool:
+        """True when every byte of ``[offset, offset + size)`` is mapped and accessible."""
+        pos, end = offset, offset + size
+        while pos < end:
+            hit = None
+            for m in self.mappings.values():
+                if m.offset <= pos < m.offset + m.size:
+                    hit = m
+                    break
+            if hit is None or not hit.accessible:
+                return False
+            pos = hit.offset + hit.size
+        return True
+
+    def __repr__(self) -> str:
+        state = "freed" if self.freed else f"{len(self.mappings)} mapping(s)"
+        return f"Reservation(va=0x{self.va:x}, {_fmt(self.size)}, {state})"
+
+
+class Ledger:
+    """graphslot's exact account of what it reserved, created and mapped on a backend."""
+
+    def __init__(self) -> None:
+        self.reservations: dict[int, Reservation] = {}
+        self.allocations: set[Allocation] = set()
+
+    @property
+    def reserved_bytes(self) -> int:
+        return sum(r.size for r in self.reservations.values())
+
+    @property
+    def allocated_bytes(self) -> int:
+        """Physical bytes created and not yet released."""
+        return sum(a.size for a in self.allocations)
+
+    @property
+    def mapped_bytes(self) -> int:
+        return sum(m.size for r in self.reservations.values() for m in r.mappings.values())
+
+    def find(self, va: int, nbytes: int) -> Reservation | None:
+        """The live reservation that holds all of ``[va, va + nbytes)``, if any."""
+        for r in self.reservations.values():
+            if r.va <= va and va + nbytes <= r.end:
+                return r
+        return None
+
+    def snapshot(self) -> dict[str, int]:
+        return {
+            "reservations": len(self.reservations),
+            "reserved_bytes": self.reserved_bytes,
+            "allocations": len(self.allocations),
+            "allocated_bytes": self.allocated_bytes,
+            "mapped_bytes": self.mapped_bytes,
+        }
+
+
+class FaultPlan:
+    """Plants driver failures for tests of rollback and recovery paths.
+
+    ``backend.faults.fail("map")`` makes the next ``map`` driver call fail with an
+    :class:`~graphslot.errors.InjectedFault` before it reaches the driver;
+    ``fail("map", after=2)`` lets two calls through first.
+    """
+
+    def __init__(self) -> None:
+        self._plan: dict[str, list[int]] = {}
+        self._lock = threading.Lock()
+
+    def fail(self, op: str, after: int = 0, times: int = 1) -> None:
+        if op not in VMM_OPS:
+            raise UsageError(f"cannot inject a fault into {op!r}; choose one of {', '.join(VMM_OPS)}")
+        with self._lock:
+            self._plan[op] = [after, times]
+
+    def clear(self) -> None:
+        with self._lock:
+            self._plan.clear()
+
+    def check(self, op: str, desc: str) -> None:
+        with self._lock:
+            entry = self._plan.get(op)
+            if entry is None:
+                return
+            if entry[0] > 0:
+                entry[0] -= 1
+                return
+            entry[1] -= 1
+            if entry[1] <= 0:
+                del self._plan[op]
+        raise InjectedFault(desc, op, "GRAPHSLOT_INJECTED_FAULT", -1, "planted by FaultPlan")
+
+
+# --------------------------------------------------------------------------- transaction
+
+
+class Transaction:
+    """Multi-step VMM work that is undone in reverse order if any step fails.
+
+    Use through :meth:`Backend.transaction`::
+
+        with backend.transaction() as tx:
+            res = tx.reserve(size)
+            alloc = tx.create(size)
+            tx.map(res, 0, alloc)
+            tx.set_access(res, 0, size)
+
+    If a step raises, every earlier step is rolled back (unmap, release, free) and the
+    original error propagates; nothing is leaked. On success the work is kept.
+    """
+
+    def __init__(self, backend: Backend) -> None:
+        self._b = backend
+        self._undo: list[Callable[[], None]] = []
+
+    def reserve(self, size: int, alignment: int = 0) -> Reservation:
+        res = self._b.reserve(size, alignment)
+        self._undo.append(lambda: self._b.free(res))
+        return res
+
+    def create(self, size: int) -> Allocation:
+        alloc = self._b.create(size)
+        self._undo.append(lambda: self._b.release(alloc))
+        return alloc
+
+    def map(self, res: Reservation, offset: int, alloc: Allocation) -> None:
+        self._b.map(res, offset, alloc)
+        self._undo.append(lambda: self._b.unmap(res, offset, alloc.size))
+
+    def set_access(self, res: Reservation, offset: int, size: int) -> None:
+        self._b.set_access(res, offset, size)  # undone by the unmap before it
+
+    def __enter__(self) -> Transaction:
+        return self
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        if exc_type is None:
+            self._undo.clear()
+            return
+        errors = []
+        for undo in reversed(self._undo):
+            try:
+                undo()
+            except Exception as e:  # keep undoing; report below
+                errors.append(e)
+        self._undo.clear()
+        if errors and exc is not None:
+            exc.add_note(f"graphslot: rollback also failed: {errors!r}")
+
+
+# --------------------------------------------------------------------------- graphs
+
+
+class DeviceGraph(abc.ABC):
+    """A captured sequence of device work bound to the addresses it touched.
+
+    Replay reads and writes exactly the addresses seen at capture; whatever physical
+    memory is mapped there at replay time is what the graph sees.
+    """
+
+    @abc.abstractmethod
+    def capture(self, stream: Any = None) -> ContextManager[None]:
+        """Context manager: work issued inside is recorded instead of (or as well as) run."""
+
+    @abc.abstractmethod
+    def replay(self) -> None:
+        """Run the recorded work again on the current stream."""
+
+
+# --------------------------------------------------------------------------- backend
+
+
+class Backend(abc.ABC):
+    """One device reached through one vendor's VMM, stream and event API."""
+
+    #: short name used by ``GRAPHSLOT_BACKEND`` ("cpu", "cuda", "musa").
+    name: str = "abstract"
+
+    def __init__(self) -> None:
+        self.ledger = Ledger()
+        self.faults = FaultPlan()
+        #: driver calls and host synchronisations made through this backend, by name.
+        self.counters: Counter[str] = Counter()
+        self._lock = threading.RLock()  # serialises every driver call
+        self._granularity: int | None = None
+
+    # ------------------------------------------------------------------ raw primitives
+    # Implemented by each backend. Arguments are already validated.
+
+    @abc.abstractmethod
+    def _granularity_bytes(self) -> int: ...
+
+    @abc.abstractmethod
+    def _reserve(self, size: int, alignment: int) -> int: ...
+
+    @abc.abstractmethod
+    def _free(self, va: int, size: int) -> None: ...
+
+    @abc.abstractmethod
+    def _create(self, size: int) -> Any: ...
+
+    @abc.abstractmethod
+    def _release(self, handle: Any) -> None: ...
+
+    @abc.abstractmethod
+    def _map(self, va: int, size: int, handle: Any) -> None: ...
+
+    @abc.abstractmethod
+    def _unmap(self, va: int, size: int) -> None: ...
+
+    @abc.abstractmethod
+    def _set_access(self, va: int, size: int) -> None: ...
+
+    @abc.abstractmethod
+    def _mem_info(self) -> tuple[int, int]: ...
+
+    @abc.abstractmethod
+    def _is_capturing(self) -> bool: ...
+
+    @abc.abstractmethod
+    def current_stream(self) -> Any:
+        """The stream work is issued on now, in this thread."""
+
+    @abc.abstractmethod
+    def new_stream(self) -> Any:
+        """A new stream (for copies: runs concurrently with the current stream)."""
+
+    @abc.abstractmethod
+    def stream(self, stream: Any) -> ContextManager[Any]:
+        """Context manager that makes ``stream`` current in this thread."""
+
+    @abc.abstractmethod
+    def new_event(self, timing: bool = False) -> Any:
+        """A new event; ``timing=True`` lets :meth:`elapsed_ms` read it."""
+
+    @abc.abstractmethod
+    def _record(self, event: Any, stream: Any) -> None: ...
+
+    @abc.abstractmethod
+    def _wait(self, stream: Any, event: Any) -> None: ...
+
+    @abc.abstractmethod
+    def query_event(self, event: Any) -> bool:
+        """True when all work before the event's last record has finished."""
+
+    @abc.abstractmethod
+    def _event_synchronize(self, event: Any) -> None: ...
+
+    @abc.abstractmethod
+    def elapsed_ms(self, start: Any, end: Any) -> float:
+        """Milliseconds between two recorded timing events."""
+
+    @abc.abstractmethod
+    def _copy(self, dst: torch.Tensor, src: torch.Tensor, stream: Any) -> None: ...
+
+    @abc.abstractmethod
+    def _pinned_empty(self, nbytes: int) -> torch.Tensor: ...
+
+    @abc.abstractmethod
+    def _tensor_at(self, va: int, nbytes: int) -> torch.Tensor: ...
+
+    @abc.abstractmethod
+    def _synchronize(self) -> None: ...
+
+    @abc.abstractmethod
+    def new_graph(self) -> DeviceGraph:
+        """An empty device graph; see :class:`DeviceGraph`."""
+
+    @abc.abstractmethod
+    def spin(self, seconds: float, stream: Any = None) -> None:
+        """Queue about ``seconds`` of busy work on ``stream`` (tests use it to slow a stream)."""
+
+    @abc.abstractmethod
+    def describe(self) -> dict[str, Any]:
+        """Device name, VMM support and versions: ``{"device", "vmm_supported", "versions"}``."""
+
+    @property
+    @abc.abstractmethod
+    def device(self) -> torch.device:
+        """The torch device tensors of this backend live on."""
+
+    # ------------------------------------------------------------------ helpers
+
+    def _driver(self, op: str, desc: str, fn: Callable[..., T], *args: Any) -> T:
+        """Run one raw VMM call: fault plan, capture guard, counting, error context."""
+        if self._is_capturing():
+            raise StateError(f"{desc}: driver call {op} refused during graph capture; "
+                             "map and unmap memory outside capture and replay")
+        self.faults.check(op, desc)
+        self.counters[op] += 1
+        try:
+            return fn(*args)
+        except DriverError as e:
+            if e.op:
+                raise
+            raise DriverError(desc, e.call, e.name, e.code, e.detail) from None
+
+    def _check_size(self, what: str, size: Any, *, granular: bool = True) -> int:
+        if isinstance(size, bool) or not isinstance(size, int):
+            raise UsageError(f"{what}: size must be an int, got {type(size).__name__} {size!r}")
+        if size <= 0:
+            raise UsageError(f"{what}: size must be positive, got {size}")
+        g = self.granularity
+        if granular and size % g:
+            raise UsageError(
+                f"{what}: size {size} is not a multiple of the allocation granularity {g} "
+                f"({_fmt(g)}); round it up with graphslot.align_up(size, backend.granularity)")
+        return size
+
+    def _live(self, res: Reservation, what: str) -> Reservation:
+        if not isinstance(res, Reservation):
+            raise UsageError(f"{what}: expected a Reservation, got {type(res).__name__}")
+        if res.freed or self.ledger.reservations.get(res.va) is not res:
+            raise UsageError(f"{what}: reservation at 0x{res.va:x} was freed or belongs to "
+                             f"another backend; reserve a new range")
+        return res
+
+    def _range(self, res: Reservation, offset: int, size: int, what: str) -> None:
+        if isinstance(offset, bool) or not isinstance(offset, int) or offset < 0:
+            raise UsageError(f"{what}: offset must be a non-negative int, got {offset!r}")
+        if offset % self.granularity:
+            raise UsageError(f"{what}: offset {offset} is not a multiple of the granularity "
+                             f"{self.granularity}")
+        if offset + size > res.size:
+            raise UsageError(f"{what}: [{offset}, {offset + size}) runs past the end of the "
+                             f"{res.size}-byte reservation at 0x{res.va:x}")
+
+    # ------------------------------------------------------------------ public: memory
+
+    @property
+    def granularity(self) -> int:
+        """Allocation granularity in bytes: sizes and offsets must be multiples of it."""
+        if self._granularity is None:
+            self._granularity = int(self._granularity_bytes())
+        return self._granularity
+
+    def reserve(self, size: int, alignment: int = 0) -> Reservation:
+        """Reserve ``size`` bytes of virtual address space (no physical memory yet)."""
+        self._check_size("reserve", size)
+        if alignment < 0 or (alignment and (alignment & (alignment - 1))):
+            raise UsageError(f"reserve: alignment must be 0 or a power of two, got {alignment}")
+        with self._lock:
+            va = self._driver("reserve", f"reserve {_fmt(size)} of address space",
+                              self._reserve, size, alignment)
+            res = Reservation(va, size)
+            self.ledger.reservations[va] = res
+            return res
+
+    def free(self, res: Reservation) -> None:
+        """Give a reservation's address range back. Everything in it must be unmapped."""
+        with self._lock:
+            self._live(res, "free")
+            if res.mappings:
+                offs = ", ".join(str(o) for o in sorted(res.mappings))
+                raise UsageError(f"free: reservation at 0x{res.va:x} still has mappings at "
+                                 f"offset(s) {offs}; unmap them first")
+            self._driver("free", f"free the {_fmt(res.size)} reservation at 0x{res.va:x}",
+                         self._free, res.va, res.size)
+            res.freed = True
+            del self.ledger.reservations[res.va]
+
+    def create(self, size: int) -> Allocation:
+        """Create ``size`` bytes of physical backing on the device."""
+        self._check_size("create", size)
+        with self._lock:
+            handle = self._driver("create", f"create {_fmt(size)} of physical memory",
+                                  self._create, size)
+            alloc = Allocation(size, handle)
+            self.ledger.allocations.add(alloc)
+            return alloc
+
+    def release(self, alloc: Allocation) -> None:
+        """Return physical backing to the driver. It must not be mapped anywhere."""
+        if not isinstance(alloc, Allocation):
+            raise UsageError(f"release: expected an Allocation, got {type(alloc).__name__}")
+        with self._lock:
+            if alloc.released or alloc not in self.ledger.allocations:
+                raise UsageError(f"release: {alloc!r} was already released (double release)")
+            if alloc.mapped_at:
+                where = ", ".join(f"0x{va + off:x}" for va, off in sorted(alloc.mapped_at))
+                raise UsageError(f"release: {alloc!r} is still mapped at {where}; unmap first")
+            self._driver("release", f"release {_fmt(alloc.size)} of physical memory",
+                         self._release, alloc.handle)
+            alloc.released = True
+            self.ledger.allocations.discard(alloc)
+
+    def map(self, res: Reservation, offset: int, alloc: Allocation) -> None:
+        """Map all of ``alloc`` at ``offset`` of ``res``. Access is granted by :meth:`set_access`."""
+        with self._lock:
+            self._live(res, "map")
+            if not isinstance(alloc, Allocation) or alloc.released or alloc not in self.ledger.allocations:
+                raise UsageError(f"map: {alloc!r} is not a live allocation of this backend")
+            self._range(res, offset, alloc.size, "map")
+            for m in res.mappings.values():
+                if m.offset < offset + alloc.size and offset < m.offset + m.size:
+                    raise UsageError(
+                        f"map: [{offset}, {offset + alloc.size}) of the reservation at "
+                        f"0x{res.va:x} overlaps the mapping at offset {m.offset} "
+                        f"({_fmt(m.size)}); unmap it first")
+            va = res.va + offset
+            self._driver("map", f"map {_fmt(alloc.size)} at 0x{va:x}",
+                         self._map, va, alloc.size, alloc.handle)
+            res.mappings[offset] = Mapping(offset, alloc.size, alloc)
+            alloc.mapped_at.add((res.va, offset))
+
+    def set_access(self, res: Reservation, offset: int, size: int) -> None:
+        """Grant the device read/write access to mapped ``[offset, offset + size)``."""
+        self._check_size("set_access", size)
+        with self._lock:
+            self._live(res, "set_access")
+            self._range(res, offset, size, "set_access")
+            covered = self._mappings_in(res, offset, size, "set_access")
+            va = res.va + offset
+            self._driver("set_access", f"set read/write access on {_fmt(size)} at 0x{va:x}",
+                         self._set_access, va, size)
+            for m in covered:
+                m.accessible = True
+
+    def unmap(self, res: Reservation, offset: int, size: int) -> None:
+        """Unmap ``[offset, offset + size)``; the address range stays reserved.
+
+        The range must consist of whole mappings. Make sure no queued work still
+        touches it (wait on an event first): the driver does not.
+        """
+        self._check_size("unmap", size)
+        with self._lock:
+            self._live(res, "unmap")
+            self._range(res, offset, size, "unmap")
+            covered = self._mappings_in(res, offset, size, "unmap")
+            va = res.va + offset
+            self._driver("unmap", f"unmap {_fmt(size)} at 0x{va:x}", self._unmap, va, size)
+            for m in covered:
+                del res.mappings[m.offset]
+                m.allocation.mapped_at.discard((res.va, m.offset))
+
+    def _mappings_in(self, res: Reservation, offset: int, size: int, what: str) -> list[Mapping]:
+        """The mappings that exactly tile ``[offset, offset + size)``, or a UsageError."""
+        out, pos, end = [], offset, offset + size
+        while pos < end:
+            m = res.mappings.get(pos)
+            if m is None:
+                raise UsageError(f"{what}: nothing is mapped at offset {pos} (0x{res.va + pos:x}) "
+                                 f"of the reservation at 0x{res.va:x}")
+            if m.offset + m.size > end:
+                raise UsageError(f"{what}: [{offset}, {end}) ends inside the mapping at offset "
+                                 f"{m.offset} ({_fmt(m.size)}); use whole mappings")
+            out.append(m)
+            pos = m.offset + m.size
+        return out
+
+    def transaction(self) -> Transaction:
+        """A :class:`Transaction`: multi-step VMM work that rolls back on failure."""
+        return Transaction(self)
+
+    def map_new(self, res: Reservation, offset: int, size: int) -> Allocation:
+        """Create ``size`` bytes, map them at ``offset`` and grant access, all or nothing."""
+        with self.transaction() as tx:
+            alloc = tx.create(size)
+            tx.map(res, offset, alloc)
+            tx.set_access(res, offset, size)
+        return alloc
+
+    def unmap_release(self, res: Reservation, offset: int) -> None:
+        """Unmap the mapping at ``offset`` and release its backing."""
+        m = res.mapping_at(offset)
+        if m is None:
+            raise UsageError(f"unmap_release: nothing is mapped at offset {offset} of {res!r}")
+        self.unmap(res, offset, m.size)
+        self.release(m.allocation)
+
+    def reserve_mapped(self, size: int) -> tuple[Reservation, Allocation]:
+        """Reserve, create, map and grant access to ``size`` bytes, all or nothing."""
+        with self.transaction() as tx:
+            res = tx.reserve(size)
+            alloc = tx.create(size)
+            tx.map(res, 0, alloc)
+            tx.set_access(res, 0, size)
+        return res, alloc
+
+    def mem_info(self) -> tuple[int, int]:
+        """Driver-level ``(free_bytes, total_bytes)`` of the device."""
+        return self._mem_info()
+
+    # ------------------------------------------------------------------ public: tensors
+
+    def tensor_at(self, va: int, shape: Sequence[int], dtype: torch.dtype,
+                  stride: Sequence[int] | None = None) -> torch.Tensor:
+        """A tensor view of ``shape``/``dtype``/``stride`` at ``va``; ``data_ptr() == va``.
+
+        The view does not own memory: it is valid only while ``va`` stays reserved.
+        Reading it while nothing is mapped faults (the process dies on cpu; the
+        device context is lost on a GPU), exactly like a graph replay would.
+        """
+        import torch
+
+        shape = tuple(int(s) for s in shape)
+        if any(s < 0 for s in shape):
+            raise UsageError(f"tensor_at: negative dimension in shape {shape}")
+        if stride is None:
+            stride = tuple(torch.empty(shape, device="meta").stride()) if shape else ()
+        stride = tuple(int(s) for s in stride)
+        if len(stride) != len(shape):
+            raise UsageError(f"tensor_at: stride {stride} does not match shape {shape}")
+        itemsize = torch.empty((), dtype=dtype, device="meta").element_size()
+        if va % itemsize:
+            raise UsageError(f"tensor_at: address 0x{va:x} is not aligned to {itemsize} bytes for {dtype}")
+        numel_span = 1 + sum((s - 1) * st for s, st in zip(shape, stride)) if all(shape) else 0
+        nbytes = max(numel_span, 1) * itemsize
+        if self.ledger.find(va, nbytes) is None:
+            raise UsageError(f"tensor_at: [0x{va:x}, 0x{va + nbytes:x}) is not inside a live "
+                             "reservation of this backend (freed, or never reserved)")
+        flat = self._tensor_at(va, nbytes)
+        typed = flat.view(dtype)
+        return typed.as_strided(shape, stride)
+
+    def pinned_empty(self, nbytes: int) -> torch.Tensor:
+        """A page-locked host byte buffer of ``nbytes`` for asynchronous copies."""
+        if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes <= 0:
+            raise UsageError(f"pinned_empty: nbytes must be a positive int, got {nbytes!r}")
+        return self._pinned_empty(nbytes)
+
+    def copy_async(self, dst: torch.Tensor, src: torch.Tensor, stream: Any = None) -> None:
+        """Queue ``dst.copy_(src)`` on ``stream`` (default: the current stream).
+
+        Works device to pinned host, host to device and device to device. Returns at once;
+        record an event on the stream to know when the copy is done. Both tensors must
+        stay alive until then.
+        """
+        if dst.shape != src.shape or dst.dtype != src.dtype:
+            raise UsageError(f"copy_async: destination {tuple(dst.shape)} {dst.dtype} does not "
+                             f"match source {tuple(src.shape)} {src.dtype}")
+        self._copy(dst, src, self.current_stream() if stream is None else stream)
+
+    # ------------------------------------------------------------------ public: sync
+
+    def record_event(self, event: Any, stream: Any = None) -> Any:
+        """Record ``event`` on ``stream`` (default: current). Returns the event."""
+        self._record(event, self.current_stream() if stream is None else stream)
+        return event
+
+    def wait_event(self, stream: Any, event: Any) -> None:
+        """Make future work on ``stream`` wait for ``event``; the host does not block."""
+        self._wait(stream, event)
+
+    def synchronize_event(self, event: Any) -> None:
+        """Block the host until ``event`` completes (counted as a host synchronisation)."""
+        self.counters["host_sync"] += 1
+        self._event_synchronize(event)
+
+    def synchronize(self) -> None:
+        """Block the host until all work on the device finished (counted)."""
+        self.counters["host_sync"] += 1
+        self._synchronize()
+
+    def is_capturing(self) -> bool:
+        """True while the current stream is capturing a graph."""
+        return self._is_capturing()
+
+    # ------------------------------------------------------------------ public: info
+
+    def driver_calls(self) -> int:
+        """Total VMM driver calls made through this backend so far."""
+        return sum(self.counters[op] for op in VMM_OPS)
+
+    def info(self) -> dict[str, Any]:
+        """What ``graphslot info`` prints: device, granularity, VMM support, memory, versions."""
+        d = self.describe()
+        free, total = self.mem_info()
+        return {
+            "backend": self.name,
+            "device": d.get("device"),
+            "granularity": self.granularity if d.get("vmm_supported") else None,
+            "vmm_supported": bool(d.get("vmm_supported")),
+            "free_bytes": free,
+            "total_bytes": total,
+            "versions": d.get("versions", {}),
+        }
+
+    @contextlib.contextmanager
+    def timed(self, stream: Any = None) -> Iterator[dict[str, float]]:
+        """Context manager measuring device time of the work issued inside it, in ms."""
+        out: dict[str, float] = {}
+        s = self.current_stream() if stream is None else stream
+        a, b = self.new_event(timing=True), self.new_event(timing=True)
+        self.record_event(a, s)
+        t0 = time.perf_counter()
+        yield out
+        self.record_event(b, s)
+        self._event_synchronize(b)
+        out["host_ms"] = (time.perf_counter() - t0) * 1e3
+        out["device_ms"] = self.elapsed_ms(a, b)
+
+    def __repr__(self) -> str:
+        return f"<graphslot {self.name} backend on {self.device}>"

@@ -1,0 +1,69 @@
+"""The one exception hierarchy of graphslot.
+
+Every error says what graphslot was doing when it failed. Errors that come from a
+backend's driver also carry the driver's own error name and numeric code, so a
+``CUDA_ERROR_OUT_OF_MEMORY (2)`` is never reduced to "something went wrong".
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "GraphslotError",
+    "BackendUnavailableError",
+    "DriverError",
+    "InjectedFault",
+    "UsageError",
+    "StateError",
+    "CaptureMismatchError",
+    "StreamError",
+]
+
+
+class GraphslotError(Exception):
+    """Base class of every error graphslot raises."""
+
+
+class BackendUnavailableError(GraphslotError):
+    """A backend was asked for but cannot run here; the message says what is missing."""
+
+
+class DriverError(GraphslotError):
+    """A driver call failed.
+
+    Attributes:
+        op: what graphslot was doing, e.g. ``"map 2097152 bytes at 0x7f00..."``.
+        call: the raw driver entry point, e.g. ``"cuMemMap"`` or ``"mmap"``.
+        name: the driver's error name, e.g. ``"CUDA_ERROR_INVALID_VALUE"`` or ``"ENOMEM"``.
+        code: the driver's numeric error code.
+    """
+
+    def __init__(self, op: str, call: str, name: str, code: int, detail: str = "") -> None:
+        self.op = op
+        self.call = call
+        self.name = name
+        self.code = code
+        self.detail = detail
+        msg = f"{op}: {call} failed with {name} ({code})"
+        if detail:
+            msg += f": {detail}"
+        super().__init__(msg)
+
+
+class InjectedFault(DriverError):
+    """A failure planted by :class:`graphslot.FaultPlan` to test rollback paths."""
+
+
+class UsageError(GraphslotError, ValueError):
+    """Bad input: a size, an alignment, a handle in the wrong state, a range that does not fit."""
+
+
+class StateError(GraphslotError):
+    """A call arrived in a state that does not allow it (e.g. backward before forward)."""
+
+
+class CaptureMismatchError(GraphslotError):
+    """What a capture or a replay saw differs from what discovery recorded."""
+
+
+class StreamError(GraphslotError):
+    """Work queued on a stream failed; the stream stays failed, like a sticky device error."""
