@@ -1,0 +1,458 @@
+"""The backend conformance suite: runs unchanged against whichever backend is selected."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+import torch
+
+import graphslot
+from graphslot import align_up
+from graphslot.errors import DriverError, InjectedFault, UsageError
+
+MiB = 1 << 20
+
+
+def footprint(b: graphslot.Backend) -> dict[str, int]:
+    """What the backend really holds outside graphslot's ledger, to catch leaks."""
+    if b.name == "cpu":
+        fds = 0
+        for fd in os.listdir("/proc/self/fd"):
+            try:
+                fds += "memfd:graphslot" in os.readlink(f"/proc/self/fd/{fd}")
+            except OSError:
+                pass
+        shm = 0
+        with open("/proc/self/maps") as f:
+            for line in f:
+                if "memfd:graphslot" in line:
+                    a, c = line.split()[0].split("-")
+                    shm += int(c, 16) - int(a, 16)
+        return {"memfd_fds": fds, "memfd_mapped_bytes": shm}
+    free, _ = b.mem_info()
+    # Round to 64 MiB: the driver's figure moves a little with unrelated activity.
+    return {"free_64mib": round(free / (64 * MiB))}
+
+
+def resident_bytes(b: graphslot.Backend) -> int:
+    """Memory actually backing this process's (cpu) or device's (gpu) pages."""
+    if b.name == "cpu":
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    free, total = b.mem_info()
+    return total - free
+
+
+def checksum(t: torch.Tensor) -> int:
+    return int(t.detach().reshape(-1).view(torch.uint8).to(torch.int64).mul(
+        torch.arange(1, t.numel() * t.element_size() + 1, device=t.device) % 251 + 1).sum())
+
+
+def random_bytes(n: int, device: torch.device, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 256, (n,), dtype=torch.uint8, generator=g).to(device)
+
+
+# --------------------------------------------------------------------------- address stability
+
+
+def test_va_identical_across_many_remap_cycles(clean):
+    b = clean
+    size = 4 * b.granularity
+    res = b.reserve(size)
+    view = b.tensor_at(res.va, (size // 4,), torch.int32)
+    try:
+        for i in range(40):
+            b.map_new(res, 0, size)
+            view.fill_(i)
+            assert view.data_ptr() == res.va
+            assert int(view[0]) == i and int(view[-1]) == i
+            b.unmap_release(res, 0)
+        assert b.tensor_at(res.va, (8,), torch.int32).data_ptr() == res.va
+    finally:
+        b.free(res)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.uint8])
+def test_tensor_at_is_zero_copy_for_dtypes_and_strides(clean, dtype):
+    b = clean
+    res, alloc = b.reserve_mapped(b.granularity)
+    try:
+        t = b.tensor_at(res.va, (4, 6), dtype)
+        assert t.data_ptr() == res.va and t.device.type == b.device.type
+        assert t.shape == (4, 6) and t.dtype == dtype and t.is_contiguous()
+        tt = b.tensor_at(res.va, (6, 4), dtype, stride=(1, 6))
+        t.copy_(torch.arange(24, dtype=torch.float32).reshape(4, 6).to(dtype))
+        assert torch.equal(tt.cpu(), t.cpu().t())
+    finally:
+        b.unmap_release(res, 0)
+        b.free(res)
+
+
+# --------------------------------------------------------------------------- data round trips
+
+
+@pytest.mark.parametrize("granules,extra", [(1, 0), (3, 0), (1, -1000), (5, -4096 + 8), (2, -1)])
+def test_device_host_device_roundtrip_keeps_bytes(clean, granules, extra):
+    """D2H to pinned host, release, map new backing at the same VA, H2D: same bytes."""
+    b = clean
+    nbytes = granules * b.granularity + extra
+    size = align_up(nbytes, b.granularity)
+    res, alloc = b.reserve_mapped(size)
+    copy = b.new_stream()
+    try:
+        slot = b.tensor_at(res.va, (nbytes,), torch.uint8)
+        src = random_bytes(nbytes, b.device, seed=nbytes)
+        slot.copy_(src)
+        want = checksum(src)
+        host = b.pinned_empty(nbytes)
+        ready = b.record_event(b.new_event())
+        b.wait_event(copy, ready)
+        b.copy_async(host, slot, copy)
+        done = b.record_event(b.new_event(), copy)
+        b.synchronize_event(done)
+        b.unmap_release(res, 0)
+        b.map_new(res, 0, size)
+        b.copy_async(slot, host, copy)
+        b.synchronize_event(b.record_event(b.new_event(), copy))
+        assert slot.data_ptr() == res.va
+        assert checksum(slot) == want
+        assert torch.equal(slot.cpu(), src.cpu())
+    finally:
+        b.unmap_release(res, 0)
+        b.free(res)
+
+
+def test_device_to_device_copy_on_stream(clean):
+    b = clean
+    res, _ = b.reserve_mapped(2 * b.granularity)
+    try:
+        a = b.tensor_at(res.va, (b.granularity // 4,), torch.float32)
+        c = b.tensor_at(res.va + b.granularity, (b.granularity // 4,), torch.float32)
+        a.copy_(torch.linspace(0, 1, a.numel()))
+        s = b.new_stream()
+        b.wait_event(s, b.record_event(b.new_event()))
+        b.copy_async(c, a, s)
+        b.synchronize_event(b.record_event(b.new_event(), s))
+        assert torch.equal(a.cpu(), c.cpu())
+    finally:
+        b.unmap_release(res, 0)
+        b.free(res)
+
+
+# --------------------------------------------------------------------------- events and streams
+
+
+def test_event_ordering_holds_while_one_copy_is_slowed(clean):
+    b = clean
+    n = 1 << 16
+    src = random_bytes(n, b.device, 7)
+    mid = torch.zeros(n, dtype=torch.uint8, device=b.device)
+    dst = torch.zeros(n, dtype=torch.uint8, device=b.device)
+    slow, fast = b.new_stream(), b.new_stream()
+    b.wait_event(slow, b.record_event(b.new_event()))
+    b.spin(0.3, slow)  # artificially slow the first copy
+    b.copy_async(mid, src, slow)
+    first = b.record_event(b.new_event(), slow)
+    assert not b.query_event(first), "the slowed stream finished too early to test ordering"
+    b.wait_event(fast, first)
+    b.copy_async(dst, mid, fast)
+    second = b.record_event(b.new_event(), fast)
+    b.synchronize_event(second)
+    assert b.query_event(first)
+    assert torch.equal(dst.cpu(), src.cpu())
+
+
+def test_timing_events_measure_queued_work(clean):
+    b = clean
+    s = b.new_stream()
+    a, e = b.new_event(timing=True), b.new_event(timing=True)
+    b.record_event(a, s)
+    b.spin(0.05, s)
+    b.record_event(e, s)
+    b.synchronize_event(e)
+    assert 30 <= b.elapsed_ms(a, e) < 2000
+
+
+def test_unrecorded_event_counts_as_complete(clean):
+    b = clean
+    ev = b.new_event()
+    assert b.query_event(ev)
+    b.synchronize_event(ev)
+    b.wait_event(b.new_stream(), ev)
+
+
+def test_current_stream_and_stream_context(clean):
+    b = clean
+    s = b.new_stream()
+    before = b.current_stream()
+    with b.stream(s):
+        assert b.current_stream() == s
+    assert b.current_stream() == before
+
+
+# --------------------------------------------------------------------------- memory returns
+
+
+def test_released_memory_really_returns(clean):
+    b = clean
+    size = align_up((64 if b.name == "cpu" else 512) * MiB, b.granularity)
+    before = resident_bytes(b)
+    res, alloc = b.reserve_mapped(size)
+    b.tensor_at(res.va, (size,), torch.uint8).fill_(1)  # touch every page
+    b.synchronize()
+    held = resident_bytes(b)
+    b.unmap(res, 0, size)
+    b.release(alloc)
+    b.synchronize()
+    after = resident_bytes(b)
+    b.free(res)
+    assert held - before >= 0.9 * size, f"mapping {size} bytes raised usage by only {held - before}"
+    assert held - after >= 0.9 * size, f"release returned only {held - after} of {size} bytes"
+
+
+def test_unmap_keeps_reservation_and_memory_until_release(clean):
+    b = clean
+    size = b.granularity
+    res, alloc = b.reserve_mapped(size)
+    b.tensor_at(res.va, (size,), torch.uint8).fill_(42)
+    b.unmap(res, 0, size)
+    assert b.ledger.reservations[res.va] is res
+    b.map(res, 0, alloc)  # same backing again: contents survive an unmap
+    b.set_access(res, 0, size)
+    assert int(b.tensor_at(res.va, (size,), torch.uint8).min()) == 42
+    b.unmap_release(res, 0)
+    b.free(res)
+
+
+# --------------------------------------------------------------------------- bad input
+
+
+@pytest.mark.parametrize("size", [0, -4096, 1000, 4096 + 1, 2.0, "1"])
+def test_bad_sizes_are_rejected_clearly(clean, size):
+    b = clean
+    if size == 4096 + 1 and b.granularity != 4096:
+        size = b.granularity + 1
+    for call in (lambda: b.reserve(size), lambda: b.create(size)):
+        with pytest.raises(UsageError, match="size"):
+            call()
+
+
+def test_misaligned_offset_and_out_of_range(clean):
+    b = clean
+    g = b.granularity
+    res = b.reserve(2 * g)
+    alloc = b.create(g)
+    try:
+        with pytest.raises(UsageError, match="not a multiple of the granularity"):
+            b.map(res, 512, alloc)
+        with pytest.raises(UsageError, match="runs past the end"):
+            b.map(res, 2 * g, alloc)
+        with pytest.raises(UsageError, match="power of two"):
+            b.reserve(g, alignment=3 * g)
+    finally:
+        b.release(alloc)
+        b.free(res)
+
+
+def test_mapping_over_a_mapped_range_is_refused(clean):
+    b = clean
+    g = b.granularity
+    res, alloc = b.reserve_mapped(2 * g)
+    other = b.create(g)
+    try:
+        with pytest.raises(UsageError, match="overlaps the mapping at offset 0"):
+            b.map(res, g, other)
+    finally:
+        b.release(other)
+        b.unmap_release(res, 0)
+        b.free(res)
+
+
+def test_unmapping_an_unmapped_range_is_refused(clean):
+    b = clean
+    g = b.granularity
+    res = b.reserve(2 * g)
+    try:
+        with pytest.raises(UsageError, match="nothing is mapped at offset 0"):
+            b.unmap(res, 0, g)
+        b.map_new(res, 0, g)
+        with pytest.raises(UsageError, match=f"nothing is mapped at offset {g}"):
+            b.unmap(res, 0, 2 * g)
+        with pytest.raises(UsageError, match="nothing is mapped"):
+            b.set_access(res, g, g)
+        b.unmap_release(res, 0)
+    finally:
+        b.free(res)
+
+
+def test_double_release_and_release_while_mapped(clean):
+    b = clean
+    g = b.granularity
+    res, alloc = b.reserve_mapped(g)
+    with pytest.raises(UsageError, match="still mapped"):
+        b.release(alloc)
+    b.unmap(res, 0, g)
+    b.release(alloc)
+    with pytest.raises(UsageError, match="double release"):
+        b.release(alloc)
+    with pytest.raises(UsageError, match="not a live allocation"):
+        b.map(res, 0, alloc)
+    b.free(res)
+
+
+def test_use_of_a_freed_va_is_refused(clean):
+    b = clean
+    g = b.granularity
+    res = b.reserve(g)
+    with pytest.raises(UsageError, match="still has mappings"):
+        b.map_new(res, 0, g)
+        b.free(res)
+    b.unmap_release(res, 0)
+    b.free(res)
+    alloc = b.create(g)
+    try:
+        with pytest.raises(UsageError, match="was freed"):
+            b.map(res, 0, alloc)
+        with pytest.raises(UsageError, match="was freed"):
+            b.free(res)
+        with pytest.raises(UsageError, match="not inside a live reservation"):
+            b.tensor_at(res.va, (16,), torch.uint8)
+    finally:
+        b.release(alloc)
+
+
+def test_driver_errors_carry_the_backend_error_name_and_code(clean):
+    b = clean
+    with pytest.raises(DriverError) as info:
+        b.reserve(align_up(1 << 62, b.granularity))
+    e = info.value
+    assert e.call and e.name and isinstance(e.code, int) and e.code != 0
+    assert "reserve" in str(e) and e.name in str(e) and str(e.code) in str(e)
+    assert b.ledger.reservations == {} or all(r.size < (1 << 62) for r in b.ledger.reservations.values())
+
+
+_FAULT_CHILD = r"""
+import os, sys, torch, graphslot
+b = graphslot.get_backend()
+res, alloc = b.reserve_mapped(b.granularity)
+t = b.tensor_at(res.va, (16,), torch.float32)
+t.fill_(1.0)
+b.synchronize()
+b.unmap(res, 0, b.granularity)
+print("unmapped; reading", flush=True)
+print(float(t.sum()), flush=True)
+b.synchronize()
+print("READ_SUCCEEDED", flush=True)
+"""
+
+
+def test_access_to_an_unmapped_range_fails_loudly(backend):
+    """Touching an address with nothing mapped kills the reader; it never reads garbage."""
+    env = dict(os.environ, GRAPHSLOT_BACKEND=backend.name)
+    proc = subprocess.run([sys.executable, "-c", _FAULT_CHILD], env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert "unmapped; reading" in proc.stdout, proc.stderr
+    assert "READ_SUCCEEDED" not in proc.stdout
+    assert proc.returncode != 0
+
+
+# --------------------------------------------------------------------------- rollback
+
+
+@pytest.mark.parametrize("step", ["reserve", "create", "map", "set_access"])
+def test_multi_step_sequence_rolls_back_at_every_step(clean, step):
+    b = clean
+    size = 2 * b.granularity
+    ledger0, real0 = b.ledger.snapshot(), footprint(b)
+    calls0 = b.driver_calls()
+    b.faults.fail(step)
+    with pytest.raises(InjectedFault, match=step):
+        b.reserve_mapped(size)
+    assert b.ledger.snapshot() == ledger0
+    assert footprint(b) == real0
+    assert b.driver_calls() > calls0 or step == "reserve"
+    res, alloc = b.reserve_mapped(size)  # and the same sequence then works
+    b.unmap_release(res, 0)
+    b.free(res)
+
+
+@pytest.mark.parametrize("step", ["create", "map", "set_access"])
+def test_map_new_rolls_back_and_keeps_the_reservation(clean, step):
+    b = clean
+    res = b.reserve(b.granularity)
+    try:
+        b.faults.fail(step)
+        with pytest.raises(InjectedFault):
+            b.map_new(res, 0, b.granularity)
+        assert res.mappings == {} and b.ledger.allocated_bytes == 0
+        b.map_new(res, 0, b.granularity)
+        b.unmap_release(res, 0)
+    finally:
+        b.free(res)
+
+
+def test_faults_can_be_delayed(clean):
+    b = clean
+    b.faults.fail("create", after=1)
+    res, _ = b.reserve_mapped(b.granularity)
+    with pytest.raises(InjectedFault):
+        b.create(b.granularity)
+    b.unmap_release(res, 0)
+    b.free(res)
+    with pytest.raises(UsageError, match="cannot inject"):
+        b.faults.fail("launch")
+
+
+# --------------------------------------------------------------------------- info and counters
+
+
+def test_info_reports_required_keys(backend):
+    info = backend.info()
+    for key in ("backend", "device", "granularity", "vmm_supported", "free_bytes", "total_bytes",
+                "versions"):
+        assert key in info
+    assert info["backend"] == backend.name and info["vmm_supported"] is True
+    assert info["granularity"] == backend.granularity > 0
+    assert 0 < info["free_bytes"] <= info["total_bytes"]
+    assert "torch" in info["versions"]
+
+
+def test_counters_count_driver_calls_and_host_syncs(clean):
+    b = clean
+    c0, s0 = b.driver_calls(), b.counters["host_sync"]
+    res, _ = b.reserve_mapped(b.granularity)  # reserve, create, map, set_access
+    b.unmap_release(res, 0)  # unmap, release
+    b.free(res)
+    b.synchronize()
+    assert b.driver_calls() - c0 == 7
+    assert b.counters["host_sync"] - s0 == 1
+
+
+def test_driver_calls_are_serialised_across_threads(clean):
+    import threading
+
+    b = clean
+    errors: list[BaseException] = []
+
+    def work() -> None:
+        try:
+            for _ in range(20):
+                res, _ = b.reserve_mapped(b.granularity)
+                b.tensor_at(res.va, (16,), torch.uint8).fill_(3)
+                b.unmap_release(res, 0)
+                b.free(res)
+        except BaseException as e:
+            errors.append(e)
+
+    threads = [threading.Thread(target=work) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
