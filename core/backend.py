@@ -370,8 +370,12 @@ class Backend(abc.ABC):
     def _synchronize(self) -> None: ...
 
     @abc.abstractmethod
-    def new_graph(self) -> DeviceGraph:
-        """An empty device graph; see :class:`DeviceGraph`."""
+    def new_graph(self, share_pool_with: DeviceGraph | None = None) -> DeviceGraph:
+        """An empty device graph; see :class:`DeviceGraph`.
+
+        Graphs made with ``share_pool_with=g`` draw their private memory from ``g``'s pool,
+        as the forward and backward graphs of one layer should.
+        """
 
     @abc.abstractmethod
     def spin(self, seconds: float, stream: Any = None) -> None:

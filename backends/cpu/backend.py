@@ -208,7 +208,7 @@ class CpuBackend(Backend):
 
     # -- graphs -----------------------------------------------------------------
 
-    def new_graph(self) -> DeviceGraph:
+    def new_graph(self, share_pool_with: DeviceGraph | None = None) -> DeviceGraph:
         from .graph import CpuGraph
 
         return CpuGraph(self)

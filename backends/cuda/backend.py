@@ -192,8 +192,9 @@ class CudaBackend(Backend):
 
     # -- graphs -----------------------------------------------------------------
 
-    def new_graph(self) -> DeviceGraph:
-        return CudaGraph(self)
+    def new_graph(self, share_pool_with: DeviceGraph | None = None) -> DeviceGraph:
+        pool = share_pool_with.pool if isinstance(share_pool_with, CudaGraph) else None
+        return CudaGraph(self, pool if pool is not None else torch.cuda.graph_pool_handle())
 
     # -- info -------------------------------------------------------------------
 

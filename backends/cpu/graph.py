@@ -1,0 +1,167 @@
+"""A replayable graph on the cpu backend, bound to the addresses it captured.
+
+Capture records every ATen operation issued inside it (through a dispatch mode) with
+the raw address, shape, stride and dtype of each tensor it read or wrote. Replay
+re-runs the operations on views made at exactly those addresses and writes each result
+back to the address the capture saw, so replay reads whatever lives at those addresses
+now, just as a device graph does. A pointer bug therefore shows here exactly as on a
+GPU: reloading activations into a new allocation leaves the graph reading the old bytes.
+
+Tensors created during capture form the graph's private pool: the graph keeps them
+alive so their addresses are never handed to anyone else.
+
+Before each replay, every address the graph touches inside a graphslot reservation is
+checked against the ledger; replaying over an unmapped slot raises
+:class:`~graphslot.errors.StateError` naming the address instead of faulting.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Iterator
+
+import torch
+from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from graphslot.backend import DeviceGraph
+from graphslot.errors import StateError
+
+if TYPE_CHECKING:
+    from .backend import CpuBackend
+
+# Operations a graph cannot hold: they sync with the host or have data-dependent shapes.
+_REFUSED = {"aten::_local_scalar_dense", "aten::item", "aten::nonzero", "aten::masked_select",
+            "aten::unique", "aten::_unique2", "aten::equal"}
+
+
+@dataclass(frozen=True)
+class _Ref:
+    """Where a tensor lived at capture: enough to rebuild a view there."""
+
+    ptr: int
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    dtype: torch.dtype
+    nbytes: int  # bytes spanned from ptr
+
+    @staticmethod
+    def of(t: torch.Tensor) -> _Ref:
+        span = (1 + sum((s - 1) * st for s, st in zip(t.shape, t.stride()))) if t.numel() else 0
+        return _Ref(t.data_ptr(), tuple(t.shape), tuple(t.stride()), t.dtype, span * t.element_size())
+
+    def view(self) -> torch.Tensor:
+        if self.nbytes == 0:
+            return torch.empty(self.shape, dtype=self.dtype)
+        buf = (ctypes.c_uint8 * self.nbytes).from_address(self.ptr)
+        flat = torch.frombuffer(buf, dtype=torch.uint8, count=self.nbytes)
+        return flat.view(self.dtype).as_strided(self.shape, self.stride)
+
+
+class _Op:
+    __slots__ = ("func", "args_spec", "in_refs", "out_refs", "out_spec", "in_views", "out_views")
+
+    def __init__(self, func: Any, args: Any, kwargs: Any, out: Any) -> None:
+        self.func = func
+        flat, self.args_spec = pytree.tree_flatten((args, kwargs))
+        self.in_refs = [(_Ref.of(x) if isinstance(x, torch.Tensor) else x) for x in flat]
+        out_flat, self.out_spec = pytree.tree_flatten(out)
+        self.out_refs = [(_Ref.of(x) if isinstance(x, torch.Tensor) else None) for x in out_flat]
+        self.in_views: list[Any] | None = None
+        self.out_views: list[torch.Tensor | None] | None = None
+
+    def bind(self) -> None:
+        """Build the address views once; they stay valid because the addresses do."""
+        self.in_views = [(r.view() if isinstance(r, _Ref) else r) for r in self.in_refs]
+        self.out_views = [(r.view() if r is not None else None) for r in self.out_refs]
+
+    def run(self) -> None:
+        assert self.in_views is not None and self.out_views is not None
+        args, kwargs = pytree.tree_unflatten(self.in_views, self.args_spec)
+        out = self.func(*args, **kwargs)
+        for got, want in zip(pytree.tree_leaves(out), self.out_views):
+            if want is None or not isinstance(got, torch.Tensor):
+                continue
+            if got.data_ptr() == want.data_ptr() and got.stride() == want.stride():
+                continue  # in place, a view, or written through out=: already at the address
+            want.copy_(got)
+
+
+class _Recorder(TorchDispatchMode):
+    def __init__(self, graph: CpuGraph) -> None:
+        super().__init__()
+        self.graph = graph
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        name = func._schema.name
+        if name in _REFUSED:
+            raise StateError(f"{name} cannot be captured in a graph: it synchronises with the "
+                             "host or has a data-dependent shape")
+        out = func(*args, **kwargs)
+        op = _Op(func, args, kwargs, out)
+        self.graph._ops.append(op)
+        for x in pytree.tree_leaves(out):
+            if isinstance(x, torch.Tensor):
+                self.graph._pool.append(x)  # keep capture-time memory: the graph's private pool
+        return out
+
+
+class CpuGraph(DeviceGraph):
+    """See the module docstring."""
+
+    def __init__(self, backend: CpuBackend) -> None:
+        self._backend = backend
+        self._ops: list[_Op] = []
+        self._pool: list[torch.Tensor] = []
+        self._checks: list[tuple[Any, int, int]] = []  # (reservation, offset, size) to verify
+        self._state = "empty"
+
+    @contextlib.contextmanager
+    def capture(self, stream: Any = None) -> Iterator[None]:
+        if self._state != "empty":
+            raise StateError(f"this graph is already {self._state}; make a new graph to capture again")
+        if self._backend.is_capturing():
+            raise StateError("a graph is already being captured on this thread")
+        self._state = "capturing"
+        self._backend._set_capturing(True)
+        try:
+            with _Recorder(self):
+                yield
+        except BaseException:
+            self._state = "failed"
+            raise
+        finally:
+            self._backend._set_capturing(False)
+        self._finish()
+
+    def _finish(self) -> None:
+        ledger = self._backend.ledger
+        seen: dict[tuple[int, int], tuple[Any, int, int]] = {}
+        for op in self._ops:
+            for r in [*op.in_refs, *op.out_refs]:
+                if isinstance(r, _Ref) and r.nbytes:
+                    res = ledger.find(r.ptr, r.nbytes)
+                    if res is not None:
+                        seen[(r.ptr, r.nbytes)] = (res, r.ptr - res.va, r.nbytes)
+            op.bind()
+        self._checks = list(seen.values())
+        self._state = "captured"
+
+    def replay(self) -> None:
+        if self._state != "captured":
+            raise StateError(f"cannot replay a graph that is {self._state}")
+        with self._backend._lock:
+            for res, off, size in self._checks:
+                if res.freed or not res.is_accessible(off, size):
+                    raise StateError(
+                        f"graph replay would touch 0x{res.va + off:x} ({size} bytes), where nothing "
+                        "accessible is mapped; map the slot before replaying")
+        for op in self._ops:
+            op.run()
+
+    @property
+    def num_ops(self) -> int:
+        return len(self._ops)

@@ -1,0 +1,643 @@
+"""Graph-safe activation offload through fixed-VA slots.
+
+One :class:`OffloadGroup` holds the saved activations of one graphed unit (a layer).
+Its life, and the life of each forward pass through it (a *ticket*), follow one state
+enum, :class:`State`, and one transition table, :data:`TRANSITIONS`::
+
+    group:   DISCOVERING --allocate--> ALLOCATED --begin_capture--> CAPTURING --finish_capture--> READY
+    ticket:  READY --offload--> RELEASED (remap) | RESIDENT_PENDING (resident)
+             --restore--> RESTORING --wait_restored--> RESTORED --consumed--> DONE
+
+* Discovery: an eager warm-up records each saved tensor's shape, stride, dtype and device.
+* Allocation (outside capture): the slot's VA and backing, and reusable host buffers.
+* Capture: each saved tensor is copied device to device into its place in the slot; the
+  backward graph records the slot's address. Count, order, shape, stride, dtype, device and
+  ``data_ptr() == slot VA`` are checked.
+* Forward offload: after the forward replay, a copy stream waits only on a forward-done
+  event and copies the slot to a host buffer. No host synchronisation.
+* Remap mode releases the physical backing once that copy finished; resident (ping-pong)
+  mode keeps two banks mapped per slot class and never calls the driver in a step.
+* Backward restore: new backing (remap) or the bank (resident) at the same VA, a host to
+  device copy, and the compute stream waits on the restore event.
+
+Fences (resident mode): a forward rewrites a bank only after the bank's previous
+occupant reached the host; a restore rewrites a bank only after the backward graph that
+last read it consumed it.
+
+Driver calls of remap mode run on one serialised worker thread (:class:`DriverWorker`),
+never inside a host callback or a capture, so the training thread does not stall on them.
+"""
+
+from __future__ import annotations
+
+import enum
+import queue
+import threading
+from collections import Counter
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from .backend import Allocation, Backend, Reservation, align_up
+from .errors import CaptureMismatchError, StateError, UsageError
+
+__all__ = [
+    "Mode",
+    "State",
+    "TRANSITIONS",
+    "TensorSpec",
+    "OffloadGroup",
+    "OffloadEngine",
+    "DriverWorker",
+]
+
+_ALIGN = 256  # byte alignment of each saved tensor inside a slot
+
+
+class Mode(str, enum.Enum):
+    """Where saved activations live between forward and backward."""
+
+    OFF = "off"  #: no offload: saved tensors stay in the graph's own memory
+    RESIDENT = "resident"  #: offload to host; two mapped banks per slot class, no driver calls
+    REMAP = "remap"  #: offload to host; physical backing released between forward and backward
+
+
+class State(enum.Enum):
+    DISCOVERING = "discovering"
+    ALLOCATED = "allocated"
+    CAPTURING = "capturing"
+    READY = "ready"
+    RELEASED = "released"
+    RESIDENT_PENDING = "resident-pending"
+    RESTORING = "restoring"
+    RESTORED = "restored"
+    DONE = "done"
+
+
+S = State
+#: (state, call) -> next state. Anything else is a StateError naming group, state and call.
+TRANSITIONS: dict[tuple[State, str], State] = {
+    (S.DISCOVERING, "discover"): S.DISCOVERING,
+    (S.DISCOVERING, "allocate"): S.ALLOCATED,
+    (S.ALLOCATED, "begin_capture"): S.CAPTURING,
+    (S.CAPTURING, "save_tensor"): S.CAPTURING,
+    (S.CAPTURING, "finish_capture"): S.READY,
+    (S.READY, "offload:remap"): S.RELEASED,
+    (S.READY, "offload:resident"): S.RESIDENT_PENDING,
+    (S.RELEASED, "restore"): S.RESTORING,
+    (S.RESIDENT_PENDING, "restore"): S.RESTORING,
+    (S.RESTORING, "restore"): S.RESTORING,  # a look-ahead already started it
+    (S.RESTORING, "wait_restored"): S.RESTORED,
+    (S.RESTORED, "consumed"): S.DONE,
+}
+
+
+def _step(owner: str, state: State, call: str) -> State:
+    nxt = TRANSITIONS.get((state, call))
+    if nxt is None:
+        allowed = sorted(c for (s, c) in TRANSITIONS if s is state)
+        raise StateError(f"{owner}: cannot {call.split(':')[0]} in state {state.value} "
+                         f"(allowed here: {', '.join(allowed) or 'nothing'})")
+    return nxt
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """What discovery saw of one saved tensor, and where it lives in the slot."""
+
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    dtype: Any
+    device: str
+    nbytes: int
+    offset: int = 0
+    offload: bool = True  #: False: kept on the device (below the size threshold)
+
+    @staticmethod
+    def of(t: torch.Tensor) -> TensorSpec:
+        return TensorSpec(tuple(t.shape), tuple(t.stride()), t.dtype, str(t.device),
+                          t.numel() * t.element_size())
+
+    def describe(self) -> str:
+        return f"{list(self.shape)} stride {list(self.stride)} {self.dtype} on {self.device}"
+
+
+# --------------------------------------------------------------------------- driver worker
+
+
+class DriverWorker:
+    """One thread that runs VMM driver work in submission order.
+
+    Driver calls must not run inside a host callback or a capture, and should not stall
+    the training thread; queueing them here keeps all of them on one serialised thread.
+    """
+
+    def __init__(self, backend: Backend) -> None:
+        self._backend = backend
+        self._q: queue.SimpleQueue[tuple[Callable[[], Any], Future[Any]] | None] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name="graphslot-driver", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while True:
+            item = self._q.get()
+            if item is None:
+                return
+            fn, fut = item
+            if not fut.set_running_or_notify_cancel():
+                continue
+            try:
+                fut.set_result(fn())
+            except BaseException as e:
+                fut.set_exception(e)
+
+    def submit(self, fn: Callable[[], Any]) -> Future[Any]:
+        fut: Future[Any] = Future()
+        self._q.put((fn, fut))
+        return fut
+
+    def wait_event(self, event: Any) -> None:
+        """Block this worker (not the training thread) until ``event`` completes."""
+        self._backend.counters["worker_sync"] += 1
+        self._backend._event_synchronize(event)
+
+    def drain(self) -> None:
+        self.submit(lambda: None).result()
+
+    def close(self) -> None:
+        self._q.put(None)
+        self._thread.join(timeout=10)
+
+
+# --------------------------------------------------------------------------- slots and stashes
+
+
+@dataclass(eq=False)
+class Bank:
+    """A fixed-VA region with resident backing, shared by the groups of one slot class."""
+
+    index: int
+    reservation: Reservation
+    allocation: Allocation | None
+    d2h_done: Any = None  #: last copy of an occupant's bytes to the host
+    consumed: Any = None  #: last backward graph that read the bank
+    restored_for: Ticket | None = None  #: a restore whose backward has not run yet
+
+
+@dataclass(eq=False)
+class Stash:
+    """Where one forward pass's activations wait for backward: host and device parts."""
+
+    host: Any  # pinned host bytes for offloaded tensors (or None)
+    device: Any  # device bytes for tensors kept on the device (or None)
+    free_after: Any = None  # event after which the buffers may be reused
+
+
+@dataclass(eq=False)
+class Ticket:
+    """One forward pass through a group, from offload to the backward that consumes it."""
+
+    group: OffloadGroup
+    microbatch: int
+    state: State = State.READY
+    stash: Stash | None = None
+    d2h_done: Any = None
+    restore_done: Any = None
+    restore_job: Future[Any] | None = None
+    checksums: list[int] = field(default_factory=list)
+
+    def _go(self, call: str) -> None:
+        self.state = _step(f"{self.group.name} (microbatch {self.microbatch})", self.state, call)
+
+
+class OffloadGroup:
+    """The saved activations of one graphed unit; see the module docstring."""
+
+    def __init__(self, engine: OffloadEngine, name: str, offload: bool = True) -> None:
+        self.engine = engine
+        self.name = name
+        self.offload_enabled = offload
+        self.state = State.DISCOVERING
+        self.specs: list[TensorSpec] = []
+        self.nbytes = 0  # slot bytes (all specs, aligned)
+        self.host_bytes = 0  # bytes of offloaded specs (they come first in the slot)
+        self.reservation: Reservation | None = None  # remap: own VA; resident: the bank's
+        self.bank: Bank | None = None
+        self.views: list[torch.Tensor] = []
+        self._host_pool: list[Stash] = []
+        self._captured = 0
+        self._mapped_for_forward: Future[Any] | None = None
+
+    def __repr__(self) -> str:
+        return f"<OffloadGroup {self.name} {self.state.value} {len(self.specs)} tensors {self.nbytes} B>"
+
+    def _go(self, call: str) -> None:
+        self.state = _step(f"offload group {self.name}", self.state, call)
+
+    @property
+    def empty(self) -> bool:
+        return not self.specs
+
+    # -- discovery ---------------------------------------------------------------
+
+    def discover(self, t: torch.Tensor) -> None:
+        """Record one saved tensor seen during the eager warm-up (autograd is untouched)."""
+        self._go("discover")
+        self.specs.append(TensorSpec.of(t))
+
+    def restart_discovery(self) -> None:
+        """Forget what an earlier warm-up iteration recorded (each iteration must agree)."""
+        if self.state is not State.DISCOVERING:
+            _step(f"offload group {self.name}", self.state, "discover")
+        self.specs.clear()
+
+    # -- allocation ----------------------------------------------------------------
+
+    def layout(self) -> None:
+        """Assign slot offsets: offloaded tensors first (one host copy), kept ones after."""
+        eng = self.engine
+        ordered = sorted(range(len(self.specs)),
+                         key=lambda i: not (self.offload_enabled and self.specs[i].nbytes >= eng.min_bytes))
+        pos = 0
+        placed: dict[int, TensorSpec] = {}
+        host = 0
+        for i in ordered:
+            s = self.specs[i]
+            off = self.offload_enabled and s.nbytes >= eng.min_bytes
+            placed[i] = TensorSpec(s.shape, s.stride, s.dtype, s.device, s.nbytes, pos, off)
+            pos = align_up(pos + s.nbytes, _ALIGN)
+            if off:
+                host = pos
+        self.specs = [placed[i] for i in range(len(self.specs))]
+        self.nbytes = pos
+        self.host_bytes = host
+
+    @property
+    def slot_bytes(self) -> int:
+        return align_up(self.nbytes, self.engine.backend.granularity) if self.nbytes else 0
+
+    def allocate(self, bank_index: int = 0) -> None:
+        """Outside capture: VA, physical backing and tensor views for the slot."""
+        if self.engine.backend.is_capturing():
+            raise StateError(f"offload group {self.name}: allocate must run outside graph capture")
+        self._go("allocate")
+        self.layout()
+        if self.empty:
+            return  # empty groups cost nothing
+        eng = self.engine
+        if eng.mode is Mode.RESIDENT:
+            self.bank = eng._bank(self.slot_bytes, bank_index)
+            self.reservation = self.bank.reservation
+        else:
+            self.reservation, _ = eng.backend.reserve_mapped(self.slot_bytes)
+        va = self.reservation.va
+        self.views = [eng.backend.tensor_at(va + s.offset, s.shape, s.dtype, _dense_stride(s))
+                      for s in self.specs]
+
+    # -- capture ---------------------------------------------------------------------
+
+    def begin_capture(self) -> None:
+        self._go("begin_capture")
+        self._captured = 0
+
+    def save_tensor(self, t: torch.Tensor) -> torch.Tensor:
+        """Pack hook during capture: copy ``t`` into its slot place and return the slot view."""
+        self._go("save_tensor")
+        i = self._captured
+        if i >= len(self.specs):
+            raise CaptureMismatchError(
+                f"offload group {self.name}: capture saved more tensors than discovery saw "
+                f"({len(self.specs)}); the layer must save the same tensors every time")
+        spec = self.specs[i]
+        got = TensorSpec.of(t)
+        if (got.shape, got.stride, got.dtype, got.device) != (spec.shape, spec.stride, spec.dtype, spec.device):
+            raise CaptureMismatchError(
+                f"offload group {self.name}: saved tensor #{i} is {got.describe()} at capture but "
+                f"was {spec.describe()} at discovery")
+        view = self.views[i]
+        want = self.reservation.va + spec.offset  # type: ignore[union-attr]
+        if view.data_ptr() != want:
+            raise CaptureMismatchError(f"offload group {self.name}: slot view #{i} is at "
+                                       f"0x{view.data_ptr():x}, not the slot address 0x{want:x}")
+        view.copy_(t)
+        self._captured += 1
+        return view
+
+    def finish_capture(self) -> None:
+        if self._captured != len(self.specs):
+            raise CaptureMismatchError(
+                f"offload group {self.name}: capture saved {self._captured} tensors, discovery "
+                f"saw {len(self.specs)}")
+        self._go("finish_capture")
+        if self.engine.mode is Mode.REMAP and self.reservation is not None:
+            # Between steps a remap slot holds no memory; forward maps it when needed.
+            self.engine.backend.synchronize()
+            self.engine.backend.unmap_release(self.reservation, 0)
+
+    # -- host buffers ------------------------------------------------------------------
+
+    def _take_stash(self) -> Stash:
+        b = self.engine.backend
+        for i, st in enumerate(self._host_pool):
+            if st.free_after is None or b.query_event(st.free_after):
+                return self._host_pool.pop(i)
+        host = b.pinned_empty(self.host_bytes) if self.host_bytes else None
+        kept = self.nbytes - self.host_bytes
+        dev = None
+        if kept:
+            dev = torch.empty(kept, dtype=torch.uint8, device=b.device)
+        self.engine.stats["host_buffers_allocated"] += 1
+        return Stash(host, dev)
+
+    def _give_stash(self, st: Stash, free_after: Any) -> None:
+        st.free_after = free_after
+        self._host_pool.append(st)
+
+    def _slot_bytes_view(self) -> tuple[Any, Any]:
+        """(offloaded part, kept part) of the slot as flat byte views."""
+        b = self.engine.backend
+        va = self.reservation.va  # type: ignore[union-attr]
+        host = b.tensor_at(va, (self.host_bytes,), torch.uint8) if self.host_bytes else None
+        kept = self.nbytes - self.host_bytes
+        dev = b.tensor_at(va + self.host_bytes, (kept,), torch.uint8) if kept else None
+        return host, dev
+
+
+def _dense_stride(s: TensorSpec) -> tuple[int, ...] | None:
+    """Slot views are dense: the original stride if it is dense, else contiguous."""
+    # Dense means the strides are a permutation of some contiguous layout's.
+    dims = sorted((st, n) for st, n in zip(s.stride, s.shape) if n != 1)
+    expect = 1
+    for st, n in dims:
+        if st != expect:
+            return None
+        expect *= n
+    return s.stride
+
+
+# --------------------------------------------------------------------------- engine
+
+
+class OffloadEngine:
+    """Schedules offload and restore of many groups on one backend.
+
+    Args:
+        backend: the device backend.
+        mode: :class:`Mode` (``"resident"`` or ``"remap"``; ``"off"`` makes no slots).
+        min_bytes: saved tensors smaller than this stay on the device (in a device stash).
+        debug_checksums: record a checksum of every offloaded activation and verify it
+            after restore (slow: host synchronisations; for tests and debugging).
+    """
+
+    def __init__(self, backend: Backend, mode: Mode | str = Mode.RESIDENT, *, min_bytes: int = 0,
+                 debug_checksums: bool = False) -> None:
+        try:
+            self.mode = Mode(mode)
+        except ValueError:
+            raise UsageError(f"unknown offload mode {mode!r}; choose off, resident or remap") from None
+        if min_bytes < 0:
+            raise UsageError(f"min_bytes must be >= 0, got {min_bytes}")
+        self.backend = backend
+        self.min_bytes = min_bytes
+        self.debug_checksums = debug_checksums
+        self.groups: list[OffloadGroup] = []
+        self.d2h_stream = backend.new_stream()
+        self.h2d_stream = backend.new_stream()
+        self.worker = DriverWorker(backend) if self.mode is Mode.REMAP else None
+        self._banks: dict[int, list[Bank]] = {}
+        self.stats: Counter[str] = Counter()
+        self._pending: dict[tuple[int, int], Ticket] = {}  # (group index, microbatch) -> ticket
+
+    def group(self, name: str, offload: bool = True) -> OffloadGroup:
+        g = OffloadGroup(self, name, offload and self.mode is not Mode.OFF)
+        self.groups.append(g)
+        return g
+
+    def _bank(self, size: int, index: int) -> Bank:
+        pair = self._banks.get(size)
+        if pair is None:
+            pair = []
+            for i in range(2):
+                res, alloc = self.backend.reserve_mapped(size)
+                pair.append(Bank(i, res, alloc))
+            self._banks[size] = pair
+        return pair[index % 2]
+
+    @property
+    def resident_device_bytes(self) -> int:
+        """Device bytes graphslot holds for activations right now (banks, slots, stashes)."""
+        n = self.backend.ledger.mapped_bytes
+        for t in self._pending.values():
+            if t.stash is not None and t.stash.device is not None:
+                n += t.stash.device.numel()
+        return n
+
+    # -- forward -------------------------------------------------------------------------
+
+    def prefetch_forward(self, g: OffloadGroup) -> None:
+        """Remap mode: start mapping ``g``'s slot for its next forward (look-ahead)."""
+        if self.mode is not Mode.REMAP or g.empty or g._mapped_for_forward is not None:
+            return
+        res, size = g.reservation, g.slot_bytes
+        g._mapped_for_forward = self.worker.submit(lambda: self.backend.map_new(res, 0, size))  # type: ignore[union-attr]
+
+    def before_forward(self, g: OffloadGroup, microbatch: int) -> Ticket:
+        """Make ``g``'s slot writable for a forward replay; returns that forward's ticket."""
+        if g.state is not State.READY:
+            _step(f"offload group {g.name}", g.state, "offload:forward")
+        key = (self.groups.index(g), microbatch)
+        if key in self._pending:
+            raise StateError(f"offload group {g.name}: microbatch {microbatch} ran forward again "
+                             "before its backward")
+        t = Ticket(g, microbatch)
+        if g.empty:
+            self._pending[key] = t
+            return t
+        b = self.backend
+        if self.mode is Mode.RESIDENT:
+            bank = g.bank
+            assert bank is not None
+            if bank.restored_for is not None:
+                o = bank.restored_for
+                raise StateError(f"offload group {g.name}: bank {bank.index} holds activations "
+                                 f"restored for {o.group.name} (microbatch {o.microbatch}) whose "
+                                 "backward has not run; a forward cannot overwrite them")
+            if bank.d2h_done is not None:  # fence 1: previous occupant reached the host
+                b.wait_event(b.current_stream(), bank.d2h_done)
+        else:
+            self.prefetch_forward(g)
+            g._mapped_for_forward.result()  # type: ignore[union-attr]
+            g._mapped_for_forward = None
+        self._pending[key] = t
+        return t
+
+    def after_forward(self, t: Ticket) -> None:
+        """After the forward replay: queue the slot's copy out; release (remap) after it."""
+        g = t.group
+        if g.empty:
+            t.state = State.RESIDENT_PENDING if self.mode is Mode.RESIDENT else State.RELEASED
+            return
+        b = self.backend
+        t._go("offload:" + ("resident" if self.mode is Mode.RESIDENT else "remap"))
+        fwd_done = b.record_event(b.new_event())
+        t.stash = g._take_stash()
+        src_host, src_dev = g._slot_bytes_view()
+        s = self.d2h_stream
+        b.wait_event(s, fwd_done)  # the copy stream waits only on the forward
+        if src_host is not None:
+            b.copy_async(t.stash.host, src_host, s)
+        if src_dev is not None:
+            b.copy_async(t.stash.device, src_dev, s)
+        t.d2h_done = b.record_event(b.new_event(), s)
+        self.stats["offloaded_bytes"] += g.host_bytes
+        self.stats["kept_bytes"] += g.nbytes - g.host_bytes
+        if self.debug_checksums:
+            t.checksums = self._checksums(g)
+        if self.mode is Mode.RESIDENT:
+            g.bank.d2h_done = t.d2h_done  # type: ignore[union-attr]
+        else:
+            res, ev = g.reservation, t.d2h_done
+            self.worker.submit(lambda: self._release_after(res, ev))  # type: ignore[union-attr]
+
+    def _release_after(self, res: Reservation, event: Any) -> None:
+        self.worker.wait_event(event)  # type: ignore[union-attr]
+        self.backend.unmap_release(res, 0)
+
+    # -- backward ------------------------------------------------------------------------
+
+    def ticket(self, g: OffloadGroup, microbatch: int) -> Ticket:
+        t = self._pending.get((self.groups.index(g), microbatch))
+        if t is None:
+            raise StateError(f"offload group {g.name}: backward for microbatch {microbatch} "
+                             "before its forward (nothing was offloaded for it)")
+        return t
+
+    def restore(self, t: Ticket) -> None:
+        """Start bringing ``t``'s activations back into the slot (may run ahead: look-ahead)."""
+        if t.state is State.RESTORING or t.state is State.RESTORED:
+            return
+        t._go("restore")
+        g = t.group
+        if g.empty:
+            return
+        b = self.backend
+        if self.mode is Mode.RESIDENT:
+            bank = g.bank
+            assert bank is not None
+            if bank.restored_for is not None and bank.restored_for is not t:
+                o = bank.restored_for
+                raise StateError(f"offload group {g.name}: bank {bank.index} still holds the "
+                                 f"restore of {o.group.name} (microbatch {o.microbatch})")
+            s = self.h2d_stream
+            if bank.consumed is not None:  # fence 2: the last reader of the bank is done
+                b.wait_event(s, bank.consumed)
+            b.wait_event(s, t.d2h_done)  # this activation's own trip to the host
+            self._copy_in(t, s)
+            bank.restored_for = t
+        else:
+            res, size = g.reservation, g.slot_bytes
+
+            def job() -> None:
+                self.backend.map_new(res, 0, size)  # type: ignore[arg-type]
+                self.stats["remaps"] += 1
+                b.wait_event(self.h2d_stream, t.d2h_done)
+                self._copy_in(t, self.h2d_stream)
+
+            t.restore_job = self.worker.submit(job)  # type: ignore[union-attr]
+
+    def _copy_in(self, t: Ticket, s: Any) -> None:
+        b, g, st = self.backend, t.group, t.stash
+        assert st is not None
+        dst_host, dst_dev = g._slot_bytes_view()
+        if dst_host is not None:
+            b.copy_async(dst_host, st.host, s)
+        if dst_dev is not None:
+            b.copy_async(dst_dev, st.device, s)
+        t.restore_done = b.record_event(b.new_event(), s)
+        self.stats["restored_bytes"] += g.host_bytes
+
+    def wait_restored(self, t: Ticket) -> None:
+        """Make the compute stream wait for ``t``'s restore (the host does not block on the copy).
+
+        In remap mode a failed mapping surfaces here; the host copy is kept and
+        :meth:`restore` may be called again.
+        """
+        if t.state is not State.RESTORING:
+            self.restore(t)
+        g = t.group
+        if not g.empty and t.restore_job is not None:
+            job, t.restore_job = t.restore_job, None
+            try:
+                job.result()
+            except BaseException:
+                t.state = State.RELEASED  # nothing lost: the stash still holds the bytes
+                raise
+        t._go("wait_restored")
+        if g.empty:
+            return
+        b = self.backend
+        b.wait_event(b.current_stream(), t.restore_done)
+        if self.debug_checksums:
+            got = self._checksums(g)
+            if got != t.checksums:
+                bad = [i for i, (x, y) in enumerate(zip(got, t.checksums)) if x != y]
+                raise CaptureMismatchError(f"offload group {g.name}: restored activations "
+                                           f"{bad} of microbatch {t.microbatch} differ from "
+                                           "what was offloaded")
+
+    def consumed(self, t: Ticket) -> None:
+        """After the backward replay read the slot: free the bank/slot and the stash."""
+        t._go("consumed")
+        g = t.group
+        del self._pending[(self.groups.index(g), t.microbatch)]
+        if g.empty:
+            return
+        b = self.backend
+        done = b.record_event(b.new_event())
+        g._give_stash(t.stash, t.restore_done)  # type: ignore[arg-type]
+        t.stash = None
+        if self.mode is Mode.RESIDENT:
+            g.bank.consumed = done  # type: ignore[union-attr]
+            g.bank.restored_for = None  # type: ignore[union-attr]
+        else:
+            res = g.reservation
+            self.worker.submit(lambda: self._release_after(res, done))  # type: ignore[union-attr,arg-type]
+
+    # -- inspection ----------------------------------------------------------------------
+
+    def _checksums(self, g: OffloadGroup) -> list[int]:
+        self.backend.synchronize()
+        return [int(v.contiguous().view(torch.uint8).to(torch.int64).sum()) for v in g.views]
+
+    def in_flight(self) -> list[Ticket]:
+        return list(self._pending.values())
+
+    def settle(self) -> None:
+        """Wait for queued driver work (remap) and copies; for tests and teardown."""
+        if self.worker is not None:
+            self.worker.drain()
+        self.backend.synchronize()
+
+    def close(self) -> None:
+        """Release every slot, bank and buffer this engine made (after :meth:`settle`)."""
+        self.settle()
+        if self.worker is not None:
+            self.worker.close()
+        b = self.backend
+        for g in self.groups:
+            if g.reservation is not None and g.bank is None:
+                for off in list(g.reservation.mappings):
+                    b.unmap_release(g.reservation, off)
+                b.free(g.reservation)
+            g.reservation = None
+            g.views = []
+            g._host_pool.clear()
+        for pair in self._banks.values():
+            for bank in pair:
+                b.unmap_release(bank.reservation, 0)
+                b.free(bank.reservation)
+        self._banks.clear()
+        self._pending.clear()
+
