@@ -409,6 +409,9 @@ class OffloadEngine:
         self._banks: dict[int, list[Bank]] = {}
         self.stats: Counter[str] = Counter()
         self._pending: dict[tuple[int, int], Ticket] = {}  # (group index, microbatch) -> ticket
+        #: seconds of busy work queued before every copy (tests use it to slow the copy streams)
+        self.copy_delay_s = 0.0
+        self._fences = True  # tests switch the bank fences off to show they matter
 
     def group(self, name: str, offload: bool = True) -> OffloadGroup:
         g = OffloadGroup(self, name, offload and self.mode is not Mode.OFF)
@@ -464,7 +467,7 @@ class OffloadEngine:
                 raise StateError(f"offload group {g.name}: bank {bank.index} holds activations "
                                  f"restored for {o.group.name} (microbatch {o.microbatch}) whose "
                                  "backward has not run; a forward cannot overwrite them")
-            if bank.d2h_done is not None:  # fence 1: previous occupant reached the host
+            if bank.d2h_done is not None and self._fences:  # fence 1: previous occupant on host
                 b.wait_event(b.current_stream(), bank.d2h_done)
         else:
             self.prefetch_forward(g)
@@ -486,6 +489,8 @@ class OffloadEngine:
         src_host, src_dev = g._slot_bytes_view()
         s = self.d2h_stream
         b.wait_event(s, fwd_done)  # the copy stream waits only on the forward
+        if self.copy_delay_s:
+            b.spin(self.copy_delay_s, s)
         if src_host is not None:
             b.copy_async(t.stash.host, src_host, s)
         if src_dev is not None:
@@ -531,7 +536,7 @@ class OffloadEngine:
                 raise StateError(f"offload group {g.name}: bank {bank.index} still holds the "
                                  f"restore of {o.group.name} (microbatch {o.microbatch})")
             s = self.h2d_stream
-            if bank.consumed is not None:  # fence 2: the last reader of the bank is done
+            if bank.consumed is not None and self._fences:  # fence 2: the bank's last reader is done
                 b.wait_event(s, bank.consumed)
             b.wait_event(s, t.d2h_done)  # this activation's own trip to the host
             self._copy_in(t, s)
@@ -551,6 +556,8 @@ class OffloadEngine:
         b, g, st = self.backend, t.group, t.stash
         assert st is not None
         dst_host, dst_dev = g._slot_bytes_view()
+        if self.copy_delay_s:
+            b.spin(self.copy_delay_s, s)
         if dst_host is not None:
             b.copy_async(dst_host, st.host, s)
         if dst_dev is not None:

@@ -1,0 +1,477 @@
+"""Graph-safe activation offload: the same tests on every backend."""
+
+from __future__ import annotations
+
+import copy
+import threading
+
+import pytest
+import torch
+from torch import nn
+
+import graphslot
+from graphslot.adapters.torch import GraphedLayers
+from graphslot.errors import CaptureMismatchError, InjectedFault, StateError
+from graphslot.offload import TRANSITIONS, Mode, OffloadEngine, State
+from graphslot.toy import GPTConfig, TinyGPT
+
+
+def small(b: graphslot.Backend, layers: int) -> tuple[TinyGPT, GPTConfig]:
+    c = GPTConfig(hidden=32, heads=2, ffn=64, seq=16, batch=2, layers=layers, vocab=64)
+    torch.manual_seed(layers)
+    return TinyGPT(c).to(b.device), c
+
+
+def graphed(model: TinyGPT, b: graphslot.Backend, mode: str, **kw) -> GraphedLayers:
+    sample = model.hidden_in(model.batch(0, b.device)[0]).detach().requires_grad_()
+    stack = GraphedLayers(list(model.blocks), sample, mode=mode, backend=b, **kw)
+    model.stack = stack
+    return stack
+
+
+def train(model: TinyGPT, b: graphslot.Backend, steps: int, accumulate: int = 1) -> list[torch.Tensor]:
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    out = []
+    for step in range(steps):
+        for micro in range(accumulate):
+            tokens, targets = model.batch(step * accumulate + micro, b.device)
+            loss = model(tokens, targets)
+            loss.backward()
+            out.append(loss.detach())
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    out += [p.detach().clone() for p in model.parameters()]
+    return out
+
+
+def assert_bitwise(a: list[torch.Tensor], c: list[torch.Tensor]) -> None:
+    assert len(a) == len(c)
+    for i, (x, y) in enumerate(zip(a, c)):
+        assert torch.equal(x, y), f"tensor {i} differs by {float((x.float() - y.float()).abs().max())}"
+
+
+@pytest.fixture
+def engine_clean(clean):
+    yield clean
+
+
+# --------------------------------------------------------------------------- equality with eager
+
+
+@pytest.mark.parametrize("mode", ["resident", "remap"])
+@pytest.mark.parametrize("layers", [1, 2, 3])
+def test_bitwise_equal_with_eager_for_20_steps(engine_clean, mode, layers):
+    b = engine_clean
+    base, _ = small(b, layers)
+    want = train(copy.deepcopy(base), b, 20)
+    model = copy.deepcopy(base)
+    stack = graphed(model, b, mode)
+    try:
+        got = train(model, b, 20)
+        assert_bitwise(got, want)
+        assert stack.engine.stats["offloaded_bytes"] > 0
+    finally:
+        stack.close()
+
+
+def test_gradient_accumulation_and_mode_off(engine_clean):
+    b = engine_clean
+    base, _ = small(b, 2)
+    want = train(copy.deepcopy(base), b, 4, accumulate=3)
+    for mode in ("resident", "off"):
+        model = copy.deepcopy(base)
+        stack = graphed(model, b, mode)
+        try:
+            assert_bitwise(train(model, b, 4, accumulate=3), want)
+        finally:
+            stack.close()
+
+
+def two_in_flight(model: TinyGPT, b: graphslot.Backend, steps: int) -> list[torch.Tensor]:
+    """Two microbatches' forwards, then both backwards (mb 0 first), each step."""
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    out = []
+    for step in range(steps):
+        losses = []
+        for micro in range(2):
+            tokens, targets = model.batch(2 * step + micro, b.device)
+            losses.append(model(tokens, targets))
+        for loss in losses:
+            loss.backward()
+            out.append(loss.detach())
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return out + [p.detach().clone() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("mode", ["resident", "remap"])
+def test_two_microbatches_in_flight_never_overwrite_each_other(engine_clean, mode):
+    b = engine_clean
+    base, _ = small(b, 4)
+    want = two_in_flight(copy.deepcopy(base), b, 3)
+    model = copy.deepcopy(base)
+    stack = graphed(model, b, mode, debug_checksums=True)
+    stack.engine.copy_delay_s = 0.01
+    try:
+        assert_bitwise(two_in_flight(model, b, 3), want)
+    finally:
+        stack.close()
+
+
+def test_mode_off_refuses_a_second_microbatch_in_flight(engine_clean):
+    b = engine_clean
+    model, _ = small(b, 1)
+    stack = graphed(model, b, "off")
+    try:
+        model(*model.batch(0, b.device))
+        with pytest.raises(StateError, match="mode 'off' keeps one microbatch"):
+            model(*model.batch(1, b.device))
+    finally:
+        stack.close()
+
+
+# --------------------------------------------------------------------------- fences
+
+
+@pytest.mark.parametrize("mode", ["resident", "remap"])
+def test_fences_hold_when_the_copy_streams_are_slowed(engine_clean, mode):
+    b = engine_clean
+    base, _ = small(b, 4)
+    want = train(copy.deepcopy(base), b, 3)
+    model = copy.deepcopy(base)
+    stack = graphed(model, b, mode)
+    stack.engine.copy_delay_s = 0.05
+    try:
+        assert_bitwise(train(model, b, 3), want)
+    finally:
+        stack.close()
+
+
+def test_without_the_bank_fences_slowed_copies_corrupt_activations(engine_clean):
+    """The control for the test above: the fences are what keeps it right."""
+    b = engine_clean
+    base, _ = small(b, 4)
+    want = train(copy.deepcopy(base), b, 2)
+    model = copy.deepcopy(base)
+    stack = graphed(model, b, "resident")
+    stack.engine.copy_delay_s = 0.1
+    stack.engine._fences = False
+    try:
+        got = train(model, b, 2)
+        stack.engine.settle()
+        assert not all(torch.equal(x, y) for x, y in zip(got, want))
+    finally:
+        stack.engine._fences = True
+        stack.close()
+
+
+def test_resident_mode_makes_no_driver_calls_and_no_host_syncs(engine_clean):
+    b = engine_clean
+    model, _ = small(b, 3)
+    stack = graphed(model, b, "resident")
+    try:
+        train(model, b, 2)  # host buffers get made in the first step
+        calls, syncs = b.driver_calls(), b.counters["host_sync"]
+        buffers = stack.engine.stats["host_buffers_allocated"]
+        train(model, b, 5)
+        assert b.driver_calls() == calls
+        assert b.counters["host_sync"] == syncs
+        assert stack.engine.stats["host_buffers_allocated"] == buffers, "host buffers were reallocated"
+    finally:
+        stack.close()
+
+
+def test_remap_mode_releases_memory_and_runs_driver_calls_off_the_training_thread(engine_clean, monkeypatch):
+    b = engine_clean
+    model, _ = small(b, 3)
+    stack = graphed(model, b, "remap")
+    threads: list[str] = []
+    real = b._map
+
+    def spy(*a):
+        threads.append(threading.current_thread().name)
+        return real(*a)
+
+    try:
+        monkeypatch.setattr(b, "_map", spy)
+        syncs = b.counters["host_sync"]
+        tokens, targets = model.batch(0, b.device)
+        loss = model(tokens, targets)
+        stack.engine.settle()
+        assert b.ledger.mapped_bytes == 0, "remap mode left activation pages mapped at the boundary"
+        loss.backward()
+        stack.engine.settle()
+        assert b.ledger.mapped_bytes == 0
+        assert threads and set(threads) == {"graphslot-driver"}
+        assert b.counters["host_sync"] - syncs == 2  # only the two settle() calls above
+    finally:
+        stack.close()
+
+
+def test_resident_banks_hold_two_layers_at_the_boundary(engine_clean):
+    b = engine_clean
+    model, _ = small(b, 4)
+    stack = graphed(model, b, "resident")
+    try:
+        groups = stack.engine.groups
+        assert {g.bank.index for g in groups} == {0, 1}
+        assert groups[-1].bank.index == 0 and groups[-2].bank.index == 1  # backward order
+        assert len({g.reservation.va for g in groups}) == 2
+        assert b.ledger.mapped_bytes == 2 * groups[0].slot_bytes
+    finally:
+        stack.close()
+
+
+def test_lookahead_restores_the_next_layer_before_this_backward_graph(engine_clean, monkeypatch):
+    b = engine_clean
+    model, _ = small(b, 3)
+    stack = graphed(model, b, "resident")
+    log: list[str] = []
+    eng = stack.engine
+    real_restore = eng.restore
+    monkeypatch.setattr(eng, "restore", lambda t: (log.append(f"restore {t.group.name}"), real_restore(t))[1])
+    for r in stack._runners:
+        real = r.bwd.replay
+        monkeypatch.setattr(r.bwd, "replay", (lambda real, n: lambda: (log.append(f"bwd layer{n}"), real())[1])(real, r.index))
+    try:
+        loss = model(*model.batch(0, b.device))
+        loss.backward()
+        assert log.index("restore layer1") < log.index("bwd layer2")
+        assert log.index("restore layer0") < log.index("bwd layer1")
+    finally:
+        stack.close()
+
+
+# --------------------------------------------------------------------------- pointer semantics
+
+
+class Sin3(nn.Module):
+    """y = sin(3x); autograd saves 3x, which the backward graph reads."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.sin(x * 3.0)
+
+
+def test_naive_reload_reads_the_wrong_bytes_while_the_slot_path_is_right(engine_clean):
+    b = engine_clean
+    dev = b.device
+    x = torch.linspace(-1, 1, 1024, device=dev).requires_grad_()
+    gy = torch.ones(1024, device=dev)
+    saved: list[torch.Tensor] = []
+    fwd = b.new_graph()
+    with fwd.capture():
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+            y = Sin3()(x)
+    bwd = b.new_graph(share_pool_with=fwd)
+    with bwd.capture():
+        (gx,) = torch.autograd.grad(y, [x], gy)
+    new_x = torch.linspace(-2, 0.5, 1024, device=dev)
+    with torch.no_grad():
+        x.copy_(new_x)
+    fwd.replay()
+    b.synchronize()
+    # Naive offload: copy to host, let the memory go (an interloper reuses it), reload
+    # into a fresh allocation.
+    (s,) = saved
+    host = s.detach().cpu()
+    with torch.no_grad():
+        s.fill_(123.0)  # what the allocator's next owner wrote there
+    reloaded = torch.empty_like(s)
+    reloaded.copy_(host.to(dev))
+    assert reloaded.data_ptr() != s.data_ptr()
+    bwd.replay()
+    b.synchronize()
+    right = 3.0 * torch.cos(3.0 * new_x)
+    assert not torch.allclose(gx, right, atol=1e-3), "the naive reload should have gone unnoticed by the graph"
+
+    # The slot path: same layer, offloaded through a fixed VA, gradients are right.
+    stack = GraphedLayers([Sin3()], torch.zeros(1024, device=dev).requires_grad_(), mode="remap",
+                          backend=b)
+    try:
+        for lo in (-2.0, -1.0, 0.3):
+            xi = torch.linspace(lo, lo + 2.5, 1024, device=dev).requires_grad_()
+            stack(xi).backward(gy)
+            assert torch.allclose(xi.grad, 3.0 * torch.cos(3.0 * xi.detach()), atol=1e-5)
+    finally:
+        stack.close()
+
+
+def test_graph_replay_follows_the_pages_behind_a_fixed_va(engine_clean):
+    b = engine_clean
+    n = b.granularity // 4
+    res = b.reserve(b.granularity)
+    b.map_new(res, 0, b.granularity)
+    src = b.tensor_at(res.va, (n,), torch.float32)
+    src.fill_(1.0)
+    out = torch.zeros(n, device=b.device)
+    g = b.new_graph()
+    with g.capture():
+        out.copy_(src * 2.0)
+    try:
+        for value in (5.0, -3.0, 0.25):
+            b.synchronize()
+            b.unmap_release(res, 0)
+            b.map_new(res, 0, b.granularity)
+            b.tensor_at(res.va, (n,), torch.float32).fill_(value)
+            g.replay()
+            b.synchronize()
+            assert torch.all(out == 2.0 * value)
+    finally:
+        b.synchronize()
+        b.unmap_release(res, 0)
+        b.free(res)
+
+
+def test_driver_calls_are_refused_during_capture(engine_clean):
+    b = engine_clean
+    g = b.new_graph()
+    x = torch.ones(4, device=b.device)
+    with pytest.raises(StateError, match="refused during graph capture"):
+        with g.capture():
+            x.mul_(2.0)
+            b.create(b.granularity)
+    assert b.ledger.allocated_bytes == 0
+
+
+# --------------------------------------------------------------------------- bad input and state
+
+
+def test_state_table_names_group_state_and_call(engine_clean):
+    b = engine_clean
+    eng = OffloadEngine(b, "resident")
+    g = eng.group("attn")
+    with pytest.raises(StateError, match=r"offload group attn: cannot begin_capture in state discovering"):
+        g.begin_capture()
+    assert (State.DISCOVERING, "allocate") in TRANSITIONS
+    eng.close()
+
+
+def test_bad_mode_and_bad_arguments(engine_clean):
+    b = engine_clean
+    with pytest.raises(graphslot.UsageError, match="unknown offload mode 'fast'"):
+        OffloadEngine(b, "fast")
+    model, _ = small(b, 2)
+    sample = model.hidden_in(model.batch(0, b.device)[0]).detach().requires_grad_()
+    with pytest.raises(graphslot.UsageError, match="offload_layers"):
+        GraphedLayers(list(model.blocks), sample, offload_layers=[5], backend=b)
+
+
+def test_input_shape_or_dtype_changes_after_capture_are_refused(engine_clean):
+    b = engine_clean
+    model, c = small(b, 2)
+    stack = graphed(model, b, "resident")
+    try:
+        x = torch.zeros(c.batch, c.seq + 1, c.hidden, device=b.device)
+        with pytest.raises(CaptureMismatchError, match="captured for input"):
+            stack(x)
+        with pytest.raises(CaptureMismatchError, match="float64"):
+            stack(torch.zeros(c.batch, c.seq, c.hidden, device=b.device, dtype=torch.float64))
+    finally:
+        stack.close()
+
+
+def _allocated_group(b: graphslot.Backend, n: int = 1):
+    eng = OffloadEngine(b, "remap")
+    g = eng.group("g")
+    for _ in range(n):
+        g.discover(torch.zeros(64, device=b.device))
+    g.allocate()
+    return eng, g
+
+
+def test_capture_twice_and_more_saved_tensors_than_discovery(engine_clean):
+    b = engine_clean
+    eng, g = _allocated_group(b)
+    try:
+        g.begin_capture()
+        g.save_tensor(torch.ones(64, device=b.device))
+        with pytest.raises(CaptureMismatchError, match="more tensors than discovery saw"):
+            g.save_tensor(torch.ones(64, device=b.device))
+        with pytest.raises(StateError, match="cannot begin_capture in state capturing"):
+            g.begin_capture()
+        g.finish_capture()
+        with pytest.raises(StateError, match="cannot begin_capture in state ready"):
+            g.begin_capture()
+    finally:
+        eng.close()
+
+
+def test_saved_tensor_that_changed_shape_at_capture(engine_clean):
+    b = engine_clean
+    eng, g = _allocated_group(b)
+    try:
+        g.begin_capture()
+        with pytest.raises(CaptureMismatchError, match=r"saved tensor #0 is \[32\]"):
+            g.save_tensor(torch.ones(32, device=b.device))
+        g.save_tensor(torch.ones(64, device=b.device))
+        g.finish_capture()
+    finally:
+        eng.close()
+
+
+def test_backward_before_forward_is_refused(engine_clean):
+    b = engine_clean
+    eng, g = _allocated_group(b)
+    try:
+        g.begin_capture()
+        g.save_tensor(torch.ones(64, device=b.device))
+        g.finish_capture()
+        with pytest.raises(StateError, match="backward for microbatch 7 before its forward"):
+            eng.ticket(g, 7)
+    finally:
+        eng.close()
+
+
+def test_empty_groups_cost_nothing(engine_clean):
+    b = engine_clean
+
+    class Double(nn.Module):
+        def forward(self, x):
+            return x * 2.0  # saves nothing for backward
+
+    calls = b.driver_calls()
+    stack = GraphedLayers([Double(), Double()], torch.ones(8, device=b.device).requires_grad_(),
+                          mode="remap", backend=b)
+    try:
+        assert all(g.empty and g.reservation is None for g in stack.engine.groups)
+        assert b.driver_calls() == calls
+        x = torch.ones(8, device=b.device).requires_grad_()
+        stack(x).sum().backward()
+        stack.engine.settle()
+        assert torch.all(x.grad == 4.0) and b.driver_calls() == calls
+    finally:
+        stack.close()
+
+
+# --------------------------------------------------------------------------- failure and recovery
+
+
+def test_failed_remap_during_restore_keeps_the_host_copy_and_a_retry_succeeds(engine_clean):
+    b = engine_clean
+    eng, g = _allocated_group(b, n=2)
+    try:
+        g.begin_capture()
+        for v in (1.0, 2.0):
+            g.save_tensor(torch.full((64,), v, device=b.device))
+        g.finish_capture()
+        t = eng.before_forward(g, 1)
+        for i, v in enumerate((3.0, 4.0)):
+            g.views[i].fill_(v)  # what the forward replay writes
+        eng.after_forward(t)
+        eng.settle()
+        assert b.ledger.mapped_bytes == 0 and t.state is State.RELEASED
+        b.faults.fail("map")
+        with pytest.raises(InjectedFault):
+            eng.wait_restored(t)
+        assert t.state is State.RELEASED and b.ledger.mapped_bytes == 0
+        assert torch.all(t.stash.host.view(torch.float32)[:64] == 3.0)  # nothing lost
+        eng.wait_restored(t)  # the retry maps again and copies in
+        b.synchronize()
+        assert torch.all(g.views[0] == 3.0) and torch.all(g.views[1] == 4.0)
+        eng.consumed(t)
+    finally:
+        eng.close()
+
+
+def test_mode_enum_values():
+    assert [m.value for m in Mode] == ["off", "resident", "remap"]
