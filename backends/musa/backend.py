@@ -1,0 +1,183 @@
+"""The musa backend: driver VMM through libmusa (ctypes), the rest through torch_musa.
+
+Importing this module imports torch_musa, which registers the ``"musa"`` device
+(torch's PrivateUse1 type) and ``torch.musa``. Driver calls run in the device's
+primary context, the one torch_musa's runtime uses, made current on each thread the
+first time that thread calls the driver (see :class:`~.driver.MusaDriver`).
+
+Nothing here has run on MUSA hardware yet: the README's MUSA section lists what was
+verified where, and how to check it on a Moore Threads GPU.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, ContextManager, Iterator
+
+import torch
+import torch_musa  # noqa: F401  (registers the "musa" device and torch.musa)
+
+from graphslot.backend import Backend, DeviceGraph
+from graphslot.errors import BackendUnavailableError, DriverError, StateError
+
+from . import abi
+from .dlpack import byte_tensor_at, kDLExtDev, storage_tensor_at
+from .driver import MusaDriver
+from .vmm import MusaVmm
+
+__all__ = ["MusaBackend", "MusaGraph"]
+
+#: ``torch.musa``, which torch_musa attaches at import; typed loosely because torch's
+#: own stubs do not know it.
+tmusa: Any = getattr(torch, "musa")
+
+
+class MusaBackend(MusaVmm, Backend):
+    """graphslot on a Moore Threads GPU."""
+
+    name = "musa"
+
+    def __init__(self, device: int | None = None, driver: MusaDriver | None = None) -> None:
+        Backend.__init__(self)
+        if not tmusa.is_available():
+            raise BackendUnavailableError("torch.musa.is_available() is False")
+        self._index = int(tmusa.current_device() if device is None else device)
+        self._torch_device = torch.device("musa", self._index)
+        # Let torch_musa's runtime create the primary context first, so the driver
+        # retains that same context and both sides see the same address space.
+        with tmusa.device(self._index):
+            torch.empty(1, device=self._torch_device)
+        try:
+            self._drv = driver if driver is not None else MusaDriver(self._index)
+            vmm = self._drv.vmm_supported()
+            if vmm:
+                self._drv.make_current()  # retain the context now: fail here, not mid-offload
+        except DriverError as e:
+            raise DriverError(f"open MUSA device {self._index}", e.call, e.name, e.code,
+                              e.detail) from None
+        if not vmm:
+            raise BackendUnavailableError(
+                f"MUSA device {self._index} does not support virtual memory management "
+                "(MU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED is 0)")
+        try:
+            clock_khz = self._drv.attribute(abi.MU_DEVICE_ATTRIBUTE_CLOCK_RATE)
+        except DriverError:
+            clock_khz = 0  # only spin() uses it; a rough default keeps spin() usable
+        self._clock_hz = (clock_khz or 1_000_000) * 1000
+        self._dlpack_error: str | None = None  # set once DLPack import was refused
+
+    # -- capture state ------------------------------------------------------------
+
+    def _is_capturing(self) -> bool:
+        capturing = getattr(tmusa, "is_current_stream_capturing", None)
+        return bool(capturing()) if capturing is not None else False
+
+    # -- streams and events -------------------------------------------------------
+
+    def current_stream(self) -> Any:
+        return tmusa.current_stream(self._torch_device)
+
+    def new_stream(self) -> Any:
+        return tmusa.Stream(self._torch_device)
+
+    def stream(self, stream: Any) -> ContextManager[Any]:
+        return tmusa.stream(stream)
+
+    def new_event(self, timing: bool = False) -> Any:
+        return tmusa.Event(enable_timing=timing)
+
+    def _record(self, event: Any, stream: Any) -> None:
+        event.record(stream)
+
+    def _wait(self, stream: Any, event: Any) -> None:
+        stream.wait_event(event)
+
+    def query_event(self, event: Any) -> bool:
+        return bool(event.query())
+
+    def _event_synchronize(self, event: Any) -> None:
+        event.synchronize()
+
+    def elapsed_ms(self, start: Any, end: Any) -> float:
+        return float(start.elapsed_time(end))
+
+    def _synchronize(self) -> None:
+        tmusa.synchronize(self._torch_device)
+
+    def spin(self, seconds: float, stream: Any = None) -> None:
+        sleep = getattr(tmusa, "_sleep", None)
+        if sleep is None:
+            raise StateError("spin: this torch_musa has no torch.musa._sleep to queue busy work")
+        with tmusa.stream(stream or self.current_stream()):
+            sleep(int(seconds * self._clock_hz))
+
+    # -- tensors and copies -------------------------------------------------------
+
+    def _copy(self, dst: torch.Tensor, src: torch.Tensor, stream: Any) -> None:
+        with tmusa.stream(stream):
+            dst.copy_(src, non_blocking=True)
+
+    def _pinned_empty(self, nbytes: int) -> torch.Tensor:
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+
+    def _tensor_at(self, va: int, nbytes: int) -> torch.Tensor:
+        t, route = None, "torch.from_dlpack"
+        if self._dlpack_error is None:
+            try:
+                t = byte_tensor_at(va, nbytes, kDLExtDev, self._index)
+            except Exception as e:  # remember, and use the storage route from now on
+                self._dlpack_error = f"{type(e).__name__}: {e}"
+        if t is None:
+            t, route = (storage_tensor_at(va, nbytes, self._torch_device),
+                        "torch._C._construct_storage_from_data_pointer")
+        if t.device != self._torch_device or t.data_ptr() != va:
+            # A copy, or a tensor on another device, would defeat the fixed address.
+            raise DriverError("", route, "NOT_ZERO_COPY", 0,
+                              f"got a {t.device} tensor at 0x{t.data_ptr():x}, wanted "
+                              f"{self._torch_device} at 0x{va:x}")
+        return t
+
+    # -- graphs -------------------------------------------------------------------
+
+    def new_graph(self) -> DeviceGraph:
+        return MusaGraph(self)
+
+    # -- info ---------------------------------------------------------------------
+
+    @property
+    def device(self) -> torch.device:
+        return self._torch_device
+
+    def describe(self) -> dict[str, Any]:
+        drv = self._drv.driver_version()
+        return {
+            "device": f"{tmusa.get_device_name(self._index)} (musa:{self._index})",
+            "vmm_supported": True,  # the constructor refuses a device without it
+            "versions": {
+                "torch": torch.__version__,
+                "torch_musa": getattr(torch_musa, "__version__", "unknown"),
+                "musa_runtime": str(getattr(torch.version, "musa", "unknown")),
+                # Decoded like CUDA's (1000*major + 10*minor); the raw value is kept.
+                "driver": f"{drv // 1000}.{(drv % 1000) // 10} ({drv})",
+                "libmusa": self._drv.lib.path,
+                # How tensor_at builds views: DLPack unless torch refused it once.
+                "tensor_at": f"storage ({self._dlpack_error})" if self._dlpack_error else "dlpack",
+            },
+        }
+
+
+class MusaGraph(DeviceGraph):
+    """``torch.musa.MUSAGraph`` behind the device-neutral interface."""
+
+    def __init__(self, backend: MusaBackend, pool: Any = None) -> None:
+        self._backend = backend
+        self.graph = tmusa.MUSAGraph()
+        self.pool = pool
+
+    @contextlib.contextmanager
+    def capture(self, stream: Any = None) -> Iterator[None]:
+        with tmusa.graph(self.graph, pool=self.pool, stream=stream):
+            yield
+
+    def replay(self) -> None:
+        self.graph.replay()
