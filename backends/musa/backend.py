@@ -139,8 +139,9 @@ class MusaBackend(MusaVmm, Backend):
 
     # -- graphs -------------------------------------------------------------------
 
-    def new_graph(self) -> DeviceGraph:
-        return MusaGraph(self)
+    def new_graph(self, share_pool_with: DeviceGraph | None = None) -> DeviceGraph:
+        pool = share_pool_with.pool if isinstance(share_pool_with, MusaGraph) else None
+        return MusaGraph(self, pool if pool is not None else tmusa.graph_pool_handle())
 
     # -- info ---------------------------------------------------------------------
 
