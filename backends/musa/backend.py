@@ -141,7 +141,9 @@ class MusaBackend(MusaVmm, Backend):
 
     def new_graph(self, share_pool_with: DeviceGraph | None = None) -> DeviceGraph:
         pool = share_pool_with.pool if isinstance(share_pool_with, MusaGraph) else None
-        return MusaGraph(self, pool if pool is not None else tmusa.graph_pool_handle())
+        if pool is None and hasattr(tmusa, "graph_pool_handle"):
+            pool = tmusa.graph_pool_handle()
+        return MusaGraph(self, pool)
 
     # -- info ---------------------------------------------------------------------
 
