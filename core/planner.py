@@ -1,0 +1,798 @@
+"""The slot planner: pack tensors with known lifetimes into one fixed arena.
+
+A captured device graph keeps the addresses it saw, so every tensor it touches needs a
+fixed byte offset in an arena that graphslot reserves once. Tensors whose lifetimes do
+not overlap may share bytes; so may tensors of *mutually exclusive branches* (e.g. the
+context-parallel sizes or sequence buckets of one training step, of which exactly one
+runs per replay). This module is pure Python and device neutral.
+
+Model:
+
+* A :class:`TensorSpec` lives over the half-open step interval ``[start, end)``.
+* ``branch=None`` means common: the tensor conflicts with every branch. Tensors of two
+  *different* branches never conflict; tensors of one branch conflict with each other.
+* Tensors sharing an ``alias_group`` are views of one storage. The group is placed as
+  one block; each member lands at ``group_base + alias_offset``, so relative byte
+  offsets and overlaps are kept. The block is live over the union of its members'
+  lifetimes; members of one group may overlap each other freely.
+
+:func:`plan` places everything with best-fit greedy heuristics (greedy by size, the
+offline planner of TFLite and ONNX Runtime, made branch aware, plus two other orders;
+the smallest arena wins) and reports :func:`lower_bound`: the most bytes live at any
+step in any branch, which no valid plan can beat. :func:`verify` checks any plan, from
+:func:`plan` or elsewhere.
+
+The seven-field slot plan of the dynamic context-parallel capture interface
+(:class:`SlotPlanEntry`) is produced by :func:`export_slot_plan` and read back by
+:func:`import_slot_plan`.
+"""
+
+from __future__ import annotations
+
+import math
+from bisect import bisect_left, bisect_right, insort
+from dataclasses import dataclass
+from itertools import accumulate, chain
+from typing import Callable, Collection, Hashable, Iterable, Mapping, NamedTuple, Sequence
+
+from .errors import UsageError
+
+__all__ = [
+    "TensorSpec",
+    "Plan",
+    "PlanError",
+    "plan",
+    "verify",
+    "lower_bound",
+    "SlotPlanEntry",
+    "branch_table",
+    "export_slot_plan",
+    "import_slot_plan",
+]
+
+
+class PlanError(UsageError):
+    """A tensor list or a plan breaks a planner rule; the message names the tensors."""
+
+
+def _is_int(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """One tensor to place.
+
+    Attributes:
+        name: unique within a plan.
+        size: bytes, > 0.
+        start, end: the tensor is live over schedule steps ``[start, end)``; ``end > start``.
+        align: the offset must be a multiple of this power of two.
+        branch: id of the mutually exclusive alternative the tensor belongs to, or
+            ``None`` for a tensor common to all of them. Must be hashable.
+        alias_group: tensors with the same (hashable, non-``None``) id are views of one
+            storage, placed ``alias_offset`` bytes after a shared group base.
+        alias_offset: byte offset inside the alias group, >= 0; 0 without a group.
+    """
+
+    name: str
+    size: int
+    start: int
+    end: int
+    align: int = 256
+    branch: Hashable | None = None
+    alias_group: Hashable | None = None
+    alias_offset: int = 0
+
+    def __post_init__(self) -> None:
+        # Checked here so a TensorSpec that exists is well formed by itself; rules that
+        # involve several tensors (names, groups, branches) are checked by plan().
+        who = f"tensor {self.name!r}"
+        if not isinstance(self.name, str) or not self.name:
+            raise PlanError(f"tensor name must be a non-empty string, got {self.name!r}")
+        if not _is_int(self.size) or self.size <= 0:
+            raise PlanError(f"{who}: size must be a positive integer, got {self.size!r}")
+        if not _is_int(self.start) or not _is_int(self.end):
+            raise PlanError(f"{who}: start and end must be integers, got "
+                            f"{self.start!r} and {self.end!r}")
+        if self.end <= self.start:
+            raise PlanError(f"{who}: lifetime [{self.start}, {self.end}) is empty; "
+                            f"end must be greater than start")
+        if not _is_int(self.align) or self.align <= 0 or self.align & (self.align - 1):
+            raise PlanError(f"{who}: align must be a power of two, got {self.align!r}")
+        if not _is_int(self.alias_offset) or self.alias_offset < 0:
+            raise PlanError(f"{who}: alias_offset must be a non-negative integer, "
+                            f"got {self.alias_offset!r}")
+        if self.alias_offset and self.alias_group is None:
+            raise PlanError(f"{who}: alias_offset {self.alias_offset} needs an alias_group")
+        for field_name in ("branch", "alias_group"):
+            try:
+                hash(getattr(self, field_name))
+            except TypeError:
+                raise PlanError(f"{who}: {field_name} must be hashable, got "
+                                f"{getattr(self, field_name)!r}") from None
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Byte offsets for every tensor in one arena of ``arena_bytes``.
+
+    ``lower_bound_bytes`` is :func:`lower_bound` of ``tensors``; ``offsets`` maps each
+    tensor name to its offset from the arena base.
+    """
+
+    arena_bytes: int
+    offsets: dict[str, int]
+    lower_bound_bytes: int
+    tensors: tuple[TensorSpec, ...]
+
+    @property
+    def efficiency(self) -> float:
+        """``lower_bound_bytes / arena_bytes``: 1.0 is optimal (and an empty plan)."""
+        return self.lower_bound_bytes / self.arena_bytes if self.arena_bytes else 1.0
+
+
+# --------------------------------------------------------------------------- validation
+
+
+@dataclass(eq=False)
+class _Block:
+    """What the packer places: one tensor, or one alias group as a unit."""
+
+    extent: int  # bytes from the block start to the end of its last member
+    align: int  # block start must be ≡ phase (mod align)
+    phase: int
+    branch: Hashable | None
+    spans: list[tuple[int, int]]  # merged lifetime intervals, in steps
+    members: list[tuple[int, int]]  # (index into tensors, byte offset from block start)
+
+
+def _merge(spans: Iterable[tuple[int, int]]) -> list[tuple[int, int]]:
+    """The union of half-open intervals, as sorted disjoint non-touching intervals."""
+    out: list[tuple[int, int]] = []
+    for s, e in sorted(spans):
+        if out and s <= out[-1][1]:
+            if e > out[-1][1]:
+                out[-1] = (out[-1][0], e)
+        else:
+            out.append((s, e))
+    return out
+
+
+def _validate(tensors: Sequence[TensorSpec],
+              branches: Collection[Hashable] | None) -> list[_Block]:
+    """Check the rules that involve several tensors and build the blocks to place."""
+    allowed = None if branches is None else set(branches)
+    seen: dict[str, int] = {}
+    groups: dict[Hashable, list[int]] = {}
+    blocks: list[_Block] = []
+    for i, t in enumerate(tensors):
+        if not isinstance(t, TensorSpec):
+            raise PlanError(f"tensors[{i}] is a {type(t).__name__}, not a TensorSpec")
+        if t.name in seen:
+            raise PlanError(f"tensors[{i}] {t.name!r}: duplicate name (also tensors[{seen[t.name]}])")
+        seen[t.name] = i
+        if allowed is not None and t.branch is not None and t.branch not in allowed:
+            raise PlanError(f"tensors[{i}] {t.name!r}: unknown branch {t.branch!r}; "
+                            f"known branches: {sorted(map(repr, allowed))}")
+        if t.alias_group is None:
+            blocks.append(_Block(t.size, t.align, 0, t.branch, [(t.start, t.end)], [(i, 0)]))
+        else:
+            groups.setdefault(t.alias_group, []).append(i)
+    for gid, idx in groups.items():
+        first = tensors[idx[0]]
+        for i in idx[1:]:
+            if tensors[i].branch != first.branch:
+                raise PlanError(f"alias group {gid!r}: {first.name!r} is in branch "
+                                f"{first.branch!r} but {tensors[i].name!r} is in branch "
+                                f"{tensors[i].branch!r}; views of one storage share a branch")
+        base = min(tensors[i].alias_offset for i in idx)
+        # All aligns are powers of two, so the strictest one (the anchor) fixes the block
+        # start modulo it; every other member must then be aligned for free.
+        anchor = max(idx, key=lambda i: tensors[i].align)
+        a = tensors[anchor]
+        phase = (base - a.alias_offset) % a.align
+        for i in idx:
+            t = tensors[i]
+            if (phase + t.alias_offset - base) % t.align:
+                raise PlanError(
+                    f"alias group {gid!r}: {t.name!r} (alias_offset {t.alias_offset}, align "
+                    f"{t.align}) and {a.name!r} (alias_offset {a.alias_offset}, align {a.align}) "
+                    f"cannot both be aligned at any group base")
+        blocks.append(_Block(
+            extent=max(tensors[i].alias_offset + tensors[i].size for i in idx) - base,
+            align=a.align, phase=phase, branch=first.branch,
+            spans=_merge((tensors[i].start, tensors[i].end) for i in idx),
+            members=[(i, tensors[i].alias_offset - base) for i in idx]))
+    return blocks
+
+
+# --------------------------------------------------------------------------- lower bound
+
+
+def _live_bytes_events(tensors: Sequence[TensorSpec]) -> dict[Hashable | None, list[tuple[int, int]]]:
+    """Per branch (``None`` = common): ``(step, delta)`` changes of the bytes live."""
+    ev: dict[Hashable | None, list[tuple[int, int]]] = {}
+    groups: dict[Hashable, list[TensorSpec]] = {}
+    for t in tensors:
+        if t.alias_group is not None:
+            groups.setdefault(t.alias_group, []).append(t)
+            continue
+        lst = ev.setdefault(t.branch, [])
+        lst.append((t.start, t.size))
+        lst.append((t.end, -t.size))
+    for members in groups.values():
+        # Views overlap, so a group holds the union of its live members' byte ranges,
+        # which changes only at its members' boundaries.
+        lst = ev.setdefault(members[0].branch, [])
+        cuts = sorted({p for t in members for p in (t.start, t.end)})
+        prev = 0
+        for s, e in zip(cuts, cuts[1:]):
+            live = _merge((t.alias_offset, t.alias_offset + t.size)
+                          for t in members if t.start <= s and e <= t.end)
+            now = sum(b - a for a, b in live)
+            if now != prev:
+                lst.append((s, now - prev))
+                prev = now
+        if prev:
+            lst.append((cuts[-1], -prev))
+    return ev
+
+
+def lower_bound(tensors: Sequence[TensorSpec]) -> int:
+    """The most bytes live at any step in any branch; common tensors count in every one.
+
+    No valid plan has a smaller arena. Alias groups count the union of their live
+    members' byte ranges. Tensors are assumed valid (see :func:`plan`).
+    """
+    ev = _live_bytes_events(tensors)
+    if not ev:
+        return 0
+    steps = sorted({s for lst in ev.values() for s, _ in lst})
+    index = {s: k for k, s in enumerate(steps)}
+
+    def profile(lst: list[tuple[int, int]]) -> list[int]:
+        d = [0] * len(steps)
+        for s, delta in lst:
+            d[index[s]] += delta
+        return list(accumulate(d))
+
+    common = profile(ev.pop(None, []))
+    best = max(common)
+    for lst in ev.values():
+        # A branch adds a constant between consecutive own events; pair that with the
+        # highest common level over the same steps (a C-speed slice max).
+        lst.sort()
+        level = 0
+        for k in range(len(lst)):
+            s, delta = lst[k]
+            level += delta
+            if k + 1 < len(lst) and lst[k + 1][0] == s:
+                continue
+            if level > 0 and k + 1 < len(lst):
+                lo, hi = index[s], index[lst[k + 1][0]]
+                best = max(best, level + max(common[lo:hi]))
+    return best
+
+
+# --------------------------------------------------------------------------- packing
+
+
+def _tree_nodes(n: int, spans: list[tuple[int, int]]) -> tuple[list[int], list[int]]:
+    """For a segment tree with ``n`` leaves: the canonical nodes covering ``spans`` (in
+    compressed steps) and their proper ancestors."""
+    canon: list[int] = []
+    for lo, hi in spans:
+        lo += n
+        hi += n
+        while lo < hi:
+            if lo & 1:
+                canon.append(lo)
+                lo += 1
+            if hi & 1:
+                hi -= 1
+                canon.append(hi)
+            lo >>= 1
+            hi >>= 1
+    up: set[int] = set()
+    for c in canon:
+        c >>= 1
+        while c and c not in up:
+            up.add(c)
+            c >>= 1
+    return canon, list(up)
+
+
+class _Occupancy:
+    """Which byte ranges are taken during which steps, for one branch key.
+
+    A segment tree over compressed steps (nodes from :func:`_tree_nodes`). Each node
+    keeps two unions of byte intervals as flat sorted lists ``[s0, e0, s1, e1, ...]``:
+    ``own`` (blocks whose step range covers the node, stored at the node) and ``agg``
+    (everything stored in its subtree). A query over a step range needs ``agg`` of the
+    canonical nodes and ``own`` of their ancestors: O(log steps) unions, each compact
+    because packing is dense, instead of one entry per conflicting tensor.
+    """
+
+    __slots__ = ("own", "agg")
+
+    def __init__(self, n: int) -> None:
+        self.own: list[list[int] | None] = [None] * (2 * n)
+        self.agg: list[list[int] | None] = [None] * (2 * n)
+
+    def taken(self, canon: list[int], up: list[int], out: list[list[int]]) -> None:
+        """Append to ``out`` the unions that conflict with a block at these nodes."""
+        agg, own = self.agg, self.own
+        out.extend([x for x in [agg[c] for c in canon] if x])
+        out.extend([x for x in [own[u] for u in up] if x])
+
+    def add(self, canon: list[int], up: list[int], a: int, b: int) -> None:
+        """Mark bytes ``[a, b)`` taken at these nodes."""
+        own, agg = self.own, self.agg
+        for c in canon:
+            _union_add(own, c, a, b)
+            _union_add(agg, c, a, b)
+        for u in up:
+            _union_add(agg, u, a, b)
+
+
+def _union_add(lists: list[list[int] | None], k: int, a: int, b: int) -> None:
+    """Add ``[a, b)`` to the union ``lists[k]`` of disjoint, non-touching intervals."""
+    flat = lists[k]
+    if flat is None:
+        lists[k] = [a, b]
+        return
+    top = flat[-1]
+    if a >= top:  # the common case: placed at or above everything here
+        if a == top:
+            flat[-1] = b
+        else:
+            flat += (a, b)
+        return
+    lo = bisect_left(flat, a)
+    hi = bisect_right(flat, b)
+    if lo & 1:  # a falls inside (or at the end of) an interval: extend it
+        lo -= 1
+        a = flat[lo]
+    if hi & 1:  # b falls inside (or at the start of) an interval
+        b = flat[hi]
+        hi += 1
+    flat[lo:hi] = (a, b)
+
+
+def _best_fit(taken: list[list[int]], size: int, align: int, phase: int) -> int:
+    """Lowest start in the smallest free gap that fits ``size`` at ``phase`` mod ``align``;
+    above everything taken when no gap fits."""
+    if not taken:
+        return phase
+    if len(taken) == 1:
+        starts, ends = taken[0][::2], taken[0][1::2]
+    else:
+        # Gaps of a union of intervals without sorting pairs: with starts and ends sorted
+        # separately (C-speed merges of sorted runs), [ends[i], starts[i + 1]) is free
+        # exactly when it is non-empty.
+        starts = sorted(chain.from_iterable([f[::2] for f in taken]))
+        ends = sorted(chain.from_iterable([f[1::2] for f in taken]))
+    top = ends[-1]
+    if starts[0] >= size:
+        ends.insert(0, 0)  # the gap below everything
+    else:
+        del starts[0]
+    best = -1
+    best_gap = 0
+    for lo, hi in [(lo, hi) for lo, hi in zip(ends, starts) if hi - lo >= size]:
+        start = lo + (phase - lo) % align
+        if start + size <= hi and (best < 0 or hi - lo < best_gap):
+            best, best_gap = start, hi - lo
+    if best >= 0:
+        return best
+    return top + (phase - top) % align
+
+
+def _pack(blocks: list[_Block], order: list[int], nsteps: int,
+          limit: float = math.inf) -> list[int] | None:
+    """Place blocks in ``order``, each into the best-fitting free gap; their starts, or
+    ``None`` as soon as the arena would reach ``limit`` (a better plan is known)."""
+    n = 1
+    while n < nsteps:
+        n *= 2
+    common = _Occupancy(n)
+    per_branch: dict[Hashable, _Occupancy] = {}
+    # The union over all branches is what a common block must avoid; kept only while a
+    # common block is still to come.
+    last_common = max((pos for pos, k in enumerate(order) if blocks[k].branch is None),
+                      default=-1)
+    any_branch = _Occupancy(n)
+    starts = [0] * len(blocks)
+    for pos, k in enumerate(order):
+        blk = blocks[k]
+        canon, up = _tree_nodes(n, blk.spans)
+        taken: list[list[int]] = []
+        common.taken(canon, up, taken)
+        if blk.branch is None:
+            own = common
+            any_branch.taken(canon, up, taken)
+        else:
+            own = per_branch.get(blk.branch) or per_branch.setdefault(blk.branch, _Occupancy(n))
+            own.taken(canon, up, taken)
+        start = starts[k] = _best_fit(taken, blk.extent, blk.align, blk.phase)
+        if start + blk.extent >= limit:
+            return None
+        own.add(canon, up, start, start + blk.extent)
+        if blk.branch is not None and pos < last_common:
+            any_branch.add(canon, up, start, start + blk.extent)
+    return starts
+
+
+def _bundle(blocks: list[_Block]) -> list[_Block]:
+    """Fuse blocks with identical lifetimes and branch into one contiguous block each.
+
+    Real schedules save many tensors per layer that are born and freed together; packing
+    them as one block keeps them from scattering into gaps they fragment, and shrinks
+    the problem. Biggest alignment first, so padding stays minimal.
+    """
+    same: dict[tuple, list[_Block]] = {}
+    for b in blocks:
+        same.setdefault((b.branch, tuple(b.spans)), []).append(b)
+    if len(same) == len(blocks):
+        return blocks  # nothing to fuse; plan() then skips repeating an order
+    out = []
+    for parts in same.values():
+        if len(parts) == 1:
+            out.append(parts[0])
+            continue
+        parts.sort(key=lambda b: (-b.align, -b.extent))
+        pos = 0
+        members: list[tuple[int, int]] = []
+        for b in parts:
+            pos += (b.phase - pos) % b.align
+            members += [(i, pos + rel) for i, rel in b.members]
+            pos += b.extent
+        out.append(_Block(pos, parts[0].align, 0, parts[0].branch, parts[0].spans, members))
+    return out
+
+
+def _by_size_then_start(b: _Block) -> tuple:
+    # Equal tensors of successive microbatches then stack into the same few slots.
+    return (-b.extent, b.spans[0][0], -b.spans[-1][1])
+
+
+def _by_lifetime_then_size(b: _Block) -> tuple:
+    return (-sum(e - s for s, e in b.spans), -b.extent, b.spans[0][0])
+
+
+#: (bundle equal lifetimes?, order) tried in turn; plan() keeps the smallest arena and
+#: stops at the first within _GOOD_ENOUGH of the lower bound.
+_STRATEGIES: tuple[tuple[bool, Callable[[_Block], tuple]], ...] = (
+    (True, _by_size_then_start),
+    (False, _by_lifetime_then_size),
+    (False, _by_size_then_start),
+)
+_GOOD_ENOUGH = 1.01
+
+
+def plan(tensors: Iterable[TensorSpec], *,
+         branches: Collection[Hashable] | None = None) -> Plan:
+    """Place ``tensors`` in one arena; see the module docstring for the rules.
+
+    Args:
+        tensors: what to place; names must be unique.
+        branches: the valid branch ids; when given, a tensor naming any other branch is
+            an error (catches typos that would silently drop conflicts).
+
+    Greedy placement into the best-fitting gap, under a few orders (biggest first by
+    start step with tensors of equal lifetime fused; longest-lived first; biggest first
+    unfused); the smallest arena wins. An order is abandoned once it cannot win, and the
+    search stops at the first plan within 1% of the lower bound.
+    Deterministic. Returns a :class:`Plan` that passes :func:`verify`; raises
+    :class:`PlanError` for invalid input, naming the tensor or alias group at fault.
+    """
+    specs = tuple(tensors)
+    blocks = _validate(specs, branches)
+    steps = sorted({p for b in blocks for s in b.spans for p in s})
+    index = {s: k for k, s in enumerate(steps)}
+    for b in blocks:
+        b.spans = [(index[s], index[e]) for s, e in b.spans]
+    nsteps = max(len(steps) - 1, 1)
+    lb = lower_bound(specs)
+    best: tuple[int, list[_Block], list[int]] | None = None
+    fused: list[_Block] | None = None
+    tried: set[tuple[int, Callable]] = set()
+    for fuse, key in _STRATEGIES:
+        cand = blocks
+        if fuse:
+            fused = cand = _bundle(blocks) if fused is None else fused
+        if (id(cand), key) in tried:
+            continue
+        tried.add((id(cand), key))
+        order = sorted(range(len(cand)), key=lambda k: key(cand[k]))
+        starts = _pack(cand, order, nsteps, math.inf if best is None else best[0])
+        if starts is None:
+            continue
+        arena = max((s + b.extent for s, b in zip(starts, cand)), default=0)
+        best = (arena, cand, starts)
+        if arena <= lb * _GOOD_ENOUGH:
+            break
+    assert best is not None
+    arena, cand, starts = best
+    offsets: dict[str, int] = {}
+    for b, start in zip(cand, starts):
+        for i, rel in b.members:
+            offsets[specs[i].name] = start + rel
+    # Offsets in input order, so plans print and serialise predictably.
+    offsets = {t.name: offsets[t.name] for t in specs}
+    return Plan(arena, offsets, lb, specs)
+
+
+# --------------------------------------------------------------------------- verify
+
+
+def verify(p: Plan) -> None:
+    """Raise :class:`PlanError` unless ``p`` is a valid placement of ``p.tensors``.
+
+    Checks: every tensor has exactly one integer offset, aligned, inside the arena;
+    alias group members keep their relative offsets; and no two tensors that are live
+    at the same step, in conflicting branches and not views of one alias group, share
+    a byte. A conflict names both tensors, the bytes and the step.
+    """
+    tensors = p.tensors
+    _validate(tensors, None)
+    if not _is_int(p.arena_bytes) or p.arena_bytes < 0:
+        raise PlanError(f"arena_bytes must be a non-negative integer, got {p.arena_bytes!r}")
+    names = {t.name for t in tensors}
+    extra = [n for n in p.offsets if n not in names]
+    if extra:
+        raise PlanError(f"offsets name tensors that the plan does not have: {extra[:5]}")
+    group_base: dict[Hashable, tuple[int, str]] = {}
+    for t in tensors:
+        if t.name not in p.offsets:
+            raise PlanError(f"tensor {t.name!r} has no offset")
+        o = p.offsets[t.name]
+        if not _is_int(o) or o < 0:
+            raise PlanError(f"tensor {t.name!r}: offset must be a non-negative integer, got {o!r}")
+        if o % t.align:
+            raise PlanError(f"tensor {t.name!r}: offset {o} is not a multiple of its align {t.align}")
+        if o + t.size > p.arena_bytes:
+            raise PlanError(f"tensor {t.name!r}: bytes [{o}, {o + t.size}) run past the "
+                            f"arena of {p.arena_bytes} bytes")
+        if t.alias_group is not None:
+            base = o - t.alias_offset
+            other = group_base.setdefault(t.alias_group, (base, t.name))
+            if other[0] != base:
+                raise PlanError(
+                    f"alias group {t.alias_group!r}: {other[1]!r} and {t.name!r} do not keep "
+                    f"their alias offsets (group base {other[0]} vs {base})")
+    _check_conflicts(tensors, p.offsets)
+
+
+def _check_conflicts(tensors: Sequence[TensorSpec], offsets: Mapping[str, int]) -> None:
+    # Sweep over steps, ends before starts (lifetimes are half-open). Per branch key, the
+    # live tensors sorted by offset. The first conflict raises, so everything live in one
+    # key list is pairwise disjoint except views of one group; then only the neighbours
+    # of a new tensor can overlap it (see _check_against).
+    events = []
+    for i, t in enumerate(tensors):
+        events.append((t.start, 1, i))
+        events.append((t.end, 0, i))
+    events.sort()
+    live: dict[Hashable | None, list[tuple[int, int, int]]] = {}
+    for step, starting, i in events:
+        t = tensors[i]
+        o = offsets[t.name]
+        entry = (o, o + t.size, i)
+        if not starting:
+            lst = live[t.branch]
+            del lst[bisect_left(lst, entry)]
+            continue
+        if t.branch is None:
+            keys: Iterable = live.keys()
+        else:
+            keys = (k for k in (None, t.branch) if k in live)
+        for k in keys:
+            _check_against(live[k], entry, tensors, step)
+        insort(live.setdefault(t.branch, []), entry)
+
+
+def _check_against(lst: list[tuple[int, int, int]], entry: tuple[int, int, int],
+                   tensors: Sequence[TensorSpec], step: int) -> None:
+    o, e, i = entry
+    t = tensors[i]
+
+    def clash(oo: int, ee: int, j: int) -> None:
+        other = tensors[j]
+        if t.alias_group is not None and other.alias_group == t.alias_group:
+            return  # views of one storage overlap by design
+        where = "" if t.branch is None and other.branch is None else (
+            f" (branches {other.branch!r} and {t.branch!r})")
+        raise PlanError(f"tensors {other.name!r} and {t.name!r} overlap: both use bytes "
+                        f"[{max(o, oo)}, {min(e, ee)}) and both are live at step {step}{where}")
+
+    pos = bisect_left(lst, (o,))
+    # Everything starting inside [o, e) overlaps the new tensor.
+    j = pos
+    while j < len(lst) and lst[j][0] < e:
+        clash(*lst[j])
+        j += 1
+    # Before it: the nearest entry, then earlier ones only while they are views of the
+    # nearest entry's group. An earlier entry reaching past o would contain the nearest
+    # entry's start, and only a view of the same group may overlap it.
+    j = pos - 1
+    if j < 0:
+        return
+    near_group = tensors[lst[j][2]].alias_group
+    while j >= 0:
+        oo, ee, jj = lst[j]
+        if j < pos - 1 and (near_group is None or tensors[jj].alias_group != near_group):
+            break
+        if ee > o:
+            clash(oo, ee, jj)
+        j -= 1
+
+
+# --------------------------------------------------------------------------- slot plans
+
+
+class SlotPlanEntry(NamedTuple):
+    """One tensor of a plan in the seven-field form of the dynamic-CP capture interface.
+
+    How :func:`export_slot_plan` fills the fields (``-1`` means "not applicable"):
+
+    * ``saved_arena_id``: the arena holding the tensor when it is a saved tensor
+      (activation, graph I/O, input staging: anything not in ``user_grads``); else -1.
+    * ``physical_slot``: the tensor's offset in units of ``slot_bytes``. Equal slots in
+      different branches are the same physical bytes, which is what lets exclusive
+      alternatives share memory.
+    * ``io_branch_id``: index of the tensor's branch in the branch table (see
+      :func:`branch_table`); -1 for a tensor common to all branches.
+    * ``model_chunk``, ``layer``: where the tensor comes from in the model, as given by
+      the caller (``origin``); -1 when unknown. They do not affect placement.
+    * ``warmup_alias_group``: index of the tensor's alias group in order of first
+      appearance in ``plan.tensors``; -1 for a tensor without one.
+    * ``user_grad_arena_id``: the arena holding the tensor when it is a user-visible
+      gradient (named in ``user_grads``); else -1.
+
+    Exactly one of the two arena ids is set.
+    """
+
+    saved_arena_id: int
+    physical_slot: int
+    io_branch_id: int
+    model_chunk: int
+    layer: int
+    warmup_alias_group: int
+    user_grad_arena_id: int
+
+
+def branch_table(tensors: Sequence[TensorSpec],
+                 branches: Sequence[Hashable] | None = None) -> list[Hashable]:
+    """Branch ids in index order: ``branches`` if given, else order of first appearance."""
+    if branches is not None:
+        return list(branches)
+    out: dict[Hashable, None] = {}
+    for t in tensors:
+        if t.branch is not None:
+            out.setdefault(t.branch, None)
+    return list(out)
+
+
+def _alias_table(tensors: Sequence[TensorSpec]) -> dict[Hashable, int]:
+    out: dict[Hashable, int] = {}
+    for t in tensors:
+        if t.alias_group is not None:
+            out.setdefault(t.alias_group, len(out))
+    return out
+
+
+def _slot_bytes(tensors: Sequence[TensorSpec], slot_bytes: int | None) -> int:
+    if slot_bytes is None:
+        # Every offset is a multiple of its tensor's align, hence of the smallest one.
+        return min((t.align for t in tensors), default=1)
+    if not _is_int(slot_bytes) or slot_bytes <= 0:
+        raise PlanError(f"slot_bytes must be a positive integer, got {slot_bytes!r}")
+    return slot_bytes
+
+
+def export_slot_plan(p: Plan, *, arena_id: int = 0, slot_bytes: int | None = None,
+                     branches: Sequence[Hashable] | None = None,
+                     user_grads: Collection[str] = (),
+                     origin: Mapping[str, tuple[int, int]] | Callable[[TensorSpec], tuple[int, int]]
+                     | None = None) -> list[SlotPlanEntry]:
+    """One :class:`SlotPlanEntry` per tensor of ``p``, in ``p.tensors`` order.
+
+    Args:
+        arena_id: the id written to the arena field (>= 0).
+        slot_bytes: bytes per physical slot; default the smallest ``align`` of the plan,
+            which divides every offset. An offset it does not divide is an error.
+        branches: the branch table; default the order of first appearance.
+        user_grads: names of tensors that are user-visible gradients.
+        origin: ``(model_chunk, layer)`` per tensor name, or a function of the spec.
+    """
+    if not _is_int(arena_id) or arena_id < 0:
+        raise PlanError(f"arena_id must be a non-negative integer, got {arena_id!r}")
+    tensors = p.tensors
+    unit = _slot_bytes(tensors, slot_bytes)
+    btab = {b: k for k, b in enumerate(branch_table(tensors, branches))}
+    atab = _alias_table(tensors)
+    grads = set(user_grads)
+    unknown = grads - {t.name for t in tensors}
+    if unknown:
+        raise PlanError(f"user_grads names tensors that the plan does not have: {sorted(unknown)[:5]}")
+    out = []
+    for t in tensors:
+        o = p.offsets[t.name]
+        if o % unit:
+            raise PlanError(f"tensor {t.name!r}: offset {o} is not a multiple of "
+                            f"slot_bytes {unit}; pass a smaller slot_bytes")
+        if t.branch is not None and t.branch not in btab:
+            raise PlanError(f"tensor {t.name!r}: branch {t.branch!r} is not in the branch table")
+        if origin is None:
+            chunk, layer = -1, -1
+        elif callable(origin):
+            chunk, layer = origin(t)
+        else:
+            chunk, layer = origin.get(t.name, (-1, -1))
+        is_grad = t.name in grads
+        out.append(SlotPlanEntry(
+            saved_arena_id=-1 if is_grad else arena_id,
+            physical_slot=o // unit,
+            io_branch_id=-1 if t.branch is None else btab[t.branch],
+            model_chunk=chunk,
+            layer=layer,
+            warmup_alias_group=-1 if t.alias_group is None else atab[t.alias_group],
+            user_grad_arena_id=arena_id if is_grad else -1))
+    return out
+
+
+def import_slot_plan(entries: Sequence[Sequence[int]], tensors: Sequence[TensorSpec], *,
+                     slot_bytes: int | None = None,
+                     branches: Sequence[Hashable] | None = None,
+                     arena_bytes: int | None = None) -> Plan:
+    """The :class:`Plan` that ``entries`` describe for ``tensors`` (same order, same length).
+
+    ``slot_bytes`` and ``branches`` must be what the export used. The entries decide the
+    offsets; their branch and alias indices must agree with the specs, and all entries
+    must name one arena. ``arena_bytes`` defaults to the end of the highest tensor. The
+    result is checked with :func:`verify`.
+    """
+    tensors = tuple(tensors)
+    if len(entries) != len(tensors):
+        raise PlanError(f"{len(entries)} slot plan entries for {len(tensors)} tensors")
+    _validate(tensors, None)
+    unit = _slot_bytes(tensors, slot_bytes)
+    btab = {b: k for k, b in enumerate(branch_table(tensors, branches))}
+    atab = _alias_table(tensors)
+    arena: int | None = None
+    offsets: dict[str, int] = {}
+    for k, (raw, t) in enumerate(zip(entries, tensors)):
+        who = f"slot plan entry {k} ({t.name!r})"
+        if len(raw) != 7 or not all(_is_int(x) for x in raw):
+            raise PlanError(f"{who}: expected seven integers, got {tuple(raw)!r}")
+        e = SlotPlanEntry(*raw)
+        ids = [x for x in (e.saved_arena_id, e.user_grad_arena_id) if x >= 0]
+        if len(ids) != 1:
+            raise PlanError(f"{who}: exactly one of saved_arena_id and user_grad_arena_id "
+                            f"must be set (>= 0), got {e.saved_arena_id} and {e.user_grad_arena_id}")
+        if arena is None:
+            arena = ids[0]
+        elif ids[0] != arena:
+            raise PlanError(f"{who}: arena {ids[0]} differs from arena {arena} of entry 0; "
+                            f"a plan is one arena")
+        if t.branch is not None and t.branch not in btab:
+            raise PlanError(f"{who}: branch {t.branch!r} is not in the branch table")
+        want_branch = -1 if t.branch is None else btab[t.branch]
+        if e.io_branch_id != want_branch:
+            raise PlanError(f"{who}: io_branch_id {e.io_branch_id} but the tensor's branch "
+                            f"{t.branch!r} has index {want_branch}")
+        want_group = -1 if t.alias_group is None else atab[t.alias_group]
+        if e.warmup_alias_group != want_group:
+            raise PlanError(f"{who}: warmup_alias_group {e.warmup_alias_group} but the tensor's "
+                            f"alias group {t.alias_group!r} has index {want_group}")
+        if e.physical_slot < 0:
+            raise PlanError(f"{who}: physical_slot must be >= 0, got {e.physical_slot}")
+        offsets[t.name] = e.physical_slot * unit
+    top = max((offsets[t.name] + t.size for t in tensors), default=0)
+    if arena_bytes is None:
+        arena_bytes = top
+    p = Plan(arena_bytes, offsets, lower_bound(tensors), tensors)
+    verify(p)
+    return p
