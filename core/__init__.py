@@ -10,6 +10,9 @@ The public surface:
 * :func:`get_backend` - the device backend (``GRAPHSLOT_BACKEND`` = auto|cpu|cuda|musa).
 * :class:`Backend` - reserve/create/map/unmap/release, streams, events, copies.
 * :mod:`graphslot.errors` - the exception hierarchy.
+* :mod:`graphslot.offload` and :mod:`graphslot.adapters.torch` - graph-safe activation offload.
+* :mod:`graphslot.planner` - plan and verify fixed arenas for tensors with known lifetimes,
+  mutually exclusive branches and alias groups.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ from .errors import (
     StreamError,
     UsageError,
 )
+from .planner import Plan, PlanError, SlotPlanEntry, export_slot_plan, import_slot_plan, plan, verify
 from .selection import BACKENDS, get_backend, selection_reason
 
 __version__ = "0.1.0"
@@ -50,6 +54,13 @@ __all__ = [
     "GraphslotError",
     "InjectedFault",
     "Ledger",
+    "Plan",
+    "PlanError",
+    "SlotPlanEntry",
+    "export_slot_plan",
+    "import_slot_plan",
+    "plan",
+    "verify",
     "Reservation",
     "StateError",
     "StreamError",

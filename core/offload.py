@@ -47,7 +47,7 @@ __all__ = [
     "Mode",
     "State",
     "TRANSITIONS",
-    "TensorSpec",
+    "SavedTensorSpec",
     "OffloadGroup",
     "OffloadEngine",
     "DriverWorker",
@@ -104,7 +104,7 @@ def _step(owner: str, state: State, call: str) -> State:
 
 
 @dataclass(frozen=True)
-class TensorSpec:
+class SavedTensorSpec:
     """What discovery saw of one saved tensor, and where it lives in the slot."""
 
     shape: tuple[int, ...]
@@ -116,8 +116,8 @@ class TensorSpec:
     offload: bool = True  #: False: kept on the device (below the size threshold)
 
     @staticmethod
-    def of(t: torch.Tensor) -> TensorSpec:
-        return TensorSpec(tuple(t.shape), tuple(t.stride()), t.dtype, str(t.device),
+    def of(t: torch.Tensor) -> SavedTensorSpec:
+        return SavedTensorSpec(tuple(t.shape), tuple(t.stride()), t.dtype, str(t.device),
                           t.numel() * t.element_size())
 
     def describe(self) -> str:
@@ -220,7 +220,7 @@ class OffloadGroup:
         self.name = name
         self.offload_enabled = offload
         self.state = State.DISCOVERING
-        self.specs: list[TensorSpec] = []
+        self.specs: list[SavedTensorSpec] = []
         self.nbytes = 0  # slot bytes (all specs, aligned)
         self.host_bytes = 0  # bytes of offloaded specs (they come first in the slot)
         self.reservation: Reservation | None = None  # remap: own VA; resident: the bank's
@@ -245,7 +245,7 @@ class OffloadGroup:
     def discover(self, t: torch.Tensor) -> None:
         """Record one saved tensor seen during the eager warm-up (autograd is untouched)."""
         self._go("discover")
-        self.specs.append(TensorSpec.of(t))
+        self.specs.append(SavedTensorSpec.of(t))
 
     def restart_discovery(self) -> None:
         """Forget what an earlier warm-up iteration recorded (each iteration must agree)."""
@@ -261,12 +261,12 @@ class OffloadGroup:
         ordered = sorted(range(len(self.specs)),
                          key=lambda i: not (self.offload_enabled and self.specs[i].nbytes >= eng.min_bytes))
         pos = 0
-        placed: dict[int, TensorSpec] = {}
+        placed: dict[int, SavedTensorSpec] = {}
         host = 0
         for i in ordered:
             s = self.specs[i]
             off = self.offload_enabled and s.nbytes >= eng.min_bytes
-            placed[i] = TensorSpec(s.shape, s.stride, s.dtype, s.device, s.nbytes, pos, off)
+            placed[i] = SavedTensorSpec(s.shape, s.stride, s.dtype, s.device, s.nbytes, pos, off)
             pos = align_up(pos + s.nbytes, _ALIGN)
             if off:
                 host = pos
@@ -311,7 +311,7 @@ class OffloadGroup:
                 f"offload group {self.name}: capture saved more tensors than discovery saw "
                 f"({len(self.specs)}); the layer must save the same tensors every time")
         spec = self.specs[i]
-        got = TensorSpec.of(t)
+        got = SavedTensorSpec.of(t)
         if (got.shape, got.stride, got.dtype, got.device) != (spec.shape, spec.stride, spec.dtype, spec.device):
             raise CaptureMismatchError(
                 f"offload group {self.name}: saved tensor #{i} is {got.describe()} at capture but "
@@ -365,7 +365,7 @@ class OffloadGroup:
         return host, dev
 
 
-def _dense_stride(s: TensorSpec) -> tuple[int, ...] | None:
+def _dense_stride(s: SavedTensorSpec) -> tuple[int, ...] | None:
     """Slot views are dense: the original stride if it is dense, else contiguous."""
     # Dense means the strides are a permutation of some contiguous layout's.
     dims = sorted((st, n) for st, n in zip(s.stride, s.shape) if n != 1)
