@@ -131,6 +131,19 @@ class Ledger:
     def __init__(self) -> None:
         self.reservations: dict[int, Reservation] = {}
         self.allocations: set[Allocation] = set()
+        self._mapped = 0
+        #: the most bytes mapped at once since the last :meth:`reset_peak`.
+        self.peak_mapped_bytes = 0
+
+    def _on_map(self, nbytes: int) -> None:
+        self._mapped += nbytes
+        self.peak_mapped_bytes = max(self.peak_mapped_bytes, self._mapped)
+
+    def _on_unmap(self, nbytes: int) -> None:
+        self._mapped -= nbytes
+
+    def reset_peak(self) -> None:
+        self.peak_mapped_bytes = self._mapped
 
     @property
     def reserved_bytes(self) -> int:
@@ -143,7 +156,8 @@ class Ledger:
 
     @property
     def mapped_bytes(self) -> int:
-        return sum(m.size for r in self.reservations.values() for m in r.mappings.values())
+        """Bytes mapped through graphslot now (an allocation mapped twice counts twice)."""
+        return self._mapped
 
     def find(self, va: int, nbytes: int) -> Reservation | None:
         """The live reservation that holds all of ``[va, va + nbytes)``, if any."""
@@ -513,6 +527,7 @@ class Backend(abc.ABC):
                          self._map, va, alloc.size, alloc.handle)
             res.mappings[offset] = Mapping(offset, alloc.size, alloc)
             alloc.mapped_at.add((res.va, offset))
+            self.ledger._on_map(alloc.size)
 
     def set_access(self, res: Reservation, offset: int, size: int) -> None:
         """Grant the device read/write access to mapped ``[offset, offset + size)``."""
@@ -543,6 +558,7 @@ class Backend(abc.ABC):
             for m in covered:
                 del res.mappings[m.offset]
                 m.allocation.mapped_at.discard((res.va, m.offset))
+                self.ledger._on_unmap(m.size)
 
     def _mappings_in(self, res: Reservation, offset: int, size: int, what: str) -> list[Mapping]:
         """The mappings that exactly tile ``[offset, offset + size)``, or a UsageError."""
@@ -591,6 +607,17 @@ class Backend(abc.ABC):
     def mem_info(self) -> tuple[int, int]:
         """Driver-level ``(free_bytes, total_bytes)`` of the device."""
         return self._mem_info()
+
+    def allocator_stats(self, reset_peak: bool = False) -> dict[str, int | None]:
+        """The framework allocator's view of device memory, graph private pools included.
+
+        Keys: ``allocated_bytes``, ``reserved_bytes``, ``peak_reserved_bytes`` (since the
+        last ``reset_peak=True``), ``graph_pool_reserved_bytes`` and
+        ``graph_pool_allocated_bytes``. ``None`` where this backend's allocator cannot see
+        a figure. The default sees nothing; backends override it.
+        """
+        return {"allocated_bytes": None, "reserved_bytes": None, "peak_reserved_bytes": None,
+                "graph_pool_reserved_bytes": None, "graph_pool_allocated_bytes": None}
 
     # ------------------------------------------------------------------ public: tensors
 

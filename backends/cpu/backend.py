@@ -82,6 +82,7 @@ class CpuBackend(Backend):
         self._gran = granularity
         self._streams: weakref.WeakSet[_s.CpuStream] = weakref.WeakSet()
         self._capture = threading.local()
+        self._graphs: weakref.WeakSet[DeviceGraph] = weakref.WeakSet()
 
     # -- memory ---------------------------------------------------------------
 
@@ -211,7 +212,15 @@ class CpuBackend(Backend):
     def new_graph(self, share_pool_with: DeviceGraph | None = None) -> DeviceGraph:
         from .graph import CpuGraph
 
-        return CpuGraph(self)
+        g = CpuGraph(self)
+        self._graphs.add(g)
+        return g
+
+    def allocator_stats(self, reset_peak: bool = False) -> dict[str, int | None]:
+        # torch's host allocator keeps no statistics; graph pools are ours and exact.
+        pools = sum(getattr(g, "pool_bytes", 0) for g in list(self._graphs))
+        return {"allocated_bytes": None, "reserved_bytes": None, "peak_reserved_bytes": None,
+                "graph_pool_reserved_bytes": pools, "graph_pool_allocated_bytes": pools}
 
     # -- info -------------------------------------------------------------------
 

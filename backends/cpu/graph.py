@@ -165,3 +165,12 @@ class CpuGraph(DeviceGraph):
     @property
     def num_ops(self) -> int:
         return len(self._ops)
+
+    @property
+    def pool_bytes(self) -> int:
+        """Bytes of the graph's private pool (distinct storages it keeps alive)."""
+        seen: dict[int, int] = {}
+        for t in self._pool:
+            st = t.untyped_storage()
+            seen[st.data_ptr()] = st.nbytes()
+        return sum(seen.values())

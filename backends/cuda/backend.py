@@ -135,6 +135,26 @@ class CudaBackend(Backend):
         free, total = _check("cuMemGetInfo", cu.cuMemGetInfo())
         return int(free), int(total)
 
+    def allocator_stats(self, reset_peak: bool = False) -> dict[str, int | None]:
+        st = torch.cuda.memory_stats(self._torch_device)
+        pool_reserved = pool_allocated = 0
+        for seg in torch.cuda.memory_snapshot():
+            if seg.get("device", self._index) != self._index:
+                continue
+            if tuple(seg.get("segment_pool_id", (0, 0))) != (0, 0):  # a private (graph) pool
+                pool_reserved += int(seg["total_size"])
+                pool_allocated += int(seg["allocated_size"])
+        out: dict[str, int | None] = {
+            "allocated_bytes": int(st.get("allocated_bytes.all.current", 0)),
+            "reserved_bytes": int(st.get("reserved_bytes.all.current", 0)),
+            "peak_reserved_bytes": int(st.get("reserved_bytes.all.peak", 0)),
+            "graph_pool_reserved_bytes": pool_reserved,
+            "graph_pool_allocated_bytes": pool_allocated,
+        }
+        if reset_peak:
+            torch.cuda.reset_peak_memory_stats(self._torch_device)
+        return out
+
     def _is_capturing(self) -> bool:
         return bool(torch.cuda.is_current_stream_capturing())
 
