@@ -25,6 +25,7 @@ shapes inside a layer; random ops (dropout) are not supported inside graphed lay
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any, Iterable, Sequence
 
 import torch
@@ -64,8 +65,12 @@ class _Runner:
         self.static_in = sample.detach().clone().requires_grad_(sample.requires_grad)
         inputs = ([self.static_in] if sample.requires_grad else []) + self.params
 
+        dev = b.device
+
         def is_state(t: torch.Tensor) -> bool:
-            return t.untyped_storage().data_ptr() in state
+            # Parameters and buffers are never offloaded; neither are host-side or empty
+            # tensors some kernels save (e.g. RNG seeds), which cost the device nothing.
+            return t.device != dev or t.numel() == 0 or t.untyped_storage().data_ptr() in state
 
         if eng.mode is not Mode.OFF:
             self.group = eng.group(f"layer{self.index}", offload=self.index in st.offload_layers)
@@ -151,7 +156,8 @@ class _Runner:
                 eng.prefetch_forward(nxt.group)
         with torch.no_grad():
             si.copy_(x)
-        self.fwd.replay()
+        with self.stack._span(f"fwd layer{self.index}"):
+            self.fwd.replay()
         if ticket is not None:
             eng.after_forward(ticket)
         return self.static_out.detach().clone()
@@ -172,7 +178,8 @@ class _Runner:
         if self.has_bwd:
             with torch.no_grad():
                 self.static_grad_out.copy_(grad)
-            self.bwd.replay()
+            with self.stack._span(f"bwd layer{self.index}"):
+                self.bwd.replay()
         if t is not None:
             eng.consumed(t)
         # Clones: autograd may keep a returned gradient as .grad (it steals sole
@@ -244,6 +251,19 @@ class GraphedLayers(nn.Module):
     def bank_index(self, layer: int) -> int:
         """Ping-pong bank of ``layer``: alternate in backward consumption order (last first)."""
         return (len(self.layers) - 1 - layer) % 2
+
+    @property
+    def timeline(self) -> Any:
+        """A :class:`graphslot.trace.Timeline` recording compute and copy spans, or None."""
+        return self.engine.timeline
+
+    @timeline.setter
+    def timeline(self, tl: Any) -> None:
+        self.engine.timeline = tl
+
+    def _span(self, name: str) -> Any:
+        tl = self.engine.timeline
+        return contextlib.nullcontext() if tl is None else tl.span("compute", name)
 
     def _next_forward(self, i: int) -> _Runner | None:
         return self._runners[i + 1] if i + 1 < len(self._runners) else None

@@ -14,9 +14,9 @@ import statistics
 import time
 from typing import Any
 
-import torch
 
 import graphslot
+from graphslot.bench import copy_bandwidth
 
 MiB = 1 << 20
 OPS = ("create", "map", "set_access", "unmap", "release")
@@ -52,37 +52,6 @@ def vmm_costs(b: graphslot.Backend, size: int, reps: int) -> dict[str, dict[str,
         b.free(res)
     return {op: {"raw_us": _median_us(raw[op][2:]), "graphslot_us": _median_us(checked[op][2:])}
             for op in OPS}
-
-
-def copy_bandwidth(b: graphslot.Backend, nbytes: int, reps: int = 5) -> dict[str, float]:
-    """GB/s device->pinned host, pinned host->device, and both directions at once (total)."""
-    dev_a = torch.empty(nbytes, dtype=torch.uint8, device=b.device).fill_(1)
-    dev_b = torch.empty(nbytes, dtype=torch.uint8, device=b.device)
-    host_a, host_b = b.pinned_empty(nbytes), b.pinned_empty(nbytes)
-    host_b.fill_(2)
-    s1, s2 = b.new_stream(), b.new_stream()
-    b.synchronize()
-
-    def one_way(dst: torch.Tensor, src: torch.Tensor) -> float:
-        times = []
-        for _ in range(reps + 1):
-            with b.timed(s1) as t:
-                b.copy_async(dst, src, s1)
-            times.append(t["device_ms"])
-        return nbytes / (statistics.median(times[1:]) / 1e3) / 1e9
-
-    d2h = one_way(host_a, dev_a)
-    h2d = one_way(dev_b, host_b)
-    both = []
-    for _ in range(reps + 1):
-        b.synchronize()
-        t0 = time.perf_counter()
-        b.copy_async(host_a, dev_a, s1)
-        b.copy_async(dev_b, host_b, s2)
-        b.synchronize()
-        both.append(time.perf_counter() - t0)
-    return {"d2h_gbps": d2h, "h2d_gbps": h2d,
-            "both_total_gbps": 2 * nbytes / statistics.median(both[1:]) / 1e9}
 
 
 def main() -> None:

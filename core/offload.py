@@ -30,6 +30,7 @@ never inside a host callback or a capture, so the training thread does not stall
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import queue
 import threading
@@ -412,6 +413,8 @@ class OffloadEngine:
         #: seconds of busy work queued before every copy (tests use it to slow the copy streams)
         self.copy_delay_s = 0.0
         self._fences = True  # tests switch the bank fences off to show they matter
+        #: a :class:`graphslot.trace.Timeline` to record copy spans on, or None
+        self.timeline: Any = None
 
     def group(self, name: str, offload: bool = True) -> OffloadGroup:
         g = OffloadGroup(self, name, offload and self.mode is not Mode.OFF)
@@ -489,12 +492,13 @@ class OffloadEngine:
         src_host, src_dev = g._slot_bytes_view()
         s = self.d2h_stream
         b.wait_event(s, fwd_done)  # the copy stream waits only on the forward
-        if self.copy_delay_s:
-            b.spin(self.copy_delay_s, s)
-        if src_host is not None:
-            b.copy_async(t.stash.host, src_host, s)
-        if src_dev is not None:
-            b.copy_async(t.stash.device, src_dev, s)
+        with self._span("d2h", f"{g.name} mb{t.microbatch}", s, g.host_bytes):
+            if self.copy_delay_s:
+                b.spin(self.copy_delay_s, s)
+            if src_host is not None:
+                b.copy_async(t.stash.host, src_host, s)
+            if src_dev is not None:
+                b.copy_async(t.stash.device, src_dev, s)
         t.d2h_done = b.record_event(b.new_event(), s)
         self.stats["offloaded_bytes"] += g.host_bytes
         self.stats["kept_bytes"] += g.nbytes - g.host_bytes
@@ -556,12 +560,13 @@ class OffloadEngine:
         b, g, st = self.backend, t.group, t.stash
         assert st is not None
         dst_host, dst_dev = g._slot_bytes_view()
-        if self.copy_delay_s:
-            b.spin(self.copy_delay_s, s)
-        if dst_host is not None:
-            b.copy_async(dst_host, st.host, s)
-        if dst_dev is not None:
-            b.copy_async(dst_dev, st.device, s)
+        with self._span("h2d", f"{g.name} mb{t.microbatch}", s, g.host_bytes):
+            if self.copy_delay_s:
+                b.spin(self.copy_delay_s, s)
+            if dst_host is not None:
+                b.copy_async(dst_host, st.host, s)
+            if dst_dev is not None:
+                b.copy_async(dst_dev, st.device, s)
         t.restore_done = b.record_event(b.new_event(), s)
         self.stats["restored_bytes"] += g.host_bytes
 
@@ -613,6 +618,11 @@ class OffloadEngine:
             self.worker.submit(lambda: self._release_after(res, done))  # type: ignore[union-attr,arg-type]
 
     # -- inspection ----------------------------------------------------------------------
+
+    def _span(self, track: str, name: str, stream: Any, nbytes: int) -> Any:
+        if self.timeline is None:
+            return contextlib.nullcontext()
+        return self.timeline.span(track, name, stream, nbytes)
 
     def _checksums(self, g: OffloadGroup) -> list[int]:
         self.backend.synchronize()

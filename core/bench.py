@@ -1,0 +1,460 @@
+"""``graphslot bench``: memory at speed, side by side, on a GPT-like layer stack.
+
+In one process, on the same layers and data, it runs
+
+============== ==============================================================
+eager          plain autograd
+save_on_cpu    eager with ``torch.autograd.graph.save_on_cpu(pin_memory=True)``
+graph          graphed layers, no offload (``GraphedLayers(mode="off")``)
+graph_resident graphed, every layer offloaded, two resident banks
+graph_remap    graphed, every layer offloaded, pages released between phases
+graph_auto     graphed, resident, offloading as many layers as compute can hide
+============== ==============================================================
+
+and reports for each: median step time, driver-level peak device memory, activation
+bytes left on the device at the forward/backward boundary, bytes offloaded, achieved
+copy bandwidth, exposed copy time and efficiency against the ideal bound
+(per phase, the larger of the compute time and offloaded bytes over the copy ceiling).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass
+from typing import Any, Callable
+
+import torch
+
+from .backend import Backend
+from .memory import report
+from .toy import Block, GPTConfig
+from .trace import Timeline
+
+__all__ = ["BenchShape", "CONFIGS", "run_bench", "copy_bandwidth", "auto_offload_layers",
+           "add_parser"]
+
+CONFIGS = ("eager", "save_on_cpu", "graph", "graph_resident", "graph_remap", "graph_auto")
+GiB, MiB = 1 << 30, 1 << 20
+
+
+@dataclass
+class BenchShape:
+    hidden: int = 4096
+    heads: int = 32
+    ffn: int = 16384
+    seq: int = 4096
+    batch: int = 1
+    layers: int = 8
+    dtype: str = "bfloat16"
+    attention: str = "sdpa"
+
+    @staticmethod
+    def preset(name: str) -> BenchShape:
+        if name == "default":
+            return BenchShape()
+        if name == "launch":  # small layers, many of them: launch-bound, where graphs pay
+            return BenchShape(hidden=256, heads=4, ffn=1024, seq=128, batch=4, layers=32)
+        if name == "tiny":  # CI size
+            return BenchShape(hidden=64, heads=4, ffn=128, seq=32, batch=2, layers=3,
+                              dtype="float32", attention="math")
+        raise ValueError(f"unknown preset {name!r}; choose default, launch or tiny")
+
+
+def copy_bandwidth(b: Backend, nbytes: int, reps: int = 5) -> dict[str, float]:
+    """GB/s device->pinned host, pinned host->device, and both directions at once (total)."""
+    dev_a = torch.empty(nbytes, dtype=torch.uint8, device=b.device).fill_(1)
+    dev_b = torch.empty(nbytes, dtype=torch.uint8, device=b.device)
+    host_a, host_b = b.pinned_empty(nbytes), b.pinned_empty(nbytes)
+    host_b.fill_(2)
+    s1, s2 = b.new_stream(), b.new_stream()
+    b.synchronize()
+
+    def one_way(dst: torch.Tensor, src: torch.Tensor) -> float:
+        times = []
+        for _ in range(reps + 1):
+            with b.timed(s1) as t:
+                b.copy_async(dst, src, s1)
+            times.append(t["device_ms"])
+        return nbytes / (statistics.median(times[1:]) / 1e3) / 1e9
+
+    d2h = one_way(host_a, dev_a)
+    h2d = one_way(dev_b, host_b)
+    both = []
+    for _ in range(reps + 1):
+        b.synchronize()
+        t0 = time.perf_counter()
+        b.copy_async(host_a, dev_a, s1)
+        b.copy_async(dev_b, host_b, s2)
+        b.synchronize()
+        both.append(time.perf_counter() - t0)
+    return {"d2h_gbps": d2h, "h2d_gbps": h2d,
+            "both_total_gbps": 2 * nbytes / statistics.median(both[1:]) / 1e9}
+
+
+def auto_offload_layers(layers: int, layer_bytes: int, fwd_ms: float, bwd_ms: float,
+                        gbps: float, margin: float = 0.85) -> list[int]:
+    """The layers to offload so the copies hide under compute.
+
+    Copies of layer k can overlap the compute that follows it, so the first layers of the
+    forward (the last of the backward) hide best. Offloading ``n`` layers moves
+    ``n * layer_bytes`` each way; each direction must fit in ``margin`` of its phase's
+    compute time at ``gbps``.
+    """
+    if layer_bytes <= 0 or gbps <= 0:
+        return list(range(layers))
+    per_ms = gbps * 1e6  # bytes per millisecond
+    # The last forward layer's copy cannot overlap forward compute, nor the first
+    # backward layer's reload backward compute: budget one layer less.
+    n = math.floor(margin * min(fwd_ms, bwd_ms) * per_ms / layer_bytes)
+    return list(range(max(0, min(layers - 1, n))))
+
+
+class _Progress:
+    def __init__(self, total: int, enabled: bool) -> None:
+        self.total, self.done, self.enabled = total, 0, enabled
+        self.tty = enabled and sys.stderr.isatty()
+
+    def update(self, label: str, advance: bool = True) -> None:
+        if not self.enabled:
+            return
+        if advance:
+            self.done += 1
+        width = 24
+        filled = int(width * self.done / max(self.total, 1))
+        line = f"[{'#' * filled}{'.' * (width - filled)}] {self.done}/{self.total} {label}"
+        if self.tty:
+            sys.stderr.write("\r" + line.ljust(78))
+        else:
+            sys.stderr.write(line + "\n")
+        sys.stderr.flush()
+
+    def close(self) -> None:
+        if self.tty:
+            sys.stderr.write("\n")
+
+
+def _saved_activation_bytes(layers: list[torch.nn.Module], x: torch.Tensor) -> int:
+    state = {t.untyped_storage().data_ptr() for m in layers for t in [*m.parameters(), *m.buffers()]}
+    total = 0
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        nonlocal total
+        if t.untyped_storage().data_ptr() not in state and t.device == x.device:
+            total += t.numel() * t.element_size()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        h = x
+        for m in layers:
+            h = m(h)
+    del h
+    return total
+
+
+def run_bench(b: Backend, shape: BenchShape, *, steps: int = 10, warmup: int = 3,
+              configs: tuple[str, ...] = CONFIGS, trace_path: str | None = None,
+              plot_path: str | None = None, progress: bool = True) -> dict[str, Any]:
+    """Run the comparison on backend ``b``; returns the JSON-able report."""
+    from graphslot.adapters.torch import GraphedLayers
+
+    dtype = getattr(torch, shape.dtype)
+    c = GPTConfig(hidden=shape.hidden, heads=shape.heads, ffn=shape.ffn, seq=shape.seq,
+                  batch=shape.batch, layers=shape.layers, attention=shape.attention)
+    torch.manual_seed(0)
+    layers = [Block(c).to(device=b.device, dtype=dtype) for _ in range(shape.layers)]
+    params = [p for m in layers for p in m.parameters()]
+    x = torch.randn(shape.batch, shape.seq, shape.hidden, device=b.device, dtype=dtype,
+                    requires_grad=True)
+    gy = torch.randn_like(x)
+    saved = _saved_activation_bytes(layers, x)
+    layer_bytes = saved // shape.layers
+    copy_n = min(GiB, max(MiB, layer_bytes))
+    ceiling = copy_bandwidth(b, copy_n)
+    ceil_gbps = min(ceiling["d2h_gbps"], ceiling["h2d_gbps"])
+    out: dict[str, Any] = {
+        "backend": b.name, "device": b.info()["device"], "shape": asdict(shape),
+        "steps": steps, "copy_ceiling_gbps": ceil_gbps, "copy": ceiling,
+        "saved_activation_bytes": saved, "configs": {},
+    }
+    bar = _Progress(len(configs) * (warmup + steps + 2), progress)
+    timings: dict[str, dict[str, float]] = {}
+    traces: dict[str, Timeline] = {}
+    curves: dict[str, list[tuple[str, int]]] = {}
+
+    def zero_grads() -> None:
+        x.grad = None
+        for p in params:
+            p.grad = None
+
+    for name in configs:
+        reason = _unsupported(b, name)
+        if reason:
+            out["configs"][name] = {"reason": reason}
+            bar.done += warmup + steps + 2
+            continue
+        stack: Any = None
+        if name.startswith("graph"):
+            mode = {"graph": "off", "graph_resident": "resident", "graph_remap": "remap",
+                    "graph_auto": "resident"}[name]
+            kw: dict[str, Any] = {}
+            if name == "graph_auto":
+                t = timings.get("graph") or timings.get("eager")
+                if t is None:
+                    out["configs"][name] = {"reason": "needs the graph or eager config first "
+                                                      "to time compute"}
+                    continue
+                kw["offload_layers"] = auto_offload_layers(shape.layers, layer_bytes, t["fwd_ms"],
+                                                           t["bwd_ms"], ceil_gbps)
+            bar.update(f"{name}: capture", advance=False)
+            stack = GraphedLayers(layers, x, mode=mode, backend=b, warmup_iters=2, **kw)
+
+            def fwd(stack: Any = stack) -> torch.Tensor:
+                return stack(x)
+        elif name == "save_on_cpu":
+            def fwd() -> torch.Tensor:
+                with torch.autograd.graph.save_on_cpu(pin_memory=True):
+                    h = x
+                    for m in layers:
+                        h = m(h)
+                return h
+        else:
+            def fwd() -> torch.Tensor:
+                h = x
+                for m in layers:
+                    h = m(h)
+                return h
+
+        def step() -> None:
+            y = fwd()
+            y.backward(gy)
+            zero_grads()
+
+        for i in range(warmup):
+            step()
+            bar.update(f"{name}: warm-up {i + 1}/{warmup}")
+        b.synchronize()
+        times = []
+        off0 = stack.engine.stats["offloaded_bytes"] if stack is not None else 0
+        for i in range(steps):
+            t0 = time.perf_counter()
+            step()
+            b.synchronize()
+            times.append((time.perf_counter() - t0) * 1e3)
+            bar.update(f"{name}: step {i + 1}/{steps}")
+        step_ms = statistics.median(times)
+        offloaded = ((stack.engine.stats["offloaded_bytes"] - off0) // steps) if stack is not None else 0
+
+        # One step with a timeline: phase times and copy busy times.
+        tl = Timeline(b)
+        if stack is not None:
+            stack.timeline = tl
+        b.synchronize()
+        tl.start()
+        with tl.span("phase", "forward"):
+            y = fwd()
+        with tl.span("phase", "backward"):
+            y.backward(gy)
+        b.synchronize()
+        if stack is not None:
+            stack.engine.settle()
+            stack.timeline = None
+        zero_grads()
+        del y
+        spans = tl.spans()
+        fwd_ms = sum(s.dur_ms for s in spans if s.track == "phase" and s.name == "forward")
+        bwd_ms = sum(s.dur_ms for s in spans if s.track == "phase" and s.name == "backward")
+        timings[name] = {"step_ms": step_ms, "fwd_ms": fwd_ms, "bwd_ms": bwd_ms}
+        traces[name] = tl
+        bar.update(f"{name}: timeline")
+
+        # One step for memory: peaks from a known baseline, and the boundary.
+        curve: list[tuple[str, int]] = []
+        peak, boundary = _memory_step(b, fwd, gy, stack, saved if name in ("eager", "graph") else 0,
+                                      curve, zero_grads)
+        curves[name] = curve
+        bar.update(f"{name}: memory")
+
+        d2h = h2d = None
+        if stack is not None:
+            ms, n = tl.busy("d2h")
+            d2h = n / ms / 1e6 if ms > 0 and n else None
+            ms, n = tl.busy("h2d")
+            h2d = n / ms / 1e6 if ms > 0 and n else None
+        elif name == "save_on_cpu":
+            offloaded = saved
+        out["configs"][name] = {
+            "step_ms": step_ms, "fwd_ms": fwd_ms, "bwd_ms": bwd_ms,
+            "peak_device_bytes": peak, "activation_bytes_at_boundary": boundary,
+            "offloaded_bytes": offloaded, "d2h_gbps": d2h, "h2d_gbps": h2d,
+        }
+        if name == "graph_auto":
+            out["configs"][name]["offload_layers"] = kw["offload_layers"]
+        if stack is not None:
+            stack.close()
+            del stack
+        if name == "save_on_cpu" and b.name != "cpu":
+            out["configs"][name]["d2h_gbps"] = out["configs"][name]["h2d_gbps"] = None
+            out["configs"][name]["copy_note"] = "copies issued by torch inside autograd; not timed"
+    bar.close()
+    _derive(out, timings, ceil_gbps)
+    if trace_path:
+        pick = next((n for n in ("graph_auto", "graph_resident", "graph_remap") if n in traces), None)
+        if pick:
+            traces[pick].write(trace_path)
+            out["trace"] = {"config": pick, "path": trace_path}
+    if plot_path:
+        _plot(curves, plot_path, b.name)
+        out["plot"] = plot_path
+    return out
+
+
+def _unsupported(b: Backend, name: str) -> str | None:
+    if name == "save_on_cpu" and b.device.type == "cpu":
+        return ("save_on_cpu moves device tensors to pinned host memory; on the cpu backend "
+                "they already are on the host")
+    if name not in CONFIGS:
+        return f"unknown configuration {name!r}"
+    return None
+
+
+def _memory_step(b: Backend, fwd: Callable[[], torch.Tensor], gy: torch.Tensor, stack: Any,
+                 saved_on_device: int, curve: list[tuple[str, int]],
+                 zero_grads: Callable[[], None]) -> tuple[int | None, int]:
+    b.synchronize()
+    b.allocator_stats(reset_peak=True)
+    b.ledger.reset_peak()
+    before = report(b, samples=3)
+    y = fwd()
+    b.synchronize()
+    if stack is not None and stack.mode.value != "off":
+        stack.engine.settle()
+        boundary = stack.engine.resident_device_bytes
+    else:  # eager, or graphs without offload: every saved activation is still on the device
+        boundary = saved_on_device
+    mid = report(b, samples=1)
+    curve += [("start", before.driver_used_bytes), ("boundary", mid.driver_used_bytes)]
+    y.backward(gy)
+    del y
+    b.synchronize()
+    if stack is not None:
+        stack.engine.settle()
+    after = report(b, samples=1)
+    curve.append(("end", after.driver_used_bytes))
+    zero_grads()
+    stats = b.allocator_stats()
+    if stats["peak_reserved_bytes"] is None or before.allocator_reserved_bytes is None:
+        return None, boundary  # this backend's allocator keeps no peak
+    peak = (before.driver_used_bytes + (stats["peak_reserved_bytes"] - before.allocator_reserved_bytes)
+            + (b.ledger.peak_mapped_bytes - before.mapped_bytes))
+    return peak, boundary
+
+
+def _derive(out: dict[str, Any], timings: dict[str, dict[str, float]], gbps: float) -> None:
+    """Exposed copy time and efficiency against the ideal bound, per configuration."""
+    runs = [timings[n] for n in ("graph", "eager") if n in timings]
+    if not runs:
+        return
+    # The compute of a phase is the faster of eager and graphed (no offload) runs.
+    fwd = min(t["fwd_ms"] for t in runs)
+    bwd = min(t["bwd_ms"] for t in runs)
+    base_step = (timings.get("graph") or timings["eager"])["step_ms"]
+    for r in out["configs"].values():
+        if "reason" in r:
+            continue
+        off = r["offloaded_bytes"]
+        copy_ms = off / (gbps * 1e6) if gbps > 0 else 0.0
+        ideal = max(fwd, copy_ms) + max(bwd, copy_ms)
+        r["ideal_ms"] = ideal
+        r["efficiency"] = ideal / r["step_ms"] if r["step_ms"] > 0 else None
+        r["exposed_copy_ms"] = max(0.0, r["step_ms"] - base_step) if off else 0.0
+
+
+def _plot(curves: dict[str, list[tuple[str, int]]], path: str, backend: str) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as e:
+        raise SystemExit(f"graphslot bench --plot needs matplotlib ({e}); "
+                         "pip install 'graphslot[plot]'") from None
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for name, pts in curves.items():
+        if pts:
+            base = pts[0][1]
+            ax.plot([p[0] for p in pts], [(v - base) / GiB for _, v in pts], marker="o", label=name)
+    ax.set_ylabel("device memory above step start (GiB, driver)")
+    ax.set_title(f"graphslot bench: device memory over one step ({backend})")
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _table(r: dict[str, Any]) -> str:
+    lines = [f"graphslot bench on {r['backend']} ({r['device']}); shape {r['shape']}",
+             f"copy ceiling {r['copy_ceiling_gbps']:.1f} GB/s; saved activations "
+             f"{r['saved_activation_bytes'] / MiB:.1f} MiB per step",
+             f"{'config':<15}{'step ms':>9}{'peak dev':>11}{'act@bound':>11}{'offload':>10}"
+             f"{'D2H GB/s':>10}{'H2D GB/s':>10}{'exposed':>9}{'eff':>6}"]
+
+    def mb(v: int | None) -> str:
+        if v is None:
+            return "-"
+        return f"{v / GiB:.2f}G" if abs(v) >= GiB else f"{v / MiB:.1f}M"
+
+    def f(v: float | None, fmt: str = ".1f") -> str:
+        return "-" if v is None else format(v, fmt)
+
+    for name, c in r["configs"].items():
+        if "reason" in c:
+            lines.append(f"{name:<15} skipped: {c['reason']}")
+            continue
+        lines.append(f"{name:<15}{c['step_ms']:9.2f}{mb(c['peak_device_bytes']):>11}"
+                     f"{mb(c['activation_bytes_at_boundary']):>11}{mb(c['offloaded_bytes']):>10}"
+                     f"{f(c['d2h_gbps']):>10}{f(c['h2d_gbps']):>10}{f(c.get('exposed_copy_ms')):>9}"
+                     f"{f(c.get('efficiency'), '.2f'):>6}")
+    return "\n".join(lines)
+
+
+def main(args: argparse.Namespace) -> int:
+    from .selection import get_backend
+
+    b = get_backend(args.backend)
+    shape = BenchShape.preset(args.preset)
+    for k in ("hidden", "heads", "ffn", "seq", "batch", "layers", "dtype", "attention"):
+        v = getattr(args, k)
+        if v is not None:
+            setattr(shape, k, v)
+    configs = tuple(args.configs.split(",")) if args.configs else CONFIGS
+    r = run_bench(b, shape, steps=args.steps, warmup=args.warmup, configs=configs,
+                  trace_path=args.trace, plot_path=args.plot, progress=not args.quiet)
+    if args.json:
+        print(json.dumps(r, indent=2))
+    else:
+        print(_table(r))
+    return 0
+
+
+def add_parser(sub: Any) -> None:
+    p = sub.add_parser("bench", help="eager, save_on_cpu and graphed offload side by side")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--trace", metavar="FILE", help="write a Chrome/Perfetto trace of one step")
+    p.add_argument("--plot", metavar="FILE", help="write a PNG of device memory over one step")
+    p.add_argument("--preset", default="default", choices=("default", "launch", "tiny"))
+    for k, t in (("hidden", int), ("heads", int), ("ffn", int), ("seq", int), ("batch", int),
+                 ("layers", int)):
+        p.add_argument(f"--{k}", type=t, default=None)
+    p.add_argument("--dtype", default=None, choices=("bfloat16", "float16", "float32"))
+    p.add_argument("--attention", default=None, choices=("sdpa", "math"))
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--configs", default=None, help=f"comma-separated subset of {','.join(CONFIGS)}")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(func=main)

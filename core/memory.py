@@ -1,0 +1,107 @@
+"""Memory accounting that sees graph pools and VMM pages.
+
+One :class:`MemoryReport` separates three views of device memory, each exact about
+what it can see and blind to the rest:
+
+(a) **graphslot's ledger** (``mapped_bytes``, ``allocated_bytes``, ``reserved_va_bytes``):
+    exact, from graphslot's own books. Sees every page graphslot created and mapped,
+    and nothing else. A physical allocation mapped at two addresses counts twice in
+    ``mapped_bytes`` and once in ``allocated_bytes``.
+(b) **the framework allocator** (``allocator_allocated_bytes``,
+    ``allocator_reserved_bytes``, ``graph_pool_reserved_bytes``,
+    ``graph_pool_allocated_bytes``): from the allocator's statistics and memory
+    snapshot, graph private pools included. Exact for what the allocator manages; blind
+    to graphslot's VMM pages, to other libraries' direct driver allocations, and to
+    driver/graph metadata. ``None`` where the backend's allocator keeps no figures
+    (host memory on the cpu backend).
+(c) **the driver** (``driver_free_bytes``, ``driver_total_bytes``, ``driver_used_bytes``):
+    sees everything on the device, this process's and others', including graph
+    executables and library workspaces, so it is the ground truth for "did memory come
+    back", but it moves with unrelated activity. :func:`report` takes the median of
+    several reads.
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import asdict, dataclass, fields
+from contextlib import contextmanager
+from typing import Any, Iterator
+
+from .backend import Backend
+
+__all__ = ["MemoryReport", "report", "measure"]
+
+
+@dataclass(frozen=True)
+class MemoryReport:
+    mapped_bytes: int
+    allocated_bytes: int
+    reserved_va_bytes: int
+    allocator_allocated_bytes: int | None
+    allocator_reserved_bytes: int | None
+    graph_pool_reserved_bytes: int | None
+    graph_pool_allocated_bytes: int | None
+    driver_free_bytes: int
+    driver_total_bytes: int
+
+    @property
+    def driver_used_bytes(self) -> int:
+        return self.driver_total_bytes - self.driver_free_bytes
+
+    def as_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["driver_used_bytes"] = self.driver_used_bytes
+        return d
+
+    def __sub__(self, other: MemoryReport) -> MemoryReport:
+        vals = {}
+        for f in fields(self):
+            a, b = getattr(self, f.name), getattr(other, f.name)
+            vals[f.name] = None if a is None or b is None else a - b
+        return MemoryReport(**vals)
+
+
+def report(backend: Backend, samples: int = 3) -> MemoryReport:
+    """Read all three views now; the driver figure is the median of ``samples`` reads."""
+    backend.synchronize()
+    frees = []
+    total = 0
+    for _ in range(max(1, samples)):
+        free, total = backend.mem_info()
+        frees.append(free)
+    a = backend.allocator_stats()
+    led = backend.ledger
+    return MemoryReport(
+        mapped_bytes=led.mapped_bytes,
+        allocated_bytes=led.allocated_bytes,
+        reserved_va_bytes=led.reserved_bytes,
+        allocator_allocated_bytes=a["allocated_bytes"],
+        allocator_reserved_bytes=a["reserved_bytes"],
+        graph_pool_reserved_bytes=a["graph_pool_reserved_bytes"],
+        graph_pool_allocated_bytes=a["graph_pool_allocated_bytes"],
+        driver_free_bytes=int(statistics.median(frees)),
+        driver_total_bytes=total,
+    )
+
+
+class Measurement:
+    """What :func:`measure` yields: ``before``, ``after`` and ``delta`` once the block ends."""
+
+    before: MemoryReport
+    after: MemoryReport
+    delta: MemoryReport
+
+
+@contextmanager
+def measure(backend: Backend, samples: int = 3) -> Iterator[Measurement]:
+    """Context manager: the change of all three views around the block.
+
+    ``driver_total_bytes`` of ``delta`` is 0 and ``driver_free_bytes`` is negative when
+    the block took memory; read ``delta.driver_used_bytes`` for "bytes the device lost".
+    """
+    m = Measurement()
+    m.before = report(backend, samples)
+    yield m
+    m.after = report(backend, samples)
+    m.delta = m.after - m.before

@@ -1,0 +1,100 @@
+"""Memory accounting and `graphslot bench`, on small shapes (the GPU figures live in BENCHMARKS.md)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import graphslot
+from graphslot import cli
+from graphslot.bench import CONFIGS, BenchShape, auto_offload_layers, run_bench
+from graphslot.memory import measure, report
+
+MiB = 1 << 20
+
+
+def test_measure_sees_graphslot_pages_exactly(clean):
+    b = clean
+    size = graphslot.align_up(64 * MiB, b.granularity)
+    with measure(b) as m:
+        res, alloc = b.reserve_mapped(size)
+        b.tensor_at(res.va, (size,), torch.uint8).fill_(1)
+    assert m.delta.mapped_bytes == size and m.delta.allocated_bytes == size
+    assert m.delta.reserved_va_bytes == size
+    if b.name != "cpu":  # the host's free memory moves with everything else on the machine
+        assert m.delta.driver_used_bytes >= 0.9 * size
+    with measure(b) as m2:
+        b.unmap_release(res, 0)
+        b.free(res)
+    assert m2.delta.mapped_bytes == -size and m2.delta.allocated_bytes == -size
+    assert b.ledger.peak_mapped_bytes >= size
+
+
+def test_allocator_stats_see_graph_private_pools(clean):
+    b = clean
+    x = torch.ones(1024, device=b.device)
+    before = b.allocator_stats()["graph_pool_reserved_bytes"]
+    g = b.new_graph()
+    with g.capture():
+        y = x.repeat(16 * 1024)  # 64 MiB of float32 from the graph's pool
+    after = b.allocator_stats()["graph_pool_reserved_bytes"]
+    assert before is not None and after is not None
+    assert after - before >= 64 * MiB
+    g.replay()
+    b.synchronize()
+    assert float(y.sum()) == y.numel()
+
+
+def test_report_has_all_three_views(backend):
+    r = report(backend).as_dict()
+    for k in ("mapped_bytes", "allocated_bytes", "allocator_reserved_bytes",
+              "graph_pool_reserved_bytes", "driver_free_bytes", "driver_total_bytes", "driver_used_bytes"):
+        assert k in r
+    assert 0 < r["driver_used_bytes"] <= r["driver_total_bytes"]
+
+
+def test_auto_policy_offloads_what_compute_hides():
+    # 1 GB per layer at 50 GB/s is 20 ms; 80 ms of forward hides 3 layers at a 0.85 margin.
+    assert auto_offload_layers(8, 10**9, fwd_ms=80.0, bwd_ms=160.0, gbps=50.0) == [0, 1, 2]
+    assert auto_offload_layers(8, 10**6, fwd_ms=80.0, bwd_ms=160.0, gbps=50.0) == list(range(7))
+    assert auto_offload_layers(8, 10**12, fwd_ms=1.0, bwd_ms=1.0, gbps=50.0) == []
+
+
+def test_bench_runs_every_configuration_on_small_shapes(backend, tmp_path):
+    b = backend
+    trace, plot = tmp_path / "trace.json", tmp_path / "mem.png"
+    pytest.importorskip("matplotlib")
+    r = run_bench(b, BenchShape.preset("tiny"), steps=2, warmup=1, trace_path=str(trace),
+                  plot_path=str(plot), progress=False)
+    assert set(r["configs"]) == set(CONFIGS)
+    assert r["copy_ceiling_gbps"] > 0
+    for name, c in r["configs"].items():
+        if "reason" in c:
+            assert name == "save_on_cpu" and b.name == "cpu"
+            continue
+        for k in ("step_ms", "peak_device_bytes", "activation_bytes_at_boundary", "offloaded_bytes",
+                  "d2h_gbps", "h2d_gbps", "exposed_copy_ms", "efficiency"):
+            assert k in c, (name, k)
+        assert c["step_ms"] > 0
+    cf = r["configs"]
+    saved = r["saved_activation_bytes"]
+    assert cf["eager"]["activation_bytes_at_boundary"] == saved == cf["graph"]["activation_bytes_at_boundary"]
+    assert cf["graph_remap"]["activation_bytes_at_boundary"] == 0
+    assert cf["graph_resident"]["offloaded_bytes"] >= 0.9 * saved
+    assert cf["graph_resident"]["d2h_gbps"] > 0 and cf["graph_resident"]["h2d_gbps"] > 0
+    assert len(cf["graph_auto"]["offload_layers"]) < 3
+    events = json.loads(trace.read_text())["traceEvents"]
+    tracks = {e["tid"] for e in events if e["ph"] == "X"}
+    assert {1, 2, 3} <= tracks  # compute, d2h and h2d streams
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_bench_command_prints_one_json_object(backend, capsys):
+    rc = cli.main(["bench", "--preset", "tiny", "--steps", "1", "--warmup", "1", "--quiet", "--json",
+                   "--configs", "eager,graph_resident"])
+    assert rc == 0
+    r = json.loads(capsys.readouterr().out)
+    assert r["backend"] == backend.name and set(r["configs"]) == {"eager", "graph_resident"}
+    assert {"backend", "device", "shape", "copy_ceiling_gbps", "configs"} <= set(r)
