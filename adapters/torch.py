@@ -80,22 +80,26 @@ class _Runner:
                 self.group.discover(t)  # type: ignore[union-attr]
             return t
 
-        # Discovery: eager warm-up; autograd is untouched. It runs on the current stream:
-        # autograd remembers the stream of each parameter's accumulator node, and a side
-        # stream here would make every later backward cross streams.
-        for _ in range(st.warmup_iters):
-            if self.group is not None:
-                self.group.restart_discovery()
-                with torch.autograd.graph.saved_tensors_hooks(discover, lambda t: t):
+        # Discovery: eager warm-up on a side stream; autograd is untouched. Not on the
+        # current stream: if that is the legacy default stream, any accumulator node the
+        # warm-up leaves alive would tie it to the capture, which CUDA refuses.
+        side = b.new_stream()
+        b.wait_event(side, b.record_event(b.new_event()))
+        with b.stream(side):
+            for _ in range(st.warmup_iters):
+                if self.group is not None:
+                    self.group.restart_discovery()
+                    with torch.autograd.graph.saved_tensors_hooks(discover, lambda t: t):
+                        out = self.module(self.static_in)
+                else:
                     out = self.module(self.static_in)
-            else:
-                out = self.module(self.static_in)
-            if not isinstance(out, torch.Tensor):
-                raise UsageError(f"layer {self.index} returned {type(out).__name__}; "
-                                 "graphed layers must return one tensor")
-            if inputs and out.requires_grad:
-                torch.autograd.grad(out, inputs, torch.ones_like(out), allow_unused=True)
-            del out
+                if not isinstance(out, torch.Tensor):
+                    raise UsageError(f"layer {self.index} returned {type(out).__name__}; "
+                                     "graphed layers must return one tensor")
+                if inputs and out.requires_grad:
+                    torch.autograd.grad(out, inputs, torch.ones_like(out), allow_unused=True)
+                del out
+        b.wait_event(b.current_stream(), b.record_event(b.new_event(), side))
         b.synchronize()
 
         if self.group is not None:

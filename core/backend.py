@@ -287,6 +287,11 @@ class DeviceGraph(abc.ABC):
     def replay(self) -> None:
         """Run the recorded work again on the current stream."""
 
+    @property
+    def pool_bytes(self) -> int | None:
+        """Bytes reserved by this graph's private memory pool (shared pools count fully)."""
+        return None
+
 
 # --------------------------------------------------------------------------- backend
 

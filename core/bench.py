@@ -168,9 +168,10 @@ def run_bench(b: Backend, shape: BenchShape, *, steps: int = 10, warmup: int = 3
     torch.manual_seed(0)
     layers = [Block(c).to(device=b.device, dtype=dtype) for _ in range(shape.layers)]
     params = [p for m in layers for p in m.parameters()]
-    x = torch.randn(shape.batch, shape.seq, shape.hidden, device=b.device, dtype=dtype,
-                    requires_grad=True)
-    gy = torch.randn_like(x)
+    g = torch.Generator().manual_seed(0)  # host generator: the same data on every backend
+    x = torch.randn(shape.batch, shape.seq, shape.hidden, generator=g).to(b.device, dtype)
+    x.requires_grad_()
+    gy = torch.randn(x.shape, generator=g).to(b.device, dtype)
     saved = _saved_activation_bytes(layers, x)
     layer_bytes = saved // shape.layers
     copy_n = min(GiB, max(MiB, layer_bytes))

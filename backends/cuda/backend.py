@@ -253,3 +253,9 @@ class CudaGraph(DeviceGraph):
 
     def replay(self) -> None:
         self.graph.replay()
+
+    @property
+    def pool_bytes(self) -> int:
+        pool = tuple(self.pool) if self.pool is not None else None
+        return sum(int(seg["total_size"]) for seg in torch.cuda.memory_snapshot()
+                   if tuple(seg.get("segment_pool_id", (0, 0))) == pool)
