@@ -389,11 +389,20 @@ class Backend(abc.ABC):
     def _synchronize(self) -> None: ...
 
     @abc.abstractmethod
-    def new_graph(self, share_pool_with: DeviceGraph | None = None) -> DeviceGraph:
+    def new_graph(self, share_pool_with: DeviceGraph | None = None,
+                  pool_region: tuple[int, int] | None = None) -> DeviceGraph:
         """An empty device graph; see :class:`DeviceGraph`.
 
         Graphs made with ``share_pool_with=g`` draw their private memory from ``g``'s pool,
         as the forward and backward graphs of one layer should.
+
+        ``pool_region=(va, size)`` makes the graph's private pool come from that range
+        of a graphslot reservation, which the caller maps (see :mod:`graphslot.arena`):
+        graphs of mutually exclusive variants can then share physical memory. Such a
+        graph has ``pool_region``, ``pool_used_bytes`` (the high-water mark) and
+        ``executes_during_capture`` (whether the region must be mapped while capturing).
+        A capture that needs more than ``size`` bytes fails with a
+        :class:`~graphslot.errors.UsageError`. Pass one of the two arguments, not both.
         """
 
     @abc.abstractmethod

@@ -209,10 +209,15 @@ class CpuBackend(Backend):
 
     # -- graphs -----------------------------------------------------------------
 
-    def new_graph(self, share_pool_with: DeviceGraph | None = None) -> DeviceGraph:
-        from .graph import CpuGraph
+    def new_graph(self, share_pool_with: DeviceGraph | None = None,
+                  pool_region: tuple[int, int] | None = None) -> DeviceGraph:
+        from .graph import CpuGraph, RegionPool
 
-        g = CpuGraph(self)
+        if pool_region is not None and share_pool_with is not None:
+            raise UsageError("new_graph: pass share_pool_with or pool_region, not both")
+        region = RegionPool(self, pool_region) if pool_region is not None else (
+            share_pool_with._region if isinstance(share_pool_with, CpuGraph) else None)
+        g = CpuGraph(self, region)
         self._graphs.add(g)
         return g
 

@@ -8,7 +8,12 @@ now, just as a device graph does. A pointer bug therefore shows here exactly as 
 GPU: reloading activations into a new allocation leaves the graph reading the old bytes.
 
 Tensors created during capture form the graph's private pool: the graph keeps them
-alive so their addresses are never handed to anyone else.
+alive so their addresses are never handed to anyone else. A graph made with a *pool
+region* (``new_graph(pool_region=(va, size))``) draws that pool from the region instead:
+each fresh output (one that does not alias an input) is copied to the next free bytes of
+the region and the op returns the region view, so later ops and the replay use region
+addresses. The region is a bump allocator (the graph replays every op, so every address
+it recorded stays in use); graphs made with ``share_pool_with`` share one region.
 
 Before each replay, every address the graph touches inside a graphslot reservation is
 checked against the ledger; replaying over an unmapped slot raises
@@ -27,7 +32,7 @@ from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from graphslot.backend import DeviceGraph
-from graphslot.errors import StateError
+from graphslot.errors import StateError, UsageError
 
 if TYPE_CHECKING:
     from .backend import CpuBackend
@@ -101,19 +106,93 @@ class _Recorder(TorchDispatchMode):
             raise StateError(f"{name} cannot be captured in a graph: it synchronises with the "
                              "host or has a data-dependent shape")
         out = func(*args, **kwargs)
+        region = self.graph._region
+        if region is not None:
+            out = region.relocate(out, (args, kwargs))
         op = _Op(func, args, kwargs, out)
         self.graph._ops.append(op)
         for x in pytree.tree_leaves(out):
-            if isinstance(x, torch.Tensor):
+            if isinstance(x, torch.Tensor) and not (region is not None and region.holds(x)):
                 self.graph._pool.append(x)  # keep capture-time memory: the graph's private pool
         return out
+
+
+class RegionPool:
+    """A graph's private pool drawn from ``[va, va + size)`` of a graphslot reservation.
+
+    Bump allocation, never reused: replay rewrites every recorded address. ``used`` is
+    the high-water mark in bytes, the physical memory the graphs of this pool need.
+    """
+
+    def __init__(self, backend: CpuBackend, region: Any, align: int = 256) -> None:
+        try:
+            va, size = (int(v) for v in region)
+        except (TypeError, ValueError):
+            raise UsageError(f"pool_region must be a (va, size) pair of ints, got {region!r}") from None
+        if size <= 0 or va <= 0:
+            raise UsageError(f"pool_region (0x{va:x}, {size}) must have a positive address and size")
+        res = backend.ledger.find(va, size)
+        if res is None:
+            raise UsageError(f"pool_region [0x{va:x}, 0x{va + size:x}) is not inside a live "
+                             "reservation of this backend; reserve it first")
+        self._backend, self._res = backend, res
+        self.va, self.size, self.align = va, size, align
+        self.used = 0
+
+    def holds(self, t: torch.Tensor) -> bool:
+        p = t.untyped_storage().data_ptr()
+        return self.va <= p < self.va + self.size
+
+    def _alloc(self, nbytes: int) -> int:
+        off = -(-self.used // self.align) * self.align
+        if off + nbytes > self.size:
+            raise UsageError(
+                f"graph pool region [0x{self.va:x}, 0x{self.va + self.size:x}) is full: "
+                f"{off} of {self.size} bytes used, the capture needs {nbytes} more; "
+                "give the pool a larger region")
+        start = self.va + off - self._res.va
+        # Writing to an unmapped page would kill the process: refuse with a message instead.
+        if self._res.freed or not self._res.is_accessible(start, nbytes):
+            raise StateError(f"graph pool region at 0x{self.va + off:x} ({nbytes} bytes) has "
+                             "nothing accessible mapped; map the region before capturing into it")
+        self.used = off + nbytes
+        return self.va + off
+
+    def relocate(self, out: Any, inputs: Any) -> Any:
+        """``out`` with every fresh (non-input-aliasing) storage moved into the region."""
+        seen = {x.untyped_storage().data_ptr() for x in pytree.tree_leaves(inputs)
+                if isinstance(x, torch.Tensor) and x.layout == torch.strided}
+        moved: dict[int, Any] = {}
+
+        def move(x: Any) -> Any:
+            if not isinstance(x, torch.Tensor) or x.layout != torch.strided or x.device.type != "cpu":
+                return x
+            st = x.untyped_storage()
+            ptr, nbytes = st.data_ptr(), st.nbytes()
+            if nbytes == 0 or ptr in seen or self.va <= ptr < self.va + self.size:
+                return x  # an alias of an input (view, in place, out=): it already has its address
+            if ptr not in moved:
+                addr = self._alloc(nbytes)
+                buf = (ctypes.c_uint8 * nbytes).from_address(addr)
+                dst = torch.frombuffer(buf, dtype=torch.uint8, count=nbytes)
+                dst.copy_(torch.empty(0, dtype=torch.uint8).set_(st))
+                moved[ptr] = dst.untyped_storage()
+            # set_ rather than a view op: the result must not look like a view to autograd.
+            return torch.empty(0, dtype=x.dtype).set_(moved[ptr], x.storage_offset(),
+                                                      x.shape, x.stride())
+
+        return pytree.tree_map(move, out)
 
 
 class CpuGraph(DeviceGraph):
     """See the module docstring."""
 
-    def __init__(self, backend: CpuBackend) -> None:
+    #: capture runs every op eagerly, so a pool region must be mapped while capturing.
+    executes_during_capture = True
+
+    def __init__(self, backend: CpuBackend, region: RegionPool | None = None) -> None:
         self._backend = backend
+        self._region = region
         self._ops: list[_Op] = []
         self._pool: list[torch.Tensor] = []
         self._checks: list[tuple[Any, int, int]] = []  # (reservation, offset, size) to verify
@@ -168,9 +247,20 @@ class CpuGraph(DeviceGraph):
 
     @property
     def pool_bytes(self) -> int:
-        """Bytes of the graph's private pool (distinct storages it keeps alive)."""
+        """Bytes of the graph's private pool that the framework allocator holds (distinct
+        storages it keeps alive; a pool region is graphslot's memory, not counted here)."""
         seen: dict[int, int] = {}
         for t in self._pool:
             st = t.untyped_storage()
             seen[st.data_ptr()] = st.nbytes()
         return sum(seen.values())
+
+    @property
+    def pool_region(self) -> tuple[int, int] | None:
+        """``(va, size)`` of the pool region, or ``None`` for an ordinary private pool."""
+        return None if self._region is None else (self._region.va, self._region.size)
+
+    @property
+    def pool_used_bytes(self) -> int:
+        """Bytes of the pool in use: the region's high-water mark, else :attr:`pool_bytes`."""
+        return self.pool_bytes if self._region is None else self._region.used

@@ -212,7 +212,12 @@ class CudaBackend(Backend):
 
     # -- graphs -----------------------------------------------------------------
 
-    def new_graph(self, share_pool_with: DeviceGraph | None = None) -> DeviceGraph:
+    def new_graph(self, share_pool_with: DeviceGraph | None = None,
+                  pool_region: tuple[int, int] | None = None) -> DeviceGraph:
+        if pool_region is not None or getattr(share_pool_with, "pool_region", None) is not None:
+            from .pool import RegionCudaGraph  # a MemPool over the region (pluggable allocator)
+
+            return RegionCudaGraph.make(self, pool_region, share_pool_with)
         pool = share_pool_with.pool if isinstance(share_pool_with, CudaGraph) else None
         return CudaGraph(self, pool if pool is not None else torch.cuda.graph_pool_handle())
 

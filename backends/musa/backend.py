@@ -18,7 +18,7 @@ import torch
 import torch_musa  # noqa: F401  (registers the "musa" device and torch.musa)
 
 from graphslot.backend import Backend, DeviceGraph
-from graphslot.errors import BackendUnavailableError, DriverError, StateError
+from graphslot.errors import BackendUnavailableError, DriverError, StateError, UsageError
 
 from . import abi
 from .dlpack import byte_tensor_at, kDLExtDev, storage_tensor_at
@@ -139,7 +139,11 @@ class MusaBackend(MusaVmm, Backend):
 
     # -- graphs -------------------------------------------------------------------
 
-    def new_graph(self, share_pool_with: DeviceGraph | None = None) -> DeviceGraph:
+    def new_graph(self, share_pool_with: DeviceGraph | None = None,
+                  pool_region: tuple[int, int] | None = None) -> DeviceGraph:
+        if pool_region is not None:
+            raise UsageError("new_graph: the musa backend cannot draw a graph pool from a "
+                             "region yet (pool_region needs a pluggable MUSA allocator)")
         pool = share_pool_with.pool if isinstance(share_pool_with, MusaGraph) else None
         if pool is None and hasattr(tmusa, "graph_pool_handle"):
             pool = tmusa.graph_pool_handle()
