@@ -43,6 +43,7 @@ __all__ = [
     "Transaction",
     "DeviceGraph",
     "align_up",
+    "no_gc",
 ]
 
 T = TypeVar("T")
@@ -270,6 +271,26 @@ class Transaction:
 
 
 # --------------------------------------------------------------------------- graphs
+
+
+@contextlib.contextmanager
+def no_gc() -> Iterator[None]:
+    """Collect garbage now, then keep the collector off until the block ends.
+
+    Device graph captures run inside it: a reference cycle that holds device tensors (a
+    saved-tensor hook that returns its argument makes one) must not be freed mid-capture,
+    where freeing touches streams the capture does not own and invalidates it.
+    """
+    import gc
+
+    gc.collect()
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
 
 
 class DeviceGraph(abc.ABC):

@@ -15,7 +15,7 @@ import contextlib
 import torch
 from cuda.bindings import driver as cu
 
-from graphslot.backend import Backend, DeviceGraph
+from graphslot.backend import Backend, DeviceGraph, no_gc
 from graphslot.errors import BackendUnavailableError, DriverError
 
 
@@ -253,8 +253,12 @@ class CudaGraph(DeviceGraph):
 
     @contextlib.contextmanager
     def capture(self, stream: Any = None) -> Iterator[None]:
-        with torch.cuda.graph(self.graph, pool=self.pool, stream=stream):
-            yield
+        # Collect garbage first and not during capture: a reference cycle holding device
+        # tensors (a saved-tensor hook that returns its argument makes one) freed
+        # mid-capture touches the legacy stream and invalidates the capture.
+        with no_gc():
+            with torch.cuda.graph(self.graph, pool=self.pool, stream=stream):
+                yield
 
     def replay(self) -> None:
         self.graph.replay()

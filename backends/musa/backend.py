@@ -17,7 +17,7 @@ from typing import Any, ContextManager, Iterator
 import torch
 import torch_musa  # noqa: F401  (registers the "musa" device and torch.musa)
 
-from graphslot.backend import Backend, DeviceGraph
+from graphslot.backend import Backend, DeviceGraph, no_gc
 from graphslot.errors import BackendUnavailableError, DriverError, StateError, UsageError
 
 from . import abi
@@ -183,8 +183,9 @@ class MusaGraph(DeviceGraph):
 
     @contextlib.contextmanager
     def capture(self, stream: Any = None) -> Iterator[None]:
-        with tmusa.graph(self.graph, pool=self.pool, stream=stream):
-            yield
+        with no_gc():
+            with tmusa.graph(self.graph, pool=self.pool, stream=stream):
+                yield
 
     def replay(self) -> None:
         self.graph.replay()
