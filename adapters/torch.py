@@ -123,8 +123,17 @@ class _Runner:
         self.static_grad_out = torch.zeros_like(out)
         bwd = b.new_graph(share_pool_with=fwd)
         if inputs and out.requires_grad:
-            with bwd.capture():
-                grads = torch.autograd.grad(out, inputs, self.static_grad_out, allow_unused=True)
+            try:
+                with bwd.capture():
+                    grads = torch.autograd.grad(out, inputs, self.static_grad_out, allow_unused=True)
+            except Exception as e:
+                raise StateError(
+                    f"layer {self.index}: capturing the backward graph failed ({type(e).__name__}: "
+                    f"{str(e).splitlines()[0]}). A common cause is an autograd graph from earlier "
+                    "eager work that is still alive (a kept loss, or a saved-tensor hook that "
+                    "returned its argument without a backward): its parameter accumulators "
+                    "then belong to the default stream. Build GraphedLayers before such work "
+                    "or drop those references.") from e
         else:
             grads = tuple(None for _ in inputs)
         if self.group is not None:

@@ -146,9 +146,11 @@ def _saved_activation_bytes(layers: list[torch.nn.Module], x: torch.Tensor) -> i
         nonlocal total
         if t.untyped_storage().data_ptr() not in state and t.device == x.device:
             total += t.numel() * t.element_size()
-        return t
+        # Not t itself: a hook returning an op's own output ties the autograd graph in
+        # a cycle the collector cannot see, which would outlive this forward.
+        return None
 
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda _: None):
         h = x
         for m in layers:
             h = m(h)

@@ -34,10 +34,12 @@ def _saved_bytes(model: TinyGPT, tokens: torch.Tensor) -> int:
         nonlocal total
         if t.untyped_storage().data_ptr() not in state:
             total += t.numel() * t.element_size()
-        return t
+        # Not t itself: a hook returning an op's own output ties the autograd graph in
+        # a cycle the collector cannot see, which would outlive this forward.
+        return None
 
     x = model.hidden_in(tokens).detach().requires_grad_()
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda _: None):
         model.stack(x)
     return total
 
