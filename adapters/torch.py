@@ -26,7 +26,7 @@ shapes inside a layer; random ops (dropout) are not supported inside graphed lay
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 import torch
 from torch import nn
@@ -59,7 +59,8 @@ class _Runner:
     def _state_storages(self) -> set[int]:
         return {t.untyped_storage().data_ptr() for t in [*self.module.parameters(), *self.module.buffers()]}
 
-    def build(self, sample: torch.Tensor) -> torch.Tensor:
+    def build_forward(self, sample: torch.Tensor) -> torch.Tensor:
+        """Warm up (discovery), allocate the slot, capture the forward graph."""
         st, b, eng = self.stack, self.stack.backend, self.stack.engine
         state = self._state_storages()
         self.static_in = sample.detach().clone().requires_grad_(sample.requires_grad)
@@ -72,8 +73,8 @@ class _Runner:
             # tensors some kernels save (e.g. RNG seeds), which cost the device nothing.
             return t.device != dev or t.numel() == 0 or t.untyped_storage().data_ptr() in state
 
-        if eng.mode is not Mode.OFF:
-            self.group = eng.group(f"layer{self.index}", offload=self.index in st.offload_layers)
+        if eng.mode is not Mode.OFF and self.index in st.offload_layers:
+            self.group = eng.group(f"layer{self.index}")
 
         def discover(t: torch.Tensor) -> torch.Tensor:
             if not is_state(t):
@@ -105,7 +106,8 @@ class _Runner:
         if self.group is not None:
             self.group.allocate(bank_index=st.bank_index(self.index))
 
-        fwd = b.new_graph()
+        fwd = b.new_graph(share_pool_with=st._pool_owner)
+        st._pool_owner = st._pool_owner or fwd
         if self.group is not None:
             g = self.group
             g.begin_capture()
@@ -121,7 +123,15 @@ class _Runner:
                 out = self.module(self.static_in)
         self.static_out = out
         self.static_grad_out = torch.zeros_like(out)
-        bwd = b.new_graph(share_pool_with=fwd)
+        self.fwd = fwd
+        self._inputs = inputs
+        self._wants_grad_in = sample.requires_grad
+        return out.detach()
+
+    def build_backward(self) -> None:
+        """Capture the backward graph (after every forward: see GraphedLayers)."""
+        b, out, inputs = self.stack.backend, self.static_out, self._inputs
+        bwd = b.new_graph(share_pool_with=self.stack._pool_owner)
         if inputs and out.requires_grad:
             try:
                 with bwd.capture():
@@ -138,13 +148,12 @@ class _Runner:
             grads = tuple(None for _ in inputs)
         if self.group is not None:
             self.group.finish_capture()
-        b.synchronize()
-        self.fwd, self.bwd = fwd, bwd
+        self.bwd = bwd
         self.has_bwd = bool(inputs) and out.requires_grad
-        grads = list(grads)
-        self.grad_in = grads.pop(0) if sample.requires_grad else None
-        self.static_grads = tuple(grads)
-        return out.detach()
+        grad_list = list(grads)
+        self.grad_in = grad_list.pop(0) if self._wants_grad_in else None
+        self.static_grads = tuple(grad_list)
+        del self._inputs
 
     # -- run -------------------------------------------------------------------------------
 
@@ -157,9 +166,10 @@ class _Runner:
         eng = self.stack.engine
         if self.group is None:
             if self.in_flight:
-                raise StateError(f"layer {self.index}: mode 'off' keeps one microbatch's "
-                                 "activations per layer; run backward first, or use mode "
-                                 "'resident' or 'remap' to keep several in flight")
+                raise StateError(f"layer {self.index} keeps its activations in its graph's own "
+                                 "memory (mode 'off', or not in offload_layers), one microbatch "
+                                 "at a time; run backward first, or offload this layer to keep "
+                                 "several microbatches in flight")
             self.in_flight.add(mb)
             ticket = None
         else:
@@ -171,6 +181,8 @@ class _Runner:
             si.copy_(x)
         with self.stack._span(f"fwd layer{self.index}"):
             self.fwd.replay()
+        if self.stack.probe is not None:
+            self.stack.probe(f"F{self.index}")
         if ticket is not None:
             eng.after_forward(ticket)
         return self.static_out.detach().clone()
@@ -185,14 +197,18 @@ class _Runner:
         else:
             t = eng.ticket(self.group, mb)
             eng.wait_restored(t)
-            prev = self.stack._next_backward(self.index)
-            if prev is not None and prev.group is not None:
-                eng.restore(eng.ticket(prev.group, mb))  # look-ahead under this graph
+        # Look-ahead: the next offloaded layer's reload runs under this backward graph
+        # (and under every graph up to it, when offloaded layers are spread out).
+        prev = self.stack._next_backward(self.index)
+        if prev is not None:
+            eng.restore(eng.ticket(prev.group, mb))
         if self.has_bwd:
             with torch.no_grad():
                 self.static_grad_out.copy_(grad)
             with self.stack._span(f"bwd layer{self.index}"):
                 self.bwd.replay()
+            if self.stack.probe is not None:
+                self.stack.probe(f"B{self.index}")
         if t is not None:
             eng.consumed(t)
         # Clones: autograd may keep a returned gradient as .grad (it steals sole
@@ -253,17 +269,27 @@ class GraphedLayers(nn.Module):
         self.warmup_iters = max(1, int(warmup_iters))
         self._microbatch = 0
         self._runners = [_Runner(self, i, m) for i, m in enumerate(self.layers)]
+        #: called with a label after each layer's forward and backward replay (for probes)
+        self.probe: Callable[[str], None] | None = None
+        # One private pool for every graph, captured in replay order (all forwards, then
+        # the backwards in reverse), as torch.cuda.make_graphed_callables does: memory a
+        # graph frees at capture is reused only by graphs that replay after it.
+        self._pool_owner: Any = None
         x = sample_input
         for r in self._runners:
-            x = r.build(x).requires_grad_(x.requires_grad or bool(r.params))
+            x = r.build_forward(x).requires_grad_(x.requires_grad or bool(r.params))
+        for r in reversed(self._runners):
+            r.build_backward()
+        self.backend.synchronize()
+        self._offloaded = [r for r in self._runners if r.group is not None and not r.group.empty]
 
     @property
     def mode(self) -> Mode:
         return self.engine.mode
 
     def bank_index(self, layer: int) -> int:
-        """Ping-pong bank of ``layer``: alternate in backward consumption order (last first)."""
-        return (len(self.layers) - 1 - layer) % 2
+        """Ping-pong bank of ``layer``: alternate among offloaded layers in backward order."""
+        return sum(1 for i in self.offload_layers if i > layer) % 2
 
     @property
     def timeline(self) -> Any:
@@ -279,10 +305,12 @@ class GraphedLayers(nn.Module):
         return contextlib.nullcontext() if tl is None else tl.span("compute", name)
 
     def _next_forward(self, i: int) -> _Runner | None:
-        return self._runners[i + 1] if i + 1 < len(self._runners) else None
+        """The next layer in forward order whose activations are offloaded."""
+        return next((r for r in self._offloaded if r.index > i), None)
 
     def _next_backward(self, i: int) -> _Runner | None:
-        return self._runners[i - 1] if i > 0 else None
+        """The next layer in backward order whose activations are offloaded (look-ahead)."""
+        return next((r for r in reversed(self._offloaded) if r.index < i), None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self._microbatch += 1

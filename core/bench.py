@@ -98,20 +98,27 @@ def copy_bandwidth(b: Backend, nbytes: int, reps: int = 5) -> dict[str, float]:
 
 def auto_offload_layers(layers: int, layer_bytes: int, fwd_ms: float, bwd_ms: float,
                         gbps: float, margin: float = 0.85) -> list[int]:
-    """The layers to offload so the copies hide under compute.
+    """The layers to offload so that their copies hide under compute.
 
-    Copies of layer k can overlap the compute that follows it, so the first layers of the
-    forward (the last of the backward) hide best. Offloading ``n`` layers moves
-    ``n * layer_bytes`` each way; each direction must fit in ``margin`` of its phase's
-    compute time at ``gbps``.
+    A layer's copy out may run under the rest of the forward and the start of the
+    backward, and its copy back under the backward graphs before it (the adapter's
+    look-ahead reaches from one offloaded layer to the next), so ``n`` layers fit when
+    ``2 * n`` layer copies take at most ``margin`` of the step's compute. The chosen
+    layers are spread evenly, which keeps a resident bank's two occupants, and two
+    consecutive reloads, layers of compute apart, while keeping them early in the forward
+    (their copies out start early) and late in the backward (their reloads are needed
+    last). One layer always stays on the device: the last forward layer's copy could not
+    hide.
     """
-    if layer_bytes <= 0 or gbps <= 0:
-        return list(range(layers))
-    per_ms = gbps * 1e6  # bytes per millisecond
-    # The last forward layer's copy cannot overlap forward compute, nor the first
-    # backward layer's reload backward compute: budget one layer less.
-    n = math.floor(margin * min(fwd_ms, bwd_ms) * per_ms / layer_bytes)
-    return list(range(max(0, min(layers - 1, n))))
+    if layer_bytes <= 0 or gbps <= 0 or layers < 2:
+        return []
+    copy_ms = layer_bytes / (gbps * 1e6)
+    n = min(layers - 1, math.floor(margin * (fwd_ms + bwd_ms) / (2 * copy_ms)))
+    if n <= 0:
+        return []
+    if 2 * (n - 1) <= layers - 2:
+        return list(range(0, 2 * n, 2))  # every other layer from the first
+    return sorted({min(layers - 2, round(i * (layers - 1) / n)) for i in range(n)})
 
 
 class _Progress:
@@ -277,8 +284,8 @@ def run_bench(b: Backend, shape: BenchShape, *, steps: int = 10, warmup: int = 3
 
         # One step for memory: peaks from a known baseline, and the boundary.
         curve: list[tuple[str, int]] = []
-        peak, boundary = _memory_step(b, fwd, gy, stack, saved if name in ("eager", "graph") else 0,
-                                      curve, zero_grads)
+        peak, boundary = _memory_step(b, fwd, gy, stack, layers,
+                                      saved if name in ("eager", "graph") else 0, curve, zero_grads)
         curves[name] = curve
         bar.update(f"{name}: memory")
 
@@ -326,28 +333,53 @@ def _unsupported(b: Backend, name: str) -> str | None:
 
 
 def _memory_step(b: Backend, fwd: Callable[[], torch.Tensor], gy: torch.Tensor, stack: Any,
-                 saved_on_device: int, curve: list[tuple[str, int]],
+                 layers: list[torch.nn.Module], saved_on_device: int,
+                 curve: list[tuple[str, int]],
                  zero_grads: Callable[[], None]) -> tuple[int | None, int]:
+    """One step with memory probes after every layer; returns (peak, boundary bytes)."""
+
+    def in_use() -> int:
+        # Bytes held, not reserved: what the allocator hands out plus graphslot's pages.
+        # The host allocator keeps no figure, so the cpu backend shows the driver's.
+        a = b.allocator_stats()["allocated_bytes"]
+        if a is None:
+            return b.mem_info()[1] - b.mem_info()[0]
+        return a + b.ledger.mapped_bytes
+
+    def probe(label: str) -> None:
+        b.synchronize()
+        curve.append((label, in_use()))
+
+    hooks = []
+    if stack is not None:
+        stack.probe = probe
+    else:
+        for i, m in enumerate(layers):
+            hooks.append(m.register_forward_hook(lambda *_, i=i: probe(f"F{i}")))
     b.synchronize()
     b.allocator_stats(reset_peak=True)
     b.ledger.reset_peak()
     before = report(b, samples=3)
-    y = fwd()
-    b.synchronize()
-    if stack is not None and stack.mode.value != "off":
-        stack.engine.settle()
-        boundary = stack.engine.resident_device_bytes
-    else:  # eager, or graphs without offload: every saved activation is still on the device
-        boundary = saved_on_device
-    mid = report(b, samples=1)
-    curve += [("start", before.driver_used_bytes), ("boundary", mid.driver_used_bytes)]
-    y.backward(gy)
-    del y
-    b.synchronize()
-    if stack is not None:
-        stack.engine.settle()
-    after = report(b, samples=1)
-    curve.append(("end", after.driver_used_bytes))
+    curve.append(("start", in_use()))
+    try:
+        y = fwd()
+        b.synchronize()
+        if stack is not None and stack.mode.value != "off":
+            stack.engine.settle()
+            boundary = stack.engine.resident_device_bytes
+        else:  # eager, or graphs without offload: every saved activation is still on the device
+            boundary = saved_on_device
+        y.backward(gy)
+        del y
+        b.synchronize()
+        if stack is not None:
+            stack.engine.settle()
+        curve.append(("end", in_use()))
+    finally:
+        if stack is not None:
+            stack.probe = None
+        for h in hooks:
+            h.remove()
     zero_grads()
     stats = b.allocator_stats()
     if stats["peak_reserved_bytes"] is None or before.allocator_reserved_bytes is None:
@@ -386,13 +418,16 @@ def _plot(curves: dict[str, list[tuple[str, int]]], path: str, backend: str) -> 
     except ImportError as e:
         raise SystemExit(f"graphslot bench --plot needs matplotlib ({e}); "
                          "pip install 'graphslot[plot]'") from None
-    fig, ax = plt.subplots(figsize=(7, 4))
+    fig, ax = plt.subplots(figsize=(9, 4.5))
     for name, pts in curves.items():
         if pts:
             base = pts[0][1]
-            ax.plot([p[0] for p in pts], [(v - base) / GiB for _, v in pts], marker="o", label=name)
-    ax.set_ylabel("device memory above step start (GiB, driver)")
-    ax.set_title(f"graphslot bench: device memory over one step ({backend})")
+            ax.plot(range(len(pts)), [(v - base) / GiB for _, v in pts], marker=".", label=name)
+    longest = max(curves.values(), key=len, default=[])
+    ax.set_xticks(range(len(longest)), [p[0] for p in longest], rotation=90, fontsize=7)
+    ax.set_xlabel("after each layer's forward (F) and backward (B)")
+    ax.set_ylabel("device memory in use above step start (GiB)")
+    ax.set_title(f"graphslot bench: memory over one step ({backend}; allocator + graphslot pages)")
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3)
     fig.tight_layout()

@@ -124,7 +124,7 @@ def test_mode_off_refuses_a_second_microbatch_in_flight(engine_clean):
     stack = graphed(model, b, "off")
     try:
         model(*model.batch(0, b.device))
-        with pytest.raises(StateError, match="mode 'off' keeps one microbatch"):
+        with pytest.raises(StateError, match="one microbatch at a time"):
             model(*model.batch(1, b.device))
     finally:
         stack.close()
@@ -475,3 +475,30 @@ def test_failed_remap_during_restore_keeps_the_host_copy_and_a_retry_succeeds(en
 
 def test_mode_enum_values():
     assert [m.value for m in Mode] == ["off", "resident", "remap"]
+
+
+def test_offloading_a_subset_of_layers_reloads_ahead_across_the_others(engine_clean, monkeypatch):
+    b = engine_clean
+    base, _ = small(b, 4)
+    want = train(copy.deepcopy(base), b, 3)
+    model = copy.deepcopy(base)
+    stack = graphed(model, b, "resident", offload_layers=[0, 2])
+    log: list[str] = []
+    eng = stack.engine
+    real_restore = eng.restore
+    monkeypatch.setattr(eng, "restore", lambda t: (log.append(f"restore {t.group.name}"), real_restore(t))[1])
+    for r in stack._runners:
+        real = r.bwd.replay
+        monkeypatch.setattr(r.bwd, "replay", (lambda real, n: lambda: (log.append(f"bwd layer{n}"), real())[1])(real, r.index))
+    try:
+        assert [g.name for g in eng.groups] == ["layer0", "layer2"]
+        assert [g.bank.index for g in eng.groups] == [1, 0]  # bank 0 goes to the first reloaded
+        assert_bitwise(train(model, b, 3), want)
+        first = log[: log.index("bwd layer0") + 1]
+        assert first.index("restore layer2") < first.index("bwd layer3")  # reached across layer 3
+        assert first.index("restore layer0") < first.index("bwd layer1")
+        model(*model.batch(0, b.device))
+        with pytest.raises(StateError, match="one microbatch at a time"):
+            model(*model.batch(1, b.device))  # layers 1 and 3 keep theirs in the graph pool
+    finally:
+        stack.close()
