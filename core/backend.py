@@ -41,6 +41,7 @@ __all__ = [
     "Ledger",
     "FaultPlan",
     "Transaction",
+    "TorchEventMixin",
     "DeviceGraph",
     "align_up",
     "no_gc",
@@ -315,6 +316,27 @@ class DeviceGraph(abc.ABC):
 
 
 # --------------------------------------------------------------------------- backend
+
+
+class TorchEventMixin:
+    """Event primitives for backends whose streams and events follow torch's
+    ``Stream``/``Event`` protocol (``record``, ``wait_event``, ``query``, ...)."""
+
+    def _record(self, event: Any, stream: Any) -> None:
+        event.record(stream)
+
+    def _wait(self, stream: Any, event: Any) -> None:
+        stream.wait_event(event)
+
+    def query_event(self, event: Any) -> bool:
+        return bool(event.query())
+
+    def _event_synchronize(self, event: Any) -> None:
+        event.synchronize()
+
+    def elapsed_ms(self, start: Any, end: Any) -> float:
+        return float(start.elapsed_time(end))
+
 
 
 class Backend(abc.ABC):

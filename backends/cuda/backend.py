@@ -15,7 +15,7 @@ import contextlib
 import torch
 from cuda.bindings import driver as cu
 
-from graphslot.backend import Backend, DeviceGraph, no_gc
+from graphslot.backend import Backend, DeviceGraph, TorchEventMixin, no_gc
 from graphslot.errors import BackendUnavailableError, DriverError
 
 
@@ -51,7 +51,7 @@ class _CudaArray:
         }
 
 
-class CudaBackend(Backend):
+class CudaBackend(TorchEventMixin, Backend):
     """graphslot on an NVIDIA GPU."""
 
     name = "cuda"
@@ -171,21 +171,6 @@ class CudaBackend(Backend):
 
     def new_event(self, timing: bool = False) -> torch.cuda.Event:
         return torch.cuda.Event(enable_timing=timing)
-
-    def _record(self, event: Any, stream: Any) -> None:
-        event.record(stream)
-
-    def _wait(self, stream: Any, event: Any) -> None:
-        stream.wait_event(event)
-
-    def query_event(self, event: Any) -> bool:
-        return bool(event.query())
-
-    def _event_synchronize(self, event: Any) -> None:
-        event.synchronize()
-
-    def elapsed_ms(self, start: Any, end: Any) -> float:
-        return float(start.elapsed_time(end))
 
     def _synchronize(self) -> None:
         torch.cuda.synchronize(self._torch_device)

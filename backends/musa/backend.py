@@ -17,7 +17,7 @@ from typing import Any, ContextManager, Iterator
 import torch
 import torch_musa  # noqa: F401  (registers the "musa" device and torch.musa)
 
-from graphslot.backend import Backend, DeviceGraph, no_gc
+from graphslot.backend import Backend, DeviceGraph, TorchEventMixin, no_gc
 from graphslot.errors import BackendUnavailableError, DriverError, StateError, UsageError
 
 from . import abi
@@ -32,7 +32,7 @@ __all__ = ["MusaBackend", "MusaGraph"]
 tmusa: Any = getattr(torch, "musa")
 
 
-class MusaBackend(MusaVmm, Backend):
+class MusaBackend(TorchEventMixin, MusaVmm, Backend):
     """graphslot on a Moore Threads GPU."""
 
     name = "musa"
@@ -85,21 +85,6 @@ class MusaBackend(MusaVmm, Backend):
 
     def new_event(self, timing: bool = False) -> Any:
         return tmusa.Event(enable_timing=timing)
-
-    def _record(self, event: Any, stream: Any) -> None:
-        event.record(stream)
-
-    def _wait(self, stream: Any, event: Any) -> None:
-        stream.wait_event(event)
-
-    def query_event(self, event: Any) -> bool:
-        return bool(event.query())
-
-    def _event_synchronize(self, event: Any) -> None:
-        event.synchronize()
-
-    def elapsed_ms(self, start: Any, end: Any) -> float:
-        return float(start.elapsed_time(end))
 
     def _synchronize(self) -> None:
         tmusa.synchronize(self._torch_device)
