@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import weakref
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Iterator
 
@@ -31,6 +32,7 @@ import torch
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from graphslot.arena import PoolFullError
 from graphslot.backend import DeviceGraph
 from graphslot.errors import StateError, UsageError
 
@@ -138,6 +140,14 @@ class RegionPool:
         self._backend, self._res = backend, res
         self.va, self.size, self.align = va, size, align
         self.used = 0
+        # The buffers behind relocated storages: alive while any tensor uses region bytes.
+        self._bufs: list[weakref.ref[Any]] = []
+
+    @property
+    def live_bytes(self) -> int:
+        """Region bytes still referenced by live tensors (0: the region may be unmapped)."""
+        self._bufs = [r for r in self._bufs if r() is not None]
+        return sum(ctypes.sizeof(b) for b in (r() for r in self._bufs) if b is not None)
 
     def holds(self, t: torch.Tensor) -> bool:
         p = t.untyped_storage().data_ptr()
@@ -146,7 +156,7 @@ class RegionPool:
     def _alloc(self, nbytes: int) -> int:
         off = -(-self.used // self.align) * self.align
         if off + nbytes > self.size:
-            raise UsageError(
+            raise PoolFullError(
                 f"graph pool region [0x{self.va:x}, 0x{self.va + self.size:x}) is full: "
                 f"{off} of {self.size} bytes used, the capture needs {nbytes} more; "
                 "give the pool a larger region")
@@ -174,6 +184,7 @@ class RegionPool:
             if ptr not in moved:
                 addr = self._alloc(nbytes)
                 buf = (ctypes.c_uint8 * nbytes).from_address(addr)
+                self._bufs.append(weakref.ref(buf))
                 dst = torch.frombuffer(buf, dtype=torch.uint8, count=nbytes)
                 dst.copy_(torch.empty(0, dtype=torch.uint8).set_(st))
                 moved[ptr] = dst.untyped_storage()
@@ -254,6 +265,21 @@ class CpuGraph(DeviceGraph):
             st = t.untyped_storage()
             seen[st.data_ptr()] = st.nbytes()
         return sum(seen.values())
+
+    def release_pool(self) -> int:
+        """Drop the recorded work and the private pool; replay is refused afterwards.
+
+        Returns the bytes of the pool region that live tensors still reference (0 when
+        the region may be unmapped; always 0 without a region). Safe to call again.
+        """
+        self._ops, self._pool, self._checks = [], [], []
+        self._state = "released"
+        if self._region is None:
+            return 0
+        import gc
+
+        gc.collect()  # capture-time autograd graphs hold region tensors in reference cycles
+        return self._region.live_bytes
 
     @property
     def pool_region(self) -> tuple[int, int] | None:
