@@ -45,7 +45,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Hashable, Iterable, Iterator, Sequence
 
 from .backend import Allocation, Backend, DeviceGraph, Reservation, align_up
-from .errors import GraphslotError, StateError, UsageError
+from .errors import StateError, UsageError
 from .planner import Plan, PlanError, TensorSpec, plan, verify
 
 if TYPE_CHECKING:
@@ -302,13 +302,12 @@ class VariantGraphs:
         """
         self._check_open("capture")
         self._reap()
-        v = self._variants.get(name)
-        if v is not None and part in v.graphs:
+        known = self._variants.get(name)
+        if known is not None and part in known.graphs:
             raise UsageError(f"variant {name!r} already has a graph {part!r}; "
                              "use another part name")
-        new_variant = v is None
-        if new_variant:
-            v = _Variant(name, self.arena.add_region(name))
+        new_variant = known is None
+        v = _Variant(name, self.arena.add_region(name)) if known is None else known
         limit = self.arena.mapped_bytes if self.fixed else self.arena.capacity
         try:
             g = (self.backend.new_graph(pool_region=(v.region.va, limit)) if not v.graphs else
@@ -451,12 +450,14 @@ class VariantGraphs:
         for v in self._variants.values():
             v.outputs.clear()
         gc.collect()
-        graphs = [(v.name, g) for v in self._variants.values() for g in v.graphs.values()]
-        for name, g in [*graphs, *self._parked.items()]:
-            release = getattr(g, "release_pool", None)
-            live = release() if release is not None else 0
+        groups = [(v.name, list(v.graphs.values())) for v in self._variants.values()]
+        for name, graphs in [*groups, *((n, [g]) for n, g in self._parked.items())]:
+            live = 0
+            for g in graphs:  # the pool is shared: the last release reports what is left
+                release = getattr(g, "release_pool", None)
+                live = release() if release is not None else 0
             if live:
-                held[name] = max(held.get(name, 0), live)
+                held[name] = live
         if held:
             where = ", ".join(f"{n!r}: {b} bytes" for n, b in held.items())
             raise StateError(f"close: tensors from the pools of variant(s) {where} are still "
