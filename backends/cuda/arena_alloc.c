@@ -11,7 +11,9 @@
  * gs_malloc returns NULL and torch raises its out-of-memory error; the region remembers
  * the failed request so Python can say what did not fit. Frees find their region by
  * address, whichever region is active. Placement is first fit over a sorted block list:
- * torch asks for a few large segments per pool, so the lists stay short.
+ * torch asks for a few large segments per pool, so the lists stay short. A region whose
+ * owner went away is *retired*: it takes no new allocations, no longer blocks a new
+ * region over the same addresses, and is forgotten when torch frees its last block.
  *
  * Built by backends/cuda/pool.py with the system C compiler at first use.
  */
@@ -30,6 +32,7 @@ typedef struct {
 
 typedef struct {
     int in_use;
+    int retired; /* no new allocations; forgotten once its last block is freed */
     uintptr_t base;
     size_t size;
     size_t align;
@@ -63,7 +66,7 @@ int gs_region_add(uintptr_t base, size_t size, size_t align) {
     for (int i = 0; i < GS_MAX_REGIONS; i++) {
         gs_region *r = &regions[i];
         if (r->in_use) {
-            if (base < r->base + r->size && r->base < base + size) {
+            if (!r->retired && base < r->base + r->size && r->base < base + size) {
                 id = -2;
                 break;
             }
@@ -101,14 +104,36 @@ int gs_region_remove(int id) {
     return rc;
 }
 
+/* Retire a region (see the top comment). Returns 0 when it was forgotten at once, 1 when
+ * blocks are still live, -1 for an unknown id. */
+int gs_region_retire(int id) {
+    int rc = -1;
+    pthread_mutex_lock(&lock);
+    if (valid_id(id)) {
+        gs_region *r = &regions[id];
+        if (active == id)
+            active = -1;
+        if (r->nblocks) {
+            r->retired = 1;
+            rc = 1;
+        } else {
+            free(r->blocks);
+            memset(r, 0, sizeof *r);
+            rc = 0;
+        }
+    }
+    pthread_mutex_unlock(&lock);
+    return rc;
+}
+
 /* Make `id` the region gs_malloc draws from (-1: none). Returns 0, or -1 for an unknown
- * id, or -2 when another region is active already (a capture is under way). */
+ * or retired id, or -2 when another region is active already (a capture is under way). */
 int gs_region_activate(int id) {
     int rc = 0;
     pthread_mutex_lock(&lock);
     if (id == -1) {
         active = -1;
-    } else if (!valid_id(id)) {
+    } else if (!valid_id(id) || regions[id].retired) {
         rc = -1;
     } else if (active != -1 && active != id) {
         rc = -2;
@@ -232,10 +257,14 @@ void gs_free(void *ptr, size_t size, int device, void *stream) {
             r->nfrees++;
             memmove(&r->blocks[lo], &r->blocks[lo + 1], (r->nblocks - lo - 1) * sizeof *r->blocks);
             r->nblocks--;
+            if (r->retired && r->nblocks == 0) {
+                free(r->blocks);
+                memset(r, 0, sizeof *r);
+            }
             pthread_mutex_unlock(&lock);
             return;
         }
-        break;
+        /* not here: a retired region may overlap a newer one, so keep looking */
     }
     foreign_frees++;
     pthread_mutex_unlock(&lock);

@@ -36,6 +36,7 @@ import shutil
 import subprocess
 import tempfile
 import threading
+import weakref
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -104,7 +105,7 @@ class Shim:
         sz = ctypes.c_size_t
         lib.gs_region_add.argtypes = [ctypes.c_size_t, sz, sz]
         lib.gs_region_add.restype = ctypes.c_int
-        for name in ("gs_region_remove", "gs_region_activate"):
+        for name in ("gs_region_remove", "gs_region_retire", "gs_region_activate"):
             getattr(lib, name).argtypes = [ctypes.c_int]
             getattr(lib, name).restype = ctypes.c_int
         lib.gs_active.argtypes = []
@@ -133,6 +134,10 @@ class Shim:
     def remove(self, rid: int) -> bool:
         """Forget region ``rid``; False while torch still holds blocks in it."""
         return self.lib.gs_region_remove(rid) == 0
+
+    def retire(self, rid: int) -> None:
+        """Stop allocating from ``rid``; the shim forgets it once torch frees its last block."""
+        self.lib.gs_region_retire(rid)
 
     def activate(self, rid: int) -> None:
         rc = self.lib.gs_region_activate(rid)
@@ -239,6 +244,9 @@ class _Region:
         self.shim = shim()
         self.id = self.shim.add(va, size)
         self.graphs = 0
+        # Graphs dropped without release_pool(): retire the region when this object goes,
+        # so a later region over the same (freed and reserved again) addresses is allowed.
+        self._finalizer = weakref.finalize(self, self.shim.retire, self.id)
         with torch.cuda.device(backend.device):
             self.mempool: Any = torch.cuda.MemPool(allocator.allocator())
 
@@ -263,6 +271,7 @@ class _Region:
         torch.cuda.empty_cache()
         live = self.shim.stats(self.id)["live"]
         if live == 0 and self.shim.remove(self.id):
+            self._finalizer.detach()  # the id may be reused by another region from now on
             self.id = -1
         return live
 
