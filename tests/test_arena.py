@@ -339,7 +339,7 @@ def test_forward_and_backward_parts_share_the_variant_pool(regions):
     for p in xs:  # eager warm-up, backward included
         torch.autograd.grad(forward(p), w1, gos[p])
     b.synchronize()
-    with VariantGraphs(b, capacity=256 * MiB) as vg:
+    with VariantGraphs(b, capacity=512 * MiB) as vg:
         outs = {}
         for p in xs:
             outs[p] = vg.capture(p, forward, p)
