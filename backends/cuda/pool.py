@@ -20,9 +20,12 @@ caches such as the cuBLAS/cuBLASLt workspaces then already exist, in torch's ord
 pool, when capture starts. Created during a capture instead, such a cache would land in
 that variant's region and be reused by the next variant's graph, whose own data shares
 those physical pages. Library caches keyed otherwise are not covered: capture on the
-threads and streams that were warmed up. Requirements: torch's native caching allocator without ``expandable_segments``
-(``MemPool`` with a custom allocator rejects both), and a C compiler (``$CC`` or ``gcc``)
-to build the shim once into ``$GRAPHSLOT_CACHE_DIR`` (default ``~/.cache/graphslot``).
+threads and streams that were warmed up.
+
+Requirements: torch's native caching allocator (not ``cudaMallocAsync``) without
+``expandable_segments`` (a ``MemPool`` with a custom allocator works with neither), and a
+C compiler (``$CC`` or ``gcc``) to build the shim once into ``$GRAPHSLOT_CACHE_DIR``
+(default ``~/.cache/graphslot``).
 """
 
 from __future__ import annotations
