@@ -665,6 +665,9 @@ class Backend(abc.ABC):
         """Driver-level ``(free_bytes, total_bytes)`` of the device."""
         return self._mem_info()
 
+    def empty_cache(self) -> None:
+        """Return the framework allocator's cached, unused blocks to the driver (if any)."""
+
     def allocator_stats(self, reset_peak: bool = False) -> dict[str, int | None]:
         """The framework allocator's view of device memory, graph private pools included.
 

@@ -20,6 +20,7 @@ copy bandwidth, exposed copy time and efficiency against the ideal bound
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import math
 import statistics
@@ -306,7 +307,9 @@ def run_bench(b: Backend, shape: BenchShape, *, steps: int = 10, warmup: int = 3
             out["configs"][name]["offload_layers"] = kw["offload_layers"]
         if stack is not None:
             stack.close()
-            del stack
+            del stack, fwd, step
+            gc.collect()
+            b.empty_cache()
         if name == "save_on_cpu" and b.name != "cpu":
             out["configs"][name]["d2h_gbps"] = out["configs"][name]["h2d_gbps"] = None
             out["configs"][name]["copy_note"] = "copies issued by torch inside autograd; not timed"
@@ -350,6 +353,10 @@ def _memory_step(b: Backend, fwd: Callable[[], torch.Tensor], gy: torch.Tensor, 
         b.synchronize()
         curve.append((label, in_use()))
 
+    # Start from what this configuration holds, not what earlier ones left cached.
+    gc.collect()
+    b.synchronize()
+    b.empty_cache()
     hooks = []
     if stack is not None:
         stack.probe = probe

@@ -135,6 +135,9 @@ class CudaBackend(TorchEventMixin, Backend):
         free, total = _check("cuMemGetInfo", cu.cuMemGetInfo())
         return int(free), int(total)
 
+    def empty_cache(self) -> None:
+        torch.cuda.empty_cache()
+
     def allocator_stats(self, reset_peak: bool = False) -> dict[str, int | None]:
         st = torch.cuda.memory_stats(self._torch_device)
         pool_reserved = pool_allocated = 0

@@ -124,6 +124,9 @@ class MusaBackend(TorchEventMixin, MusaVmm, Backend):
 
     # -- graphs -------------------------------------------------------------------
 
+    def empty_cache(self) -> None:
+        tmusa.empty_cache()
+
     def new_graph(self, share_pool_with: DeviceGraph | None = None,
                   pool_region: tuple[int, int] | None = None) -> DeviceGraph:
         if pool_region is not None:
