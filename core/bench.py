@@ -361,8 +361,17 @@ def _memory_step(b: Backend, fwd: Callable[[], torch.Tensor], gy: torch.Tensor, 
     if stack is not None:
         stack.probe = probe
     else:
+        n = len(layers)
+
+        def after_forward(i: int, out: torch.Tensor) -> None:
+            probe(f"F{i}")
+            if out.requires_grad and i + 1 < n:
+                # The gradient of layer i's output exists once layer i+1's backward ran.
+                out.register_hook(lambda _g, i=i: probe(f"B{i + 1}"))
+
         for i, m in enumerate(layers):
-            hooks.append(m.register_forward_hook(lambda *_, i=i: probe(f"F{i}")))
+            hooks.append(m.register_forward_hook(lambda _m, _a, out, i=i: after_forward(i, out)))
+
     b.synchronize()
     b.allocator_stats(reset_peak=True)
     b.ledger.reset_peak()
