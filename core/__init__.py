@@ -11,6 +11,9 @@ The public surface:
 * :class:`Backend` - reserve/create/map/unmap/release, streams, events, copies.
 * :mod:`graphslot.errors` - the exception hierarchy.
 * :mod:`graphslot.offload` and :mod:`graphslot.adapters.torch` - graph-safe activation offload.
+* :mod:`graphslot.arena` - mutually exclusive graph variants sharing one physical pool
+  (:class:`~graphslot.arena.VariantGraphs`) and static graph I/O planned by lifetime
+  (:class:`~graphslot.arena.IOArena`).
 * :mod:`graphslot.planner` - plan and verify fixed arenas for tensors with known lifetimes,
   mutually exclusive branches and alias groups.
 """
