@@ -1,0 +1,107 @@
+"""One rank of a two-stage pipeline-parallel run, for tests/test_pipeline.py.
+
+    python tests/pp_worker.py RANK WORLD PORT MODE OUT.json
+
+Stage 0 holds the embedding and the first half of the blocks, stage 1 the second half,
+the final norm and the head. Each step runs a GPipe schedule (every microbatch's forward,
+then every backward) over torch.distributed send/recv; graphslot only wraps each rank's
+blocks. The same steps run eagerly and graphed with offload from the same weights, and
+the rank writes losses, parameter checksums and its memory report to OUT.json.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+import graphslot
+from graphslot.adapters.torch import GraphedLayers
+from graphslot.memory import report
+from graphslot.toy import GPTConfig, TinyGPT
+
+STEPS, MICRO = 3, 3
+
+
+def stage(model: TinyGPT, rank: int) -> list[torch.nn.Module]:
+    half = len(model.blocks) // 2
+    return list(model.blocks[:half] if rank == 0 else model.blocks[half:])
+
+
+def run(model: TinyGPT, stack: torch.nn.Module, rank: int, b: graphslot.Backend) -> list[float]:
+    c = model.config
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    shape = (c.batch, c.seq, c.hidden)
+    losses: list[float] = []
+    for step in range(STEPS):
+        keep = []
+        for mb in range(MICRO):  # all forwards: MICRO microbatches in flight
+            tokens, targets = model.batch(step * MICRO + mb, b.device)
+            if rank == 0:
+                h = stack(model.hidden_in(tokens))
+                dist.send(h.detach().cpu(), 1)
+                keep.append(h)
+            else:
+                buf = torch.empty(shape)
+                dist.recv(buf, 0)
+                h_in = buf.to(b.device).requires_grad_()
+                logits = model.head(model.ln_f(stack(h_in)))
+                loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
+                keep.append((h_in, loss))
+        for mb in range(MICRO):  # then every backward, oldest first
+            if rank == 1:
+                h_in, loss = keep[mb]
+                (loss / MICRO).backward()
+                dist.send(h_in.grad.detach().cpu(), 0)
+                losses.append(float(loss.detach()))
+            else:
+                g = torch.empty(shape)
+                dist.recv(g, 1)
+                keep[mb].backward(g.to(b.device))
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return losses
+
+
+def main() -> None:
+    rank, world, port, mode, out = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4], sys.argv[5]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    b = graphslot.get_backend()
+    c = GPTConfig(hidden=32, heads=2, ffn=64, seq=16, batch=2, layers=4, vocab=64)
+    torch.manual_seed(0)
+    base = TinyGPT(c).to(b.device)
+
+    eager = copy.deepcopy(base)
+    eager_losses = run(eager, torch.nn.Sequential(*stage(eager, rank)), rank, b)
+
+    model = copy.deepcopy(base)
+    sample = torch.zeros(c.batch, c.seq, c.hidden, device=b.device, requires_grad=True)
+    stack = GraphedLayers(stage(model, rank), sample, mode=mode, backend=b, debug_checksums=True)
+    losses = run(model, stack, rank, b)
+    stack.engine.settle()
+    mem = report(b).as_dict()
+    banks = {g.name: g.bank.index if g.bank is not None else None for g in stack.engine.groups}
+    ledger = b.ledger.snapshot()
+    reports: list = [None] * world
+    dist.all_gather_object(reports, {"rank": rank, "ledger": ledger, "memory": mem, "banks": banks})
+    same = all(torch.equal(p, q) for p, q in zip(model.parameters(), eager.parameters()))
+    with open(out, "w") as f:
+        json.dump({"rank": rank, "losses": losses, "eager_losses": eager_losses, "params_equal": same,
+                   "reports": reports, "offloaded": stack.engine.stats["offloaded_bytes"]}, f)
+    if rank == 0:  # per-rank memory reports side by side
+        keys = ("mapped_bytes", "allocated_bytes", "reserved_va_bytes", "driver_used_bytes")
+        print("rank " + "".join(f"{k:>20}" for k in keys))
+        for r in reports:
+            row = {**r["memory"], **{k: r["ledger"].get(k, r["memory"].get(k)) for k in keys}}
+            print(f"{r['rank']:>4} " + "".join(f"{row[k]:>20}" for k in keys))
+    stack.close()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    main()
