@@ -15,6 +15,7 @@ import copy
 import json
 import os
 import sys
+import time
 
 import torch
 import torch.distributed as dist
@@ -70,34 +71,47 @@ def run(model: TinyGPT, stack: torch.nn.Module, rank: int, b: graphslot.Backend)
 def main() -> None:
     rank, world, port, mode, out = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4], sys.argv[5]
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    if os.environ.get("GRAPHSLOT_BACKEND") == "cuda":  # one GPU per rank
+        torch.cuda.set_device(rank % torch.cuda.device_count())
     b = graphslot.get_backend()
     c = GPTConfig(hidden=32, heads=2, ffn=64, seq=16, batch=2, layers=4, vocab=64)
     torch.manual_seed(0)
     base = TinyGPT(c).to(b.device)
 
+    def timed(model: TinyGPT, stack: torch.nn.Module) -> tuple[list[float], dict]:
+        b.synchronize()
+        b.allocator_stats(reset_peak=True)
+        t0 = time.perf_counter()
+        losses = run(model, stack, rank, b)
+        b.synchronize()
+        return losses, {"step_ms": (time.perf_counter() - t0) * 1e3 / STEPS,
+                        "peak_reserved_bytes": b.allocator_stats()["peak_reserved_bytes"]}
+
     eager = copy.deepcopy(base)
-    eager_losses = run(eager, torch.nn.Sequential(*stage(eager, rank)), rank, b)
+    eager_losses, eager_perf = timed(eager, torch.nn.Sequential(*stage(eager, rank)))
 
     model = copy.deepcopy(base)
     sample = torch.zeros(c.batch, c.seq, c.hidden, device=b.device, requires_grad=True)
     stack = GraphedLayers(stage(model, rank), sample, mode=mode, backend=b, debug_checksums=True)
-    losses = run(model, stack, rank, b)
+    losses, perf = timed(model, stack)
     stack.engine.settle()
     mem = report(b).as_dict()
     banks = {g.name: g.bank.index if g.bank is not None else None for g in stack.engine.groups}
     ledger = b.ledger.snapshot()
     reports: list = [None] * world
-    dist.all_gather_object(reports, {"rank": rank, "ledger": ledger, "memory": mem, "banks": banks})
+    dist.all_gather_object(reports, {"rank": rank, "ledger": ledger, "memory": mem, "banks": banks,
+                                     "eager": eager_perf, "offload": perf})
     same = all(torch.equal(p, q) for p, q in zip(model.parameters(), eager.parameters()))
     with open(out, "w") as f:
         json.dump({"rank": rank, "losses": losses, "eager_losses": eager_losses, "params_equal": same,
                    "reports": reports, "offloaded": stack.engine.stats["offloaded_bytes"]}, f)
     if rank == 0:  # per-rank memory reports side by side
         keys = ("mapped_bytes", "allocated_bytes", "reserved_va_bytes", "driver_used_bytes")
-        print("rank " + "".join(f"{k:>20}" for k in keys))
+        print("rank " + "".join(f"{k:>20}" for k in keys) + "   eager ms/step  offload ms/step")
         for r in reports:
             row = {**r["memory"], **{k: r["ledger"].get(k, r["memory"].get(k)) for k in keys}}
-            print(f"{r['rank']:>4} " + "".join(f"{row[k]:>20}" for k in keys))
+            print(f"{r['rank']:>4} " + "".join(f"{row[k]:>20}" for k in keys)
+                  + f"{r['eager']['step_ms']:16.1f}{r['offload']['step_ms']:17.1f}")
     stack.close()
     dist.destroy_process_group()
 
