@@ -661,6 +661,20 @@ class Backend(abc.ABC):
             tx.set_access(res, 0, size)
         return res, alloc
 
+    def pool_region(self, region: Any) -> tuple[int, int, Reservation]:
+        """Check a graph pool region ``(va, size)``; returns ``(va, size, its reservation)``."""
+        try:
+            va, size = (int(v) for v in region)
+        except (TypeError, ValueError):
+            raise UsageError(f"pool_region must be a (va, size) pair of ints, got {region!r}") from None
+        if size <= 0 or va <= 0:
+            raise UsageError(f"pool_region (0x{va:x}, {size}) must have a positive address and size")
+        res = self.ledger.find(va, size)
+        if res is None:
+            raise UsageError(f"pool_region [0x{va:x}, 0x{va + size:x}) is not inside a live "
+                             "reservation of this backend; reserve it first")
+        return va, size, res
+
     def mem_info(self) -> tuple[int, int]:
         """Driver-level ``(free_bytes, total_bytes)`` of the device."""
         return self._mem_info()

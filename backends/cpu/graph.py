@@ -34,7 +34,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from graphslot.arena import PoolFullError
 from graphslot.backend import DeviceGraph
-from graphslot.errors import StateError, UsageError
+from graphslot.errors import StateError
 
 if TYPE_CHECKING:
     from .backend import CpuBackend
@@ -127,16 +127,7 @@ class RegionPool:
     """
 
     def __init__(self, backend: CpuBackend, region: Any, align: int = 256) -> None:
-        try:
-            va, size = (int(v) for v in region)
-        except (TypeError, ValueError):
-            raise UsageError(f"pool_region must be a (va, size) pair of ints, got {region!r}") from None
-        if size <= 0 or va <= 0:
-            raise UsageError(f"pool_region (0x{va:x}, {size}) must have a positive address and size")
-        res = backend.ledger.find(va, size)
-        if res is None:
-            raise UsageError(f"pool_region [0x{va:x}, 0x{va + size:x}) is not inside a live "
-                             "reservation of this backend; reserve it first")
+        va, size, res = backend.pool_region(region)
         self._backend, self._res = backend, res
         self.va, self.size, self.align = va, size, align
         self.used = 0

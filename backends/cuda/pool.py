@@ -232,16 +232,7 @@ class _Region:
     def __init__(self, backend: Any, pool_region: Any) -> None:
         import torch
 
-        try:
-            va, size = (int(v) for v in pool_region)
-        except (TypeError, ValueError):
-            raise UsageError(f"pool_region must be a (va, size) pair of ints, got {pool_region!r}") from None
-        if size <= 0 or va <= 0:
-            raise UsageError(f"pool_region (0x{va:x}, {size}) must have a positive address and size")
-        res = backend.ledger.find(va, size)
-        if res is None:
-            raise UsageError(f"pool_region [0x{va:x}, 0x{va + size:x}) is not inside a live "
-                             "reservation of this backend; reserve it first")
+        va, size, res = backend.pool_region(pool_region)
         allocator = _pluggable_allocator()
         self.backend, self.reservation, self.va, self.size = backend, res, va, size
         self.shim = shim()
