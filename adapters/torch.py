@@ -145,7 +145,7 @@ class _Runner:
                     "then belong to the default stream. Build GraphedLayers before such work "
                     "or drop those references.") from e
         else:
-            grads = tuple(None for _ in inputs)
+            grads = tuple(None for _ in inputs)  # type: ignore[misc]  # nothing to differentiate
         if self.group is not None:
             self.group.finish_capture()
         self.bwd = bwd

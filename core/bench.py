@@ -20,6 +20,7 @@ copy bandwidth, exposed copy time and efficiency against the ideal bound
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import json
 import math
@@ -27,12 +28,12 @@ import statistics
 import sys
 import time
 from dataclasses import asdict, dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 
 from .backend import Backend
-from .memory import report
+from .memory import report, saved_activation_bytes
 from .toy import Block, GPTConfig
 from .trace import Timeline
 
@@ -146,24 +147,16 @@ class _Progress:
             sys.stderr.write("\n")
 
 
-def _saved_activation_bytes(layers: list[torch.nn.Module], x: torch.Tensor) -> int:
-    state = {t.untyped_storage().data_ptr() for m in layers for t in [*m.parameters(), *m.buffers()]}
-    total = 0
+def _forward(layers: Sequence[torch.nn.Module], x: torch.Tensor) -> torch.Tensor:
+    h = x
+    for m in layers:
+        h = m(h)
+    return h
 
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        nonlocal total
-        if t.untyped_storage().data_ptr() not in state and t.device == x.device:
-            total += t.numel() * t.element_size()
-        # Not t itself: a hook returning an op's own output ties the autograd graph in
-        # a cycle the collector cannot see, which would outlive this forward.
-        return None
 
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda _: None):
-        h = x
-        for m in layers:
-            h = m(h)
-    del h
-    return total
+def _forward_saving_on_cpu(layers: Sequence[torch.nn.Module], x: torch.Tensor) -> torch.Tensor:
+    with torch.autograd.graph.save_on_cpu(pin_memory=True):
+        return _forward(layers, x)
 
 
 def run_bench(b: Backend, shape: BenchShape, *, steps: int = 10, warmup: int = 3,
@@ -182,7 +175,7 @@ def run_bench(b: Backend, shape: BenchShape, *, steps: int = 10, warmup: int = 3
     x = torch.randn(shape.batch, shape.seq, shape.hidden, generator=g).to(b.device, dtype)
     x.requires_grad_()
     gy = torch.randn(x.shape, generator=g).to(b.device, dtype)
-    saved = _saved_activation_bytes(layers, x)
+    saved = saved_activation_bytes(layers, x)
     layer_bytes = saved // shape.layers
     copy_n = min(GiB, max(MiB, layer_bytes))
     ceiling = copy_bandwidth(b, copy_n)
@@ -224,21 +217,11 @@ def run_bench(b: Backend, shape: BenchShape, *, steps: int = 10, warmup: int = 3
             bar.update(f"{name}: capture", advance=False)
             stack = GraphedLayers(layers, x, mode=mode, backend=b, warmup_iters=2, **kw)
 
-            def fwd(stack: Any = stack) -> torch.Tensor:
-                return stack(x)
+            fwd: Callable[[], torch.Tensor] = functools.partial(stack, x)
         elif name == "save_on_cpu":
-            def fwd() -> torch.Tensor:
-                with torch.autograd.graph.save_on_cpu(pin_memory=True):
-                    h = x
-                    for m in layers:
-                        h = m(h)
-                return h
+            fwd = functools.partial(_forward_saving_on_cpu, layers, x)
         else:
-            def fwd() -> torch.Tensor:
-                h = x
-                for m in layers:
-                    h = m(h)
-                return h
+            fwd = functools.partial(_forward, layers, x)
 
         def step() -> None:
             y = fwd()
@@ -336,7 +319,7 @@ def _unsupported(b: Backend, name: str) -> str | None:
 
 
 def _memory_step(b: Backend, fwd: Callable[[], torch.Tensor], gy: torch.Tensor, stack: Any,
-                 layers: list[torch.nn.Module], saved_on_device: int,
+                 layers: Sequence[torch.nn.Module], saved_on_device: int,
                  curve: list[tuple[str, int]],
                  zero_grads: Callable[[], None]) -> tuple[int | None, int]:
     """One step with memory probes after every layer; returns (peak, boundary bytes)."""

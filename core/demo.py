@@ -19,29 +19,10 @@ from typing import Any
 import torch
 
 from .backend import Backend
+from .memory import saved_activation_bytes
 from .toy import GPTConfig, TinyGPT
 
 __all__ = ["run_demo", "add_parser"]
-
-
-def _saved_bytes(model: TinyGPT, tokens: torch.Tensor) -> int:
-    """Bytes of activations autograd saves inside the block stack (parameters excluded)."""
-    state = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    state |= {b.untyped_storage().data_ptr() for b in model.buffers()}
-    total = 0
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        nonlocal total
-        if t.untyped_storage().data_ptr() not in state:
-            total += t.numel() * t.element_size()
-        # Not t itself: a hook returning an op's own output ties the autograd graph in
-        # a cycle the collector cannot see, which would outlive this forward.
-        return None
-
-    x = model.hidden_in(tokens).detach().requires_grad_()
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda _: None):
-        model.stack(x)
-    return total
 
 
 def _train(b: Backend, model: TinyGPT, steps: int) -> dict[str, Any]:
@@ -56,7 +37,7 @@ def _train(b: Backend, model: TinyGPT, steps: int) -> dict[str, Any]:
         loss = model(tokens, targets)
         loss.backward()
         if step == steps - 1:
-            grads = [p.grad.detach().clone() for p in model.parameters()]
+            grads = [p.grad.detach().clone() for p in model.parameters() if p.grad is not None]
         opt.step()
         opt.zero_grad(set_to_none=True)
         losses.append(float(loss.detach()))  # a host sync, outside the counted driver work
@@ -92,7 +73,8 @@ def run_demo(b: Backend, config: GPTConfig | None = None, steps: int = 6) -> dic
     torch.manual_seed(0)
     base = TinyGPT(c).to(b.device)
     eager_model = copy.deepcopy(base)
-    saved = _saved_bytes(eager_model, eager_model.batch(0, b.device)[0])
+    x0 = eager_model.hidden_in(eager_model.batch(0, b.device)[0]).detach().requires_grad_()
+    saved = saved_activation_bytes(list(eager_model.blocks), x0)
     eager = _train(b, eager_model, steps)
     report: dict[str, Any] = {
         "backend": b.name,

@@ -26,11 +26,13 @@ from __future__ import annotations
 import statistics
 from dataclasses import asdict, dataclass, fields
 from contextlib import contextmanager
-from typing import Any, Iterator
+from typing import Any, Iterator, Sequence
+
+import torch
 
 from .backend import Backend
 
-__all__ = ["MemoryReport", "report", "measure"]
+__all__ = ["MemoryReport", "report", "measure", "saved_activation_bytes"]
 
 
 @dataclass(frozen=True)
@@ -55,7 +57,7 @@ class MemoryReport:
         return d
 
     def __sub__(self, other: MemoryReport) -> MemoryReport:
-        vals = {}
+        vals: dict[str, Any] = {}
         for f in fields(self):
             a, b = getattr(self, f.name), getattr(other, f.name)
             vals[f.name] = None if a is None or b is None else a - b
@@ -105,3 +107,30 @@ def measure(backend: Backend, samples: int = 3) -> Iterator[Measurement]:
     yield m
     m.after = report(backend, samples)
     m.delta = m.after - m.before
+
+
+def _never_unpacked(_: Any) -> Any:  # the forward below runs without a backward
+    return None
+
+
+def saved_activation_bytes(layers: Sequence[torch.nn.Module], x: torch.Tensor) -> int:
+    """Bytes of activations autograd saves on ``x``'s device for one forward through
+    ``layers`` (parameters and buffers excluded): what stays on the device between
+    forward and backward without offload."""
+    state = {t.untyped_storage().data_ptr() for m in layers for t in [*m.parameters(), *m.buffers()]}
+    total = 0
+
+    def pack(t: torch.Tensor) -> Any:
+        nonlocal total
+        if t.untyped_storage().data_ptr() not in state and t.device == x.device:
+            total += t.numel() * t.element_size()
+        # Not t itself: a hook returning an op's own output ties the autograd graph in a
+        # cycle the collector cannot see, which would outlive this forward.
+        return None
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, _never_unpacked):
+        h = x
+        for m in layers:
+            h = m(h)
+    del h
+    return total

@@ -447,7 +447,7 @@ class OffloadEngine:
         if self.mode is not Mode.REMAP or g.empty or g._mapped_for_forward is not None:
             return
         res, size = g.reservation, g.slot_bytes
-        g._mapped_for_forward = self.worker.submit(lambda: self.backend.map_new(res, 0, size))  # type: ignore[union-attr]
+        g._mapped_for_forward = self.worker.submit(lambda: self.backend.map_new(res, 0, size))  # type: ignore[union-attr,arg-type]
 
     def before_forward(self, g: OffloadGroup, microbatch: int) -> Ticket:
         """Make ``g``'s slot writable for a forward replay; returns that forward's ticket."""
@@ -508,7 +508,7 @@ class OffloadEngine:
             g.bank.d2h_done = t.d2h_done  # type: ignore[union-attr]
         else:
             res, ev = g.reservation, t.d2h_done
-            self.worker.submit(lambda: self._release_after(res, ev))  # type: ignore[union-attr]
+            self.worker.submit(lambda: self._release_after(res, ev))  # type: ignore[union-attr,arg-type]
 
     def _release_after(self, res: Reservation, event: Any) -> None:
         self.worker.wait_event(event)  # type: ignore[union-attr]

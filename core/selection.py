@@ -52,7 +52,7 @@ def _choose(requested: str) -> tuple[str, str]:
             raise BackendUnavailableError(f"{ENV_VAR}={requested} was asked for but cannot run "
                                           f"here: {why}")
         return requested, f"{ENV_VAR}={requested}"
-    skipped = []
+    skipped: list[str] = []
     for name in BACKENDS:
         why = probe(name)
         if why is None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -56,7 +57,8 @@ class Block(nn.Module):
             o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         else:
             att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(d))
-            att = att.masked_fill(self.mask[:s, :s], float("-inf")).softmax(-1)
+            mask = cast(torch.Tensor, self.mask)  # a registered buffer
+            att = att.masked_fill(mask[:s, :s], float("-inf")).softmax(-1)
             o = att @ v
         x = x + self.proj(o.transpose(1, 2).reshape(b, s, h))
         return x + self.fc2(F.gelu(self.fc1(self.ln2(x))))
