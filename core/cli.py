@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from typing import Any
 
 from .errors import GraphslotError
 
@@ -52,36 +51,11 @@ def build_parser() -> argparse.ArgumentParser:
     info.add_argument("--json", action="store_true", help="print one JSON object")
     info.set_defaults(func=_info)
 
-    for extra in _EXTRA_COMMANDS:
-        extra(sub)
+    from . import bench, demo, plan_cli
+
+    for module in (demo, bench, plan_cli):
+        module.add_parser(sub)
     return p
-
-
-def _add_demo(sub: Any) -> None:
-    try:
-        from .demo import add_parser
-    except ImportError:
-        return
-    add_parser(sub)
-
-
-def _add_bench(sub: Any) -> None:
-    try:
-        from .bench import add_parser
-    except ImportError:
-        return
-    add_parser(sub)
-
-
-def _add_plan(sub: Any) -> None:
-    try:
-        from .plan_cli import add_parser
-    except ImportError:
-        return
-    add_parser(sub)
-
-
-_EXTRA_COMMANDS = (_add_demo, _add_bench, _add_plan)
 
 
 def main(argv: list[str] | None = None) -> int:
