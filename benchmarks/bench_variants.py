@@ -23,12 +23,9 @@ Both parts check replays against eager execution. Not a test: it reports numbers
 from __future__ import annotations
 
 import argparse
-import ctypes
 import functools
-import gc
 import json
 import math
-import os
 import platform
 import statistics
 import time
@@ -39,14 +36,13 @@ import torch.nn.functional as F
 
 import graphslot
 from graphslot.arena import IOArena, IOTensor, Step, VariantGraphs
-from graphslot.memory import measure, report
+from graphslot.memory import measure, settle, used_bytes
 
 MiB = 1 << 20
 PRESETS = {
     "cpu": {"hidden": 256, "seqs": (3072, 2048, 1024), "dtype": "float32"},
     "cuda": {"hidden": 4096, "seqs": (8192, 4096, 2048), "dtype": "bfloat16"},
 }
-_libc = ctypes.CDLL(None)
 
 
 class Layer:
@@ -71,31 +67,6 @@ class Layer:
 PATHS = ("mlp", "normed", "mixing")
 
 
-def settle(b: graphslot.Backend) -> None:
-    gc.collect()
-    b.synchronize()
-    if b.name == "cuda":
-        torch.cuda.empty_cache()
-    elif hasattr(_libc, "malloc_trim"):
-        _libc.malloc_trim(0)
-
-
-def used_bytes(b: graphslot.Backend) -> int:
-    """cuda/musa: driver-level used device memory; cpu: this process's Pss with graphslot's
-    memfd pages counted from the kernel."""
-    settle(b)
-    if b.name == "cpu":
-        fields = {}
-        with open("/proc/self/smaps_rollup") as f:
-            for line in f:
-                key, _, rest = line.partition(":")
-                if rest.strip().endswith("kB"):
-                    fields[key] = int(rest.split()[0]) * 1024
-        # Shared-memory pages count once however often they are mapped, but only once a
-        # mapping touched them: take graphslot's memfd pages from the kernel instead.
-        memfd = sum(os.fstat(a.handle.fd).st_blocks * 512 for a in b.ledger.allocations)
-        return fields["Pss"] - fields["Pss_Shmem"] + memfd
-    return report(b).driver_used_bytes
 
 
 def capture_kwargs(b: graphslot.Backend) -> dict[str, Any]:

@@ -682,6 +682,11 @@ class Backend(abc.ABC):
     def empty_cache(self) -> None:
         """Return the framework allocator's cached, unused blocks to the driver (if any)."""
 
+    def footprint_bytes(self) -> int | None:
+        """Memory this process really holds on the device, where the backend can tell it
+        apart from everyone else's (the cpu backend can); ``None`` means read the driver."""
+        return None
+
     def allocator_stats(self, reset_peak: bool = False) -> dict[str, int | None]:
         """The framework allocator's view of device memory, graph private pools included.
 

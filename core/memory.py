@@ -32,7 +32,7 @@ import torch
 
 from .backend import Backend
 
-__all__ = ["MemoryReport", "report", "measure", "saved_activation_bytes"]
+__all__ = ["MemoryReport", "report", "measure", "settle", "used_bytes", "saved_activation_bytes"]
 
 
 @dataclass(frozen=True)
@@ -85,6 +85,23 @@ def report(backend: Backend, samples: int = 3) -> MemoryReport:
         driver_free_bytes=int(statistics.median(frees)),
         driver_total_bytes=total,
     )
+
+
+def settle(backend: Backend) -> None:
+    """Free what is garbage and hand cached memory back, so usage figures show live memory."""
+    import gc
+
+    gc.collect()
+    backend.synchronize()
+    backend.empty_cache()
+
+
+def used_bytes(backend: Backend) -> int:
+    """Memory really in use after :func:`settle`: this process's footprint where the backend
+    can tell it (cpu), else the driver's used figure (median of three reads)."""
+    settle(backend)
+    own = backend.footprint_bytes()
+    return own if own is not None else report(backend).driver_used_bytes
 
 
 class Measurement:

@@ -8,8 +8,6 @@ driver's used memory.
 
 from __future__ import annotations
 
-import ctypes
-import gc
 import math
 import os
 import random
@@ -23,11 +21,10 @@ import graphslot
 from graphslot import align_up
 from graphslot.arena import IOArena, IOTensor, PoolFullError, SharedArena, Step, VariantGraphs, io_specs
 from graphslot.errors import InjectedFault, StateError, UsageError
-from graphslot.memory import measure, report
+from graphslot.memory import measure, settle, used_bytes
 from graphslot.planner import PlanError
 
 MiB = 1 << 20
-_libc = ctypes.CDLL(None)
 
 # Hidden size and the three variants' lengths (mlp, normed, mixing), per backend: pools of
 # similar size (the quadratic mixing path gets the shortest length), each well above noise.
@@ -83,32 +80,6 @@ def warm_capture(b: graphslot.Backend) -> None:
     settle(b)
 
 
-def settle(b: graphslot.Backend) -> None:
-    """Free what is garbage and hand cached memory back, so usage figures show live memory."""
-    gc.collect()
-    b.synchronize()
-    if b.name == "cuda":
-        torch.cuda.empty_cache()
-    elif b.name == "cpu" and hasattr(_libc, "malloc_trim"):
-        _libc.malloc_trim(0)  # glibc keeps freed heap pages resident otherwise
-
-
-def physical_used(b: graphslot.Backend) -> int:
-    """Bytes really backing this process (cpu: Pss, with graphslot's memfd pages counted
-    from the kernel) or used on the device (cuda: the driver's figure)."""
-    settle(b)
-    if b.name == "cpu":
-        fields = {}
-        with open("/proc/self/smaps_rollup") as f:
-            for line in f:
-                key, _, rest = line.partition(":")
-                if rest.strip().endswith("kB"):
-                    fields[key] = int(rest.split()[0]) * 1024
-        # Shared-memory pages count once however often they are mapped, but only once a
-        # mapping touched them: take graphslot's memfd pages from the kernel instead.
-        memfd = sum(os.fstat(a.handle.fd).st_blocks * 512 for a in b.ledger.allocations)
-        return fields["Pss"] - fields["Pss_Shmem"] + memfd
-    return report(b).driver_used_bytes
 
 
 def capture_kwargs(b: graphslot.Backend) -> dict:
@@ -288,12 +259,12 @@ def test_shared_variants_cost_the_largest_not_the_sum(regions):
     kw = capture_kwargs(b)
     slack = 48 * MiB if b.name == "cuda" else 8 * MiB
 
-    before = physical_used(b)
+    before = used_bytes(b)
     vg = VariantGraphs(b, capacity=512 * MiB)
     for p in PATHS:
         vg.capture(p, getattr(layer, p), xs[p])
         vg.replay(p)
-    shared = physical_used(b) - before
+    shared = used_bytes(b) - before
     st = vg.stats()
     pools = list(vg.pool_bytes().values())
     largest, total = max(pools), sum(pools)
@@ -302,7 +273,7 @@ def test_shared_variants_cost_the_largest_not_the_sum(regions):
     vg.close()
     del vg
 
-    before = physical_used(b)
+    before = used_bytes(b)
     graphs, keep = [], []
     for p in PATHS:
         g = b.new_graph()
@@ -310,7 +281,7 @@ def test_shared_variants_cost_the_largest_not_the_sum(regions):
             keep.append(getattr(layer, p)(xs[p]))
         g.replay()
         graphs.append(g)
-    separate = physical_used(b) - before
+    separate = used_bytes(b) - before
     separate_pools = [g.pool_bytes for g in graphs]
     del graphs, keep
 
@@ -466,7 +437,7 @@ def test_partial_graph_io_shares_bytes_and_replays_correctly(clean):
 
     # Planned: every static tensor at its planned offset; buffers with disjoint lifetimes
     # share bytes. Each graph writes its result straight into its output tensor.
-    before = physical_used(b)
+    before = used_bytes(b)
     with measure(b) as m:
         io = IOArena(b, tensors, steps)
     rep = io.report()
@@ -482,11 +453,11 @@ def test_partial_graph_io_shares_bytes_and_replays_correctly(clean):
     g2 = b.new_graph(share_pool_with=g0)
     with g2.capture(**kw):
         layers[2].mlp(io["h2"], out=io["y"])
-    planned_used = physical_used(b) - before
+    planned_used = used_bytes(b) - before
 
     # Naive: static inputs of their own and outputs kept by their graphs, as graphed
     # callables do, with the caller copying each output into the next graph's input.
-    before = physical_used(b)
+    before = used_bytes(b)
     with measure(b) as naive:
         static_in = [torch.zeros(seq, hidden, device=b.device) for _ in range(3)]
     outs, ng = [], []
@@ -495,7 +466,7 @@ def test_partial_graph_io_shares_bytes_and_replays_correctly(clean):
         with g.capture(**kw):
             outs.append(layer.mlp(static_in[i]))
         ng.append(g)
-    naive_used = physical_used(b) - before
+    naive_used = used_bytes(b) - before
     naive_io = sum(t.nbytes for t in static_in) + sum(t.nbytes for t in outs)
     assert naive_io == 6 * buf
     if naive.delta.allocator_allocated_bytes is not None:  # cuda: the allocator saw them

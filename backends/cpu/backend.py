@@ -221,6 +221,23 @@ class CpuBackend(Backend):
         self._graphs.add(g)
         return g
 
+    def empty_cache(self) -> None:
+        if hasattr(_libc, "malloc_trim"):
+            _libc.malloc_trim(0)  # glibc keeps freed heap pages resident otherwise
+
+    def footprint_bytes(self) -> int | None:
+        # Proportional set size, with graphslot's memfd pages counted from the kernel:
+        # shared pages count once however often they are mapped, but Pss sees them only
+        # once a mapping touched them.
+        fields = {}
+        with open("/proc/self/smaps_rollup") as f:
+            for line in f:
+                key, _, rest = line.partition(":")
+                if rest.strip().endswith("kB"):
+                    fields[key] = int(rest.split()[0]) * 1024
+        memfd = sum(os.fstat(a.handle.fd).st_blocks * 512 for a in self.ledger.allocations)
+        return fields["Pss"] - fields["Pss_Shmem"] + memfd
+
     def allocator_stats(self, reset_peak: bool = False) -> dict[str, int | None]:
         # torch's host allocator keeps no statistics; graph pools are ours and exact.
         pools = sum(getattr(g, "pool_bytes", 0) for g in list(self._graphs))
