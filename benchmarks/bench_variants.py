@@ -35,7 +35,8 @@ import torch
 import torch.nn.functional as F
 
 import graphslot
-from graphslot.arena import IOArena, IOTensor, Step, VariantGraphs
+from graphslot.arena import (IOArena, IOTensor, Step, VariantGraphs, ordinary_capture_kwargs,
+                             warm_first_capture)
 from graphslot.memory import measure, settle, used_bytes
 
 MiB = 1 << 20
@@ -69,27 +70,6 @@ PATHS = ("mlp", "normed", "mixing")
 
 
 
-def capture_kwargs(b: graphslot.Backend) -> dict[str, Any]:
-    """On cuda, ordinary graphs capture on graphslot's warmed stream too, so library
-    workspaces are attributed the same way in both setups."""
-    if b.name != "cuda":
-        return {}
-    from graphslot.backends.cuda.pool import capture_stream, warm_up
-
-    s = capture_stream(b)
-    warm_up(b, s)
-    return {"stream": s}
-
-
-def warm_capture(b: graphslot.Backend) -> None:
-    """Pay a first capture's one-time costs outside any measurement (on cpu, entering a
-    dispatch mode the first time imports about 70 MiB of Python modules)."""
-    g = b.new_graph()
-    x = torch.ones(4, device=b.device)
-    with g.capture(**capture_kwargs(b)):
-        x * 2
-    del g
-    settle(b)
 
 
 def replay_ms(b: graphslot.Backend, fn: Callable[[], Any], reps: int) -> float:
@@ -114,8 +94,8 @@ def variants(b: graphslot.Backend, hidden: int, seqs: tuple[int, ...], dtype: to
     g = torch.Generator().manual_seed(1)
     xs = {p: torch.randn(s, hidden, generator=g).to(b.device, dtype) for p, s in zip(PATHS, seqs)}
     want = {p: getattr(layer, p)(xs[p]) for p in PATHS}  # also the eager warm-up
-    kw = capture_kwargs(b)
-    warm_capture(b)
+    kw = ordinary_capture_kwargs(b)
+    warm_first_capture(b)
 
     before = used_bytes(b)
     with measure(b) as m_shared:
@@ -196,7 +176,7 @@ def partial_io(b: graphslot.Backend, hidden: int, seq: int, dtype: torch.dtype, 
     gen = torch.Generator().manual_seed(5)
     x0 = torch.randn(seq, hidden, generator=gen).to(b.device, dtype)
     want = eager(x0)
-    kw = capture_kwargs(b)
+    kw = ordinary_capture_kwargs(b)
     buf = seq * hidden * torch.empty((), dtype=dtype).element_size()
 
     settle(b)

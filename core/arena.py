@@ -52,7 +52,7 @@ if TYPE_CHECKING:
     import torch
 
 __all__ = ["PoolFullError", "SharedArena", "VariantGraphs", "IOTensor", "Step", "io_specs",
-           "IOArena"]
+           "IOArena", "ordinary_capture_kwargs", "warm_first_capture"]
 
 GiB = 1 << 30
 
@@ -622,3 +622,35 @@ class IOArena:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+def ordinary_capture_kwargs(backend: Backend) -> dict[str, Any]:
+    """``capture()`` arguments under which an ordinary graph captures as region graphs do.
+
+    On cuda, region graphs capture on graphslot's warmed stream (so per-stream library
+    workspaces stay out of shared pages); a baseline captured on that stream too makes
+    memory comparisons attribute those workspaces alike. Other backends need nothing.
+    """
+    if backend.name != "cuda":
+        return {}
+    import importlib
+
+    pool = importlib.import_module("graphslot.backends.cuda.pool")
+    s = pool.capture_stream(backend)
+    pool.warm_up(backend, s)
+    return {"stream": s}
+
+
+def warm_first_capture(backend: Backend) -> None:
+    """Pay a first capture's one-time costs before measuring (on cpu, entering a dispatch
+    mode the first time imports about 70 MiB of Python modules)."""
+    import torch
+
+    from .memory import settle
+
+    g = backend.new_graph()
+    x = torch.ones(4, device=backend.device)
+    with g.capture(**ordinary_capture_kwargs(backend)):
+        x * 2
+    del g
+    settle(backend)

@@ -19,9 +19,10 @@ import torch.nn.functional as F
 
 import graphslot
 from graphslot import align_up
-from graphslot.arena import IOArena, IOTensor, PoolFullError, SharedArena, Step, VariantGraphs, io_specs
+from graphslot.arena import (IOArena, IOTensor, PoolFullError, SharedArena, Step, VariantGraphs,
+                             io_specs, ordinary_capture_kwargs, warm_first_capture)
 from graphslot.errors import InjectedFault, StateError, UsageError
-from graphslot.memory import measure, settle, used_bytes
+from graphslot.memory import measure, used_bytes
 from graphslot.planner import PlanError
 
 MiB = 1 << 20
@@ -65,33 +66,9 @@ def variants(b: graphslot.Backend, seed: int = 0) -> tuple[Layer, dict[str, torc
     xs = {p: torch.randn(s, hidden, generator=g).to(b.device) for p, s in zip(PATHS, seqs)}
     for p in PATHS:  # eager warm-up: lazy library init stays out of every capture
         getattr(layer, p)(xs[p])
-    warm_capture(b)
+    warm_first_capture(b)
     return layer, xs
 
-
-def warm_capture(b: graphslot.Backend) -> None:
-    """Pay a first capture's one-time costs outside any measurement (on cpu, entering a
-    dispatch mode the first time imports about 70 MiB of Python modules)."""
-    g = b.new_graph()
-    x = torch.ones(4, device=b.device)
-    with g.capture(**capture_kwargs(b)):
-        x * 2
-    del g
-    settle(b)
-
-
-
-
-def capture_kwargs(b: graphslot.Backend) -> dict:
-    """Separate (ordinary) captures use the same warmed stream as region graphs on cuda,
-    so library workspaces are attributed alike."""
-    if b.name != "cuda":
-        return {}
-    from graphslot.backends.cuda.pool import capture_stream, warm_up
-
-    s = capture_stream(b)
-    warm_up(b, s)
-    return {"stream": s}
 
 
 def check(y: torch.Tensor, want: torch.Tensor, what: str) -> None:
@@ -256,7 +233,7 @@ def test_shared_variants_cost_the_largest_not_the_sum(regions):
     """Driver-level memory of three variants in one arena against three separate captures."""
     b = regions
     layer, xs = variants(b, seed=3)
-    kw = capture_kwargs(b)
+    kw = ordinary_capture_kwargs(b)
     slack = 48 * MiB if b.name == "cuda" else 8 * MiB
 
     before = used_bytes(b)
@@ -431,9 +408,9 @@ def test_partial_graph_io_shares_bytes_and_replays_correctly(clean):
     tensors, steps = chain(hidden, seq)
     buf = seq * hidden * 4
     reference(torch.randn(seq, hidden, device=b.device))  # eager warm-up
-    kw = capture_kwargs(b)
+    kw = ordinary_capture_kwargs(b)
 
-    warm_capture(b)
+    warm_first_capture(b)
 
     # Planned: every static tensor at its planned offset; buffers with disjoint lifetimes
     # share bytes. Each graph writes its result straight into its output tensor.
