@@ -3,6 +3,10 @@ when that backend cannot run here, every test that needs it is skipped with the 
 
 from __future__ import annotations
 
+import importlib.util
+import sys
+from pathlib import Path
+
 import pytest
 
 import graphslot
@@ -32,3 +36,19 @@ def pytest_report_header(config: pytest.Config) -> str:
     import os
 
     return f"graphslot backend: {os.environ.get('GRAPHSLOT_BACKEND', 'auto')}"
+
+
+def _load_musa_stubbuild() -> None:
+    """Make the MUSA stub-driver builder importable as ``musa_stubbuild`` (tests/ is no
+    package, so the MUSA test files import it by this name)."""
+    if "musa_stubbuild" in sys.modules:
+        return
+    spec = importlib.util.spec_from_file_location(
+        "musa_stubbuild", Path(__file__).parent / "musa_stub" / "stubbuild.py")
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["musa_stubbuild"] = mod
+    spec.loader.exec_module(mod)
+
+
+_load_musa_stubbuild()

@@ -28,19 +28,7 @@ from graphslot.backends.musa.vmm import MusaVmm
 from graphslot.errors import DriverError, InjectedFault, UsageError
 
 
-def _stubbuild() -> Any:
-    name = "graphslot_tests_musa_stubbuild"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(
-            name, Path(__file__).parent / "musa_stub" / "stubbuild.py")
-        assert spec is not None and spec.loader is not None
-        mod = importlib.util.module_from_spec(spec)
-        sys.modules[name] = mod
-        spec.loader.exec_module(mod)
-    return sys.modules[name]
-
-
-sb = _stubbuild()
+import musa_stubbuild as sb  # noqa: E402  (registered by conftest.py)
 G = 64 * 1024
 
 

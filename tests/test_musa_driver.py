@@ -13,7 +13,6 @@ import ctypes
 import ctypes.util
 import gc
 import importlib.util
-import sys
 import threading
 from pathlib import Path
 from typing import Any, Callable, Iterator
@@ -28,19 +27,7 @@ from graphslot.backends.musa.driver import MusaDriver, MusaLibrary, MusaUnavaila
 from graphslot.errors import DriverError
 
 
-def _stubbuild() -> Any:
-    name = "graphslot_tests_musa_stubbuild"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(
-            name, Path(__file__).parent / "musa_stub" / "stubbuild.py")
-        assert spec is not None and spec.loader is not None
-        mod = importlib.util.module_from_spec(spec)
-        sys.modules[name] = mod
-        spec.loader.exec_module(mod)
-    return sys.modules[name]
-
-
-sb = _stubbuild()
+import musa_stubbuild as sb  # noqa: E402  (registered by conftest.py)
 G = 64 * 1024  # the stub's granularity
 
 
