@@ -245,6 +245,9 @@ class GraphedLayers(nn.Module):
         warmup_iters: eager iterations before capture (discovery runs in them).
         backend: the graphslot backend (default: :func:`graphslot.get_backend`).
         debug_checksums: verify a checksum of every restored activation (slow).
+
+    ``close()`` releases its slots, banks and host buffers; as a context manager
+    (``with GraphedLayers(...) as stack:``) it closes on exit.
     """
 
     def __init__(self, layers: Sequence[nn.Module], sample_input: torch.Tensor, *,
@@ -322,3 +325,9 @@ class GraphedLayers(nn.Module):
     def close(self) -> None:
         """Release the slots, banks and buffers (the graphs cannot replay afterwards)."""
         self.engine.close()
+
+    def __enter__(self) -> GraphedLayers:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()

@@ -65,13 +65,10 @@ def test_bitwise_equal_with_eager_for_20_steps(engine_clean, mode, layers):
     base, _ = small(b, layers)
     want = train(copy.deepcopy(base), b, 20)
     model = copy.deepcopy(base)
-    stack = graphed(model, b, mode)
-    try:
+    with graphed(model, b, mode) as stack:
         got = train(model, b, 20)
         assert_bitwise(got, want)
         assert stack.engine.stats["offloaded_bytes"] > 0
-    finally:
-        stack.close()
 
 
 def test_gradient_accumulation_and_mode_off(engine_clean):
@@ -80,11 +77,8 @@ def test_gradient_accumulation_and_mode_off(engine_clean):
     want = train(copy.deepcopy(base), b, 4, accumulate=3)
     for mode in ("resident", "off"):
         model = copy.deepcopy(base)
-        stack = graphed(model, b, mode)
-        try:
+        with graphed(model, b, mode):
             assert_bitwise(train(model, b, 4, accumulate=3), want)
-        finally:
-            stack.close()
 
 
 def two_in_flight(model: TinyGPT, b: graphslot.Backend, steps: int) -> list[torch.Tensor]:
@@ -110,24 +104,18 @@ def test_two_microbatches_in_flight_never_overwrite_each_other(engine_clean, mod
     base, _ = small(b, 4)
     want = two_in_flight(copy.deepcopy(base), b, 3)
     model = copy.deepcopy(base)
-    stack = graphed(model, b, mode, debug_checksums=True)
-    stack.engine.copy_delay_s = 0.01
-    try:
+    with graphed(model, b, mode, debug_checksums=True) as stack:
+        stack.engine.copy_delay_s = 0.01
         assert_bitwise(two_in_flight(model, b, 3), want)
-    finally:
-        stack.close()
 
 
 def test_mode_off_refuses_a_second_microbatch_in_flight(engine_clean):
     b = engine_clean
     model, _ = small(b, 1)
-    stack = graphed(model, b, "off")
-    try:
+    with graphed(model, b, "off"):
         model(*model.batch(0, b.device))
         with pytest.raises(StateError, match="one microbatch at a time"):
             model(*model.batch(1, b.device))
-    finally:
-        stack.close()
 
 
 # --------------------------------------------------------------------------- fences
@@ -139,12 +127,9 @@ def test_fences_hold_when_the_copy_streams_are_slowed(engine_clean, mode):
     base, _ = small(b, 4)
     want = train(copy.deepcopy(base), b, 3)
     model = copy.deepcopy(base)
-    stack = graphed(model, b, mode)
-    stack.engine.copy_delay_s = 0.05
-    try:
+    with graphed(model, b, mode) as stack:
+        stack.engine.copy_delay_s = 0.05
         assert_bitwise(train(model, b, 3), want)
-    finally:
-        stack.close()
 
 
 def test_without_the_bank_fences_slowed_copies_corrupt_activations(engine_clean):
@@ -153,23 +138,18 @@ def test_without_the_bank_fences_slowed_copies_corrupt_activations(engine_clean)
     base, _ = small(b, 4)
     want = train(copy.deepcopy(base), b, 2)
     model = copy.deepcopy(base)
-    stack = graphed(model, b, "resident")
-    stack.engine.copy_delay_s = 0.1
-    stack.engine._fences = False
-    try:
+    with graphed(model, b, "resident") as stack:
+        stack.engine.copy_delay_s = 0.1
+        stack.engine._fences = False
         got = train(model, b, 2)
         stack.engine.settle()
         assert not all(torch.equal(x, y) for x, y in zip(got, want))
-    finally:
-        stack.engine._fences = True
-        stack.close()
 
 
 def test_resident_mode_makes_no_driver_calls_and_no_host_syncs(engine_clean):
     b = engine_clean
     model, _ = small(b, 3)
-    stack = graphed(model, b, "resident")
-    try:
+    with graphed(model, b, "resident") as stack:
         train(model, b, 2)  # host buffers get made in the first step
         calls, syncs = b.driver_calls(), b.counters["host_sync"]
         buffers = stack.engine.stats["host_buffers_allocated"]
@@ -177,8 +157,6 @@ def test_resident_mode_makes_no_driver_calls_and_no_host_syncs(engine_clean):
         assert b.driver_calls() == calls
         assert b.counters["host_sync"] == syncs
         assert stack.engine.stats["host_buffers_allocated"] == buffers, "host buffers were reallocated"
-    finally:
-        stack.close()
 
 
 def test_remap_mode_releases_memory_and_runs_driver_calls_off_the_training_thread(engine_clean, monkeypatch):
@@ -211,35 +189,29 @@ def test_remap_mode_releases_memory_and_runs_driver_calls_off_the_training_threa
 def test_resident_banks_hold_two_layers_at_the_boundary(engine_clean):
     b = engine_clean
     model, _ = small(b, 4)
-    stack = graphed(model, b, "resident")
-    try:
+    with graphed(model, b, "resident") as stack:
         groups = stack.engine.groups
         assert {g.bank.index for g in groups} == {0, 1}
         assert groups[-1].bank.index == 0 and groups[-2].bank.index == 1  # backward order
         assert len({g.reservation.va for g in groups}) == 2
         assert b.ledger.mapped_bytes == 2 * groups[0].slot_bytes
-    finally:
-        stack.close()
 
 
 def test_lookahead_restores_the_next_layer_before_this_backward_graph(engine_clean, monkeypatch):
     b = engine_clean
     model, _ = small(b, 3)
-    stack = graphed(model, b, "resident")
-    log: list[str] = []
-    eng = stack.engine
-    real_restore = eng.restore
-    monkeypatch.setattr(eng, "restore", lambda t: (log.append(f"restore {t.group.name}"), real_restore(t))[1])
-    for r in stack._runners:
-        real = r.bwd.replay
-        monkeypatch.setattr(r.bwd, "replay", (lambda real, n: lambda: (log.append(f"bwd layer{n}"), real())[1])(real, r.index))
-    try:
+    with graphed(model, b, "resident") as stack:
+        log: list[str] = []
+        eng = stack.engine
+        real_restore = eng.restore
+        monkeypatch.setattr(eng, "restore", lambda t: (log.append(f"restore {t.group.name}"), real_restore(t))[1])
+        for r in stack._runners:
+            real = r.bwd.replay
+            monkeypatch.setattr(r.bwd, "replay", (lambda real, n: lambda: (log.append(f"bwd layer{n}"), real())[1])(real, r.index))
         loss = model(*model.batch(0, b.device))
         loss.backward()
         assert log.index("restore layer1") < log.index("bwd layer2")
         assert log.index("restore layer0") < log.index("bwd layer1")
-    finally:
-        stack.close()
 
 
 # --------------------------------------------------------------------------- pointer semantics
@@ -285,15 +257,12 @@ def test_naive_reload_reads_the_wrong_bytes_while_the_slot_path_is_right(engine_
     assert not torch.allclose(gx, right, atol=1e-3), "the naive reload should have gone unnoticed by the graph"
 
     # The slot path: same layer, offloaded through a fixed VA, gradients are right.
-    stack = GraphedLayers([Sin3()], torch.zeros(1024, device=dev).requires_grad_(), mode="remap",
-                          backend=b)
-    try:
+    with GraphedLayers([Sin3()], torch.zeros(1024, device=dev).requires_grad_(), mode="remap",
+                          backend=b) as stack:
         for lo in (-2.0, -1.0, 0.3):
             xi = torch.linspace(lo, lo + 2.5, 1024, device=dev).requires_grad_()
             stack(xi).backward(gy)
             assert torch.allclose(xi.grad, 3.0 * torch.cos(3.0 * xi.detach()), atol=1e-5)
-    finally:
-        stack.close()
 
 
 def test_graph_replay_follows_the_pages_behind_a_fixed_va(engine_clean):
@@ -359,15 +328,12 @@ def test_bad_mode_and_bad_arguments(engine_clean):
 def test_input_shape_or_dtype_changes_after_capture_are_refused(engine_clean):
     b = engine_clean
     model, c = small(b, 2)
-    stack = graphed(model, b, "resident")
-    try:
+    with graphed(model, b, "resident") as stack:
         x = torch.zeros(c.batch, c.seq + 1, c.hidden, device=b.device)
         with pytest.raises(CaptureMismatchError, match="captured for input"):
             stack(x)
         with pytest.raises(CaptureMismatchError, match="float64"):
             stack(torch.zeros(c.batch, c.seq, c.hidden, device=b.device, dtype=torch.float64))
-    finally:
-        stack.close()
 
 
 def _allocated_group(b: graphslot.Backend, n: int = 1):
@@ -430,17 +396,14 @@ def test_empty_groups_cost_nothing(engine_clean):
             return x * 2.0  # saves nothing for backward
 
     calls = b.driver_calls()
-    stack = GraphedLayers([Double(), Double()], torch.ones(8, device=b.device).requires_grad_(),
-                          mode="remap", backend=b)
-    try:
+    with GraphedLayers([Double(), Double()], torch.ones(8, device=b.device).requires_grad_(),
+                          mode="remap", backend=b) as stack:
         assert all(g.empty and g.reservation is None for g in stack.engine.groups)
         assert b.driver_calls() == calls
         x = torch.ones(8, device=b.device).requires_grad_()
         stack(x).sum().backward()
         stack.engine.settle()
         assert torch.all(x.grad == 4.0) and b.driver_calls() == calls
-    finally:
-        stack.close()
 
 
 # --------------------------------------------------------------------------- failure and recovery
@@ -482,15 +445,14 @@ def test_offloading_a_subset_of_layers_reloads_ahead_across_the_others(engine_cl
     base, _ = small(b, 4)
     want = train(copy.deepcopy(base), b, 3)
     model = copy.deepcopy(base)
-    stack = graphed(model, b, "resident", offload_layers=[0, 2])
-    log: list[str] = []
-    eng = stack.engine
-    real_restore = eng.restore
-    monkeypatch.setattr(eng, "restore", lambda t: (log.append(f"restore {t.group.name}"), real_restore(t))[1])
-    for r in stack._runners:
-        real = r.bwd.replay
-        monkeypatch.setattr(r.bwd, "replay", (lambda real, n: lambda: (log.append(f"bwd layer{n}"), real())[1])(real, r.index))
-    try:
+    with graphed(model, b, "resident", offload_layers=[0, 2]) as stack:
+        log: list[str] = []
+        eng = stack.engine
+        real_restore = eng.restore
+        monkeypatch.setattr(eng, "restore", lambda t: (log.append(f"restore {t.group.name}"), real_restore(t))[1])
+        for r in stack._runners:
+            real = r.bwd.replay
+            monkeypatch.setattr(r.bwd, "replay", (lambda real, n: lambda: (log.append(f"bwd layer{n}"), real())[1])(real, r.index))
         assert [g.name for g in eng.groups] == ["layer0", "layer2"]
         assert [g.bank.index for g in eng.groups] == [1, 0]  # bank 0 goes to the first reloaded
         assert_bitwise(train(model, b, 3), want)
@@ -500,5 +462,3 @@ def test_offloading_a_subset_of_layers_reloads_ahead_across_the_others(engine_cl
         model(*model.batch(0, b.device))
         with pytest.raises(StateError, match="one microbatch at a time"):
             model(*model.batch(1, b.device))  # layers 1 and 3 keep theirs in the graph pool
-    finally:
-        stack.close()
