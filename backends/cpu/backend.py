@@ -58,6 +58,12 @@ def _os_error(call: str, err: int | None = None, detail: str = "") -> DriverErro
                        detail or os.strerror(err))
 
 
+def bytes_at(va: int, nbytes: int) -> torch.Tensor:
+    """A uint8 tensor over ``[va, va + nbytes)`` of this process, without copying."""
+    buf = (ctypes.c_uint8 * nbytes).from_address(va)
+    return torch.frombuffer(buf, dtype=torch.uint8, count=nbytes)
+
+
 class _Memfd:
     """Physical backing: an anonymous memory file."""
 
@@ -204,8 +210,7 @@ class CpuBackend(Backend):
         return torch.empty(nbytes, dtype=torch.uint8)
 
     def _tensor_at(self, va: int, nbytes: int) -> torch.Tensor:
-        buf = (ctypes.c_uint8 * nbytes).from_address(va)
-        return torch.frombuffer(buf, dtype=torch.uint8, count=nbytes)
+        return bytes_at(va, nbytes)
 
     # -- graphs -----------------------------------------------------------------
 

@@ -36,6 +36,8 @@ from graphslot.arena import PoolFullError
 from graphslot.backend import DeviceGraph
 from graphslot.errors import StateError
 
+from .backend import bytes_at
+
 if TYPE_CHECKING:
     from .backend import CpuBackend
 
@@ -62,8 +64,7 @@ class _Ref:
     def view(self) -> torch.Tensor:
         if self.nbytes == 0:
             return torch.empty(self.shape, dtype=self.dtype)
-        buf = (ctypes.c_uint8 * self.nbytes).from_address(self.ptr)
-        flat = torch.frombuffer(buf, dtype=torch.uint8, count=self.nbytes)
+        flat = bytes_at(self.ptr, self.nbytes)
         return flat.view(self.dtype).as_strided(self.shape, self.stride)
 
 
