@@ -52,3 +52,36 @@ def _load_musa_stubbuild() -> None:
 
 
 _load_musa_stubbuild()
+
+
+# -- the libmusa test double, shared by the MUSA test files --------------------------
+
+
+@pytest.fixture(scope="session")
+def stub_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Where the libmusa test double is built (skips without a C compiler)."""
+    import musa_stubbuild as sb
+
+    if sb.compiler() is None:
+        pytest.skip("gcc is not installed: cannot build the libmusa test double")
+    return tmp_path_factory.mktemp("musa_stub")
+
+
+@pytest.fixture(scope="session")
+def stub_path(stub_dir: Path) -> Path:
+    import musa_stubbuild as sb
+
+    return sb.build(stub_dir)
+
+
+@pytest.fixture
+def stub(stub_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """The loaded test double, reset around the test; GRAPHSLOT_LIBMUSA points at it."""
+    import musa_stubbuild as sb
+    from graphslot.backends.musa import driver
+
+    monkeypatch.setenv(driver.ENV_LIBMUSA, str(stub_path))
+    s = sb.Stub(stub_path)
+    s.reset()
+    yield s
+    s.reset()

@@ -14,7 +14,6 @@ import importlib
 import importlib.util
 import sys
 import types
-from pathlib import Path
 from typing import Any, Iterator
 
 import pytest
@@ -22,13 +21,11 @@ import torch
 
 from graphslot.backend import Backend
 from graphslot.backends.cpu.backend import CpuBackend
-from graphslot.backends.musa import driver
 from graphslot.backends.musa.driver import MusaDriver
 from graphslot.backends.musa.vmm import MusaVmm
 from graphslot.errors import DriverError, InjectedFault, UsageError
 
 
-import musa_stubbuild as sb  # noqa: E402  (registered by conftest.py)
 G = 64 * 1024
 
 
@@ -40,22 +37,6 @@ class StubMusaBackend(MusaVmm, CpuBackend):
     def __init__(self) -> None:
         CpuBackend.__init__(self)
         self._drv = MusaDriver(0)
-
-
-@pytest.fixture(scope="module")
-def stub_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    if sb.compiler() is None:
-        pytest.skip("gcc is not installed: cannot build the libmusa test double")
-    return sb.build(tmp_path_factory.mktemp("musa_stub"))
-
-
-@pytest.fixture
-def stub(stub_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
-    monkeypatch.setenv(driver.ENV_LIBMUSA, str(stub_path))
-    s = sb.Stub(stub_path)
-    s.reset()
-    yield s
-    s.reset()
 
 
 @pytest.fixture

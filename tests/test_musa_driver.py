@@ -31,27 +31,6 @@ import musa_stubbuild as sb  # noqa: E402  (registered by conftest.py)
 G = 64 * 1024  # the stub's granularity
 
 
-@pytest.fixture(scope="module")
-def stub_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    if sb.compiler() is None:
-        pytest.skip("gcc is not installed: cannot build the libmusa test double")
-    return tmp_path_factory.mktemp("musa_stub")
-
-
-@pytest.fixture(scope="module")
-def stub_path(stub_dir: Path) -> Path:
-    return sb.build(stub_dir)
-
-
-@pytest.fixture
-def stub(stub_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
-    monkeypatch.setenv(driver.ENV_LIBMUSA, str(stub_path))
-    s = sb.Stub(stub_path)
-    s.reset()
-    yield s
-    s.reset()
-
-
 @pytest.fixture
 def drv(stub: Any) -> Iterator[MusaDriver]:
     d = MusaDriver(0)
