@@ -40,6 +40,7 @@ methods and duck-typed graph attributes (``pool_used_bytes``, ``executes_during_
 
 from __future__ import annotations
 
+import contextlib
 import gc
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Hashable, Iterable, Iterator, Sequence
@@ -340,6 +341,62 @@ class VariantGraphs:
         v.outputs[part] = out
         self._fit()
         return out
+
+    @contextlib.contextmanager
+    def lend_pool(self, name: Hashable, part: Hashable = "main") -> Iterator[DeviceGraph]:
+        """Lend variant ``name``'s pool to graphs that other code captures in the block.
+
+        For libraries that capture their own graphs into a pool handle they are given
+        (TransformerEngine's ``make_graphed_callables(pool=...)``; see
+        :mod:`graphslot.adapters.te`). Yields an uncaptured graph over the variant's
+        region, registered as graph ``part``: ``graph.pool`` is the pool handle where the
+        backend has one (cuda: the ``MemPool`` id for ``torch.cuda.graph(pool=...)``), and
+        ``backend.new_graph(share_pool_with=graph)`` draws from the same pool on any
+        backend. The graph holds the pool for the variant's life and reports its
+        high-water mark, so :meth:`stats`, sizing and :meth:`close` count what the other
+        captures used; it cannot be replayed (the other code replays its own graphs).
+
+        An auto-sized arena is widened to ``capacity`` for the block, since the other code
+        may also run eager work on pool memory between its captures, and fitted to the
+        largest pool afterwards. If the block raises, the part is dropped as after a
+        failed :meth:`capture`.
+        """
+        self._check_open("lend_pool")
+        self._reap()
+        known = self._variants.get(name)
+        if known is not None and part in known.graphs:
+            raise UsageError(f"variant {name!r} already has a graph {part!r}; "
+                             "use another part name")
+        new_variant = known is None
+        v = _Variant(name, self.arena.add_region(name)) if known is None else known
+        limit = self.arena.mapped_bytes if self.fixed else self.arena.capacity
+        try:
+            g = (self.backend.new_graph(pool_region=(v.region.va, limit)) if not v.graphs else
+                 self.backend.new_graph(share_pool_with=next(iter(v.graphs.values()))))
+        except BaseException:
+            if new_variant:
+                self.arena.remove_region(name)
+            raise
+        if new_variant:
+            self._variants[name] = v
+        widened = False
+        try:
+            if not self.fixed and self.arena.mapped_bytes < self.arena.capacity:
+                self.arena.resize(self.arena.capacity, keep=self._largest())
+                widened = True
+            yield g
+        except BaseException as e:
+            self._drop_failed(v, g, new_variant)
+            if widened:
+                self._fit()
+            if isinstance(e, PoolFullError):
+                where = (f"the arena's fixed {self.arena.mapped_bytes} bytes" if self.fixed else
+                         f"the {self.arena.capacity}-byte region capacity")
+                raise PoolFullError(f"variant {name!r} (graph {part!r}) does not fit {where}: {e}") from e
+            raise
+        v.graphs[part] = g
+        v.outputs[part] = None
+        self._fit()
 
     def _largest(self) -> int:
         return max((v.used for v in self._variants.values()), default=0)

@@ -7,6 +7,7 @@ enum, :class:`State`, and one transition table, :data:`TRANSITIONS`::
     group:   DISCOVERING --allocate--> ALLOCATED --begin_capture--> CAPTURING --finish_capture--> READY
     ticket:  READY --offload--> RELEASED (remap) | RESIDENT_PENDING (resident)
              --restore--> RESTORING --wait_restored--> RESTORED --consumed--> DONE
+             READY --forget--> DONE (a forward that no backward follows)
 
 * Discovery: an eager warm-up records each saved tensor's shape, stride, dtype and device.
 * Allocation (outside capture): the slot's VA and backing, and reusable host buffers.
@@ -92,6 +93,7 @@ TRANSITIONS: dict[tuple[State, str], State] = {
     (S.RESTORING, "restore"): S.RESTORING,  # a look-ahead already started it
     (S.RESTORING, "wait_restored"): S.RESTORED,
     (S.RESTORED, "consumed"): S.DONE,
+    (S.READY, "forget"): S.DONE,  # a forward with no backward (evaluation)
 }
 
 
@@ -230,6 +232,8 @@ class OffloadGroup:
         self._host_pool: list[Stash] = []
         self._captured = 0
         self._mapped_for_forward: Future[Any] | None = None
+        self._bytes: tuple[Any, Any] = (None, None)
+        self.index = len(engine.groups)  # key of this group's tickets in the engine
 
     def __repr__(self) -> str:
         return f"<OffloadGroup {self.name} {self.state.value} {len(self.specs)} tensors {self.nbytes} B>"
@@ -247,6 +251,12 @@ class OffloadGroup:
         """Record one saved tensor seen during the eager warm-up (autograd is untouched)."""
         self._go("discover")
         self.specs.append(SavedTensorSpec.of(t))
+
+    def adopt(self, specs: list[SavedTensorSpec]) -> None:
+        """Take a layout discovered elsewhere (another graph of the same module)."""
+        for sp in specs:
+            self._go("discover")
+            self.specs.append(SavedTensorSpec(sp.shape, sp.stride, sp.dtype, sp.device, sp.nbytes))
 
     def restart_discovery(self) -> None:
         """Forget what an earlier warm-up iteration recorded (each iteration must agree)."""
@@ -296,6 +306,11 @@ class OffloadGroup:
         va = self.reservation.va
         self.views = [eng.backend.tensor_at(va + s.offset, s.shape, s.dtype, _dense_stride(s))
                       for s in self.specs]
+        # The VA never changes (remap swaps only the backing), so the flat byte views the
+        # copies use are made once here, not per offload and restore.
+        b, kept = eng.backend, self.nbytes - self.host_bytes
+        self._bytes = (b.tensor_at(va, (self.host_bytes,), torch.uint8) if self.host_bytes else None,
+                       b.tensor_at(va + self.host_bytes, (kept,), torch.uint8) if kept else None)
 
     # -- capture ---------------------------------------------------------------------
 
@@ -357,13 +372,8 @@ class OffloadGroup:
         self._host_pool.append(st)
 
     def _slot_bytes_view(self) -> tuple[Any, Any]:
-        """(offloaded part, kept part) of the slot as flat byte views."""
-        b = self.engine.backend
-        va = self.reservation.va  # type: ignore[union-attr]
-        host = b.tensor_at(va, (self.host_bytes,), torch.uint8) if self.host_bytes else None
-        kept = self.nbytes - self.host_bytes
-        dev = b.tensor_at(va + self.host_bytes, (kept,), torch.uint8) if kept else None
-        return host, dev
+        """(offloaded part, kept part) of the slot as flat byte views (made at allocate)."""
+        return self._bytes
 
 
 def _dense_stride(s: SavedTensorSpec) -> tuple[int, ...] | None:
@@ -453,7 +463,7 @@ class OffloadEngine:
         """Make ``g``'s slot writable for a forward replay; returns that forward's ticket."""
         if g.state is not State.READY:
             _step(f"offload group {g.name}", g.state, "offload:forward")
-        key = (self.groups.index(g), microbatch)
+        key = (g.index, microbatch)
         if key in self._pending:
             raise StateError(f"offload group {g.name}: microbatch {microbatch} ran forward again "
                              "before its backward")
@@ -517,7 +527,7 @@ class OffloadEngine:
     # -- backward ------------------------------------------------------------------------
 
     def ticket(self, g: OffloadGroup, microbatch: int) -> Ticket:
-        t = self._pending.get((self.groups.index(g), microbatch))
+        t = self._pending.get((g.index, microbatch))
         if t is None:
             raise StateError(f"offload group {g.name}: backward for microbatch {microbatch} "
                              "before its forward (nothing was offloaded for it)")
@@ -603,7 +613,7 @@ class OffloadEngine:
         """After the backward replay read the slot: free the bank/slot and the stash."""
         t._go("consumed")
         g = t.group
-        del self._pending[(self.groups.index(g), t.microbatch)]
+        del self._pending[(g.index, t.microbatch)]
         if g.empty:
             return
         b = self.backend
@@ -613,6 +623,24 @@ class OffloadEngine:
         if self.mode is Mode.RESIDENT:
             g.bank.consumed = done  # type: ignore[union-attr]
             g.bank.restored_for = None  # type: ignore[union-attr]
+        else:
+            res = g.reservation
+            self.worker.submit(lambda: self._release_after(res, done))  # type: ignore[union-attr,arg-type]
+
+    def forget(self, t: Ticket) -> None:
+        """A forward replay that no backward will follow (evaluation): drop its ticket.
+
+        The slot is free again once the forward is done (remap: released after it).
+        """
+        t._go("forget")
+        g = t.group
+        del self._pending[(g.index, t.microbatch)]
+        if g.empty:
+            return
+        b = self.backend
+        done = b.record_event(b.new_event())
+        if self.mode is Mode.RESIDENT:
+            g.bank.consumed = done  # type: ignore[union-attr]  # a restore waits for these writes
         else:
             res = g.reservation
             self.worker.submit(lambda: self._release_after(res, done))  # type: ignore[union-attr,arg-type]
@@ -650,6 +678,7 @@ class OffloadEngine:
                 b.free(g.reservation)
             g.reservation = None
             g.views = []
+            g._bytes = (None, None)
             g._host_pool.clear()
         for pair in self._banks.values():
             for bank in pair:

@@ -462,3 +462,89 @@ def test_offloading_a_subset_of_layers_reloads_ahead_across_the_others(engine_cl
         model(*model.batch(0, b.device))
         with pytest.raises(StateError, match="one microbatch at a time"):
             model(*model.batch(1, b.device))  # layers 1 and 3 keep theirs in the graph pool
+
+
+# --------------------------------------------------------------------------- several graphs, one layout
+
+
+def _capture_square(b: graphslot.Backend, g, x: torch.Tensor):
+    """Capture y = x * x through ``g`` (the saved ``x`` goes to the slot) and its backward."""
+    fwd, bwd = b.new_graph(), b.new_graph()
+    g.begin_capture()
+    with fwd.capture():
+        with torch.autograd.graph.saved_tensors_hooks(g.save_tensor, lambda t: t):
+            y = x * x
+    gy = torch.ones_like(y)
+    with bwd.capture():
+        (gx,) = torch.autograd.grad(y, [x], gy)
+    g.finish_capture()
+    return fwd, bwd, (y, gy), gx  # keep y and gy: the graphs use their addresses
+
+
+@pytest.mark.parametrize("mode", ["resident", "remap"])
+def test_adopted_layout_serves_a_second_graph_and_forget_frees_the_slot(engine_clean, mode):
+    """Two graphs of one module (Megatron keeps one per microbatch in flight) share a
+    layout discovered once; an evaluation forward with no backward gives its slot back."""
+    b = engine_clean
+    eng = OffloadEngine(b, mode, debug_checksums=True)
+    n = b.granularity // 4
+    first, second = eng.group("layer1.graph0"), eng.group("layer1.graph1")
+    x0 = torch.randn(n, device=b.device, requires_grad=True)
+    x1 = torch.randn(n, device=b.device, requires_grad=True)
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: (first.discover(t), t)[1], lambda t: t):
+        xd = x0.detach().requires_grad_()
+        xd * xd  # eager: discovery only (mul saves both operands)
+    second.adopt(first.specs)
+    assert [s.shape for s in second.specs] == [s.shape for s in first.specs] == [(n,), (n,)]
+    first.allocate(bank_index=0)
+    second.allocate(bank_index=1)
+    f0, b0, y0, g0 = _capture_square(b, first, x0)
+    f1, b1, y1, g1 = _capture_square(b, second, x1)
+    try:
+        for step in range(3):
+            with torch.no_grad():
+                x0.copy_(torch.full((n,), 1.0 + step, device=b.device))
+                x1.copy_(torch.full((n,), -2.0 - step, device=b.device))
+            t0 = eng.before_forward(first, step)
+            f0.replay()
+            eng.after_forward(t0)
+            t1 = eng.before_forward(second, step)
+            f1.replay()
+            eng.after_forward(t1)
+            with torch.no_grad():  # overwrite the inputs: backward must read the slots
+                x0.zero_()
+                x1.zero_()
+            for g, t, bg, grad, v in ((second, t1, b1, g1, -2.0 - step), (first, t0, b0, g0, 1.0 + step)):
+                eng.wait_restored(t)
+                bg.replay()
+                eng.consumed(t)
+                b.synchronize()
+                assert torch.all(grad == 2.0 * v), (g.name, step)
+        # Evaluation: a forward that no backward follows.
+        t = eng.before_forward(first, 99)
+        f0.replay()
+        eng.forget(t)
+        assert eng.in_flight() == []
+        with pytest.raises(StateError, match="cannot forget in state"):
+            eng.forget(t)
+        eng.settle()
+        if mode == "remap":
+            assert b.ledger.mapped_bytes == 0  # both slots released between uses
+        t = eng.before_forward(first, 100)  # the slot is usable again
+        f0.replay()
+        eng.after_forward(t)
+        eng.wait_restored(t)
+        b0.replay()
+        eng.consumed(t)
+    finally:
+        eng.close()
+
+
+def test_adopt_after_allocation_is_refused(engine_clean):
+    b = engine_clean
+    eng = OffloadEngine(b, "resident")
+    g = eng.group("x")
+    g.allocate()
+    with pytest.raises(StateError, match="cannot discover in state allocated"):
+        g.adopt([graphslot.offload.SavedTensorSpec((1,), (1,), torch.float32, "cpu", 4)])
+    eng.close()
