@@ -38,6 +38,7 @@ from .errors import (
     InjectedFault,
     StateError,
     StreamError,
+    IncompatibleError,
     UsageError,
 )
 from .planner import Plan, PlanError, SlotPlanEntry, export_slot_plan, import_slot_plan, plan, verify
@@ -69,6 +70,7 @@ __all__ = [
     "StreamError",
     "Transaction",
     "UsageError",
+    "IncompatibleError",
     "align_up",
     "get_backend",
     "selection_reason",

@@ -13,6 +13,7 @@ __all__ = [
     "DriverError",
     "InjectedFault",
     "UsageError",
+    "IncompatibleError",
     "StateError",
     "CaptureMismatchError",
     "StreamError",
@@ -55,6 +56,10 @@ class InjectedFault(DriverError):
 
 class UsageError(GraphslotError, ValueError):
     """Bad input: a size, an alignment, a handle in the wrong state, a range that does not fit."""
+
+
+class IncompatibleError(UsageError):
+    """A framework version or configuration an adapter cannot serve; the message names what."""
 
 
 class StateError(GraphslotError):

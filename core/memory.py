@@ -135,12 +135,18 @@ def saved_activation_bytes(layers: Sequence[torch.nn.Module], x: torch.Tensor) -
     ``layers`` (parameters and buffers excluded): what stays on the device between
     forward and backward without offload."""
     state = {t.untyped_storage().data_ptr() for m in layers for t in [*m.parameters(), *m.buffers()]}
-    total = 0
+    spans: dict[int, tuple[int, int]] = {}  # storage -> bytes [first, past last) of its saved views
+    keep: list[Any] = []  # storages stay alive while counting, so no address is reused
 
     def pack(t: torch.Tensor) -> Any:
-        nonlocal total
-        if t.untyped_storage().data_ptr() not in state and t.device == x.device:
-            total += t.numel() * t.element_size()
+        ptr = t.untyped_storage().data_ptr()
+        if ptr not in state and t.device == x.device and t.numel():
+            es = t.element_size()
+            lo = t.storage_offset() * es
+            hi = lo + (1 + sum((n - 1) * st for n, st in zip(t.shape, t.stride()))) * es
+            a, b = spans.get(ptr, (lo, hi))
+            spans[ptr] = (min(a, lo), max(b, hi))
+            keep.append(t.untyped_storage())
         # Not t itself: a hook returning an op's own output ties the autograd graph in a
         # cycle the collector cannot see, which would outlive this forward.
         return None
@@ -149,5 +155,6 @@ def saved_activation_bytes(layers: Sequence[torch.nn.Module], x: torch.Tensor) -
         h = x
         for m in layers:
             h = m(h)
-    del h
-    return total
+    del h, keep
+    # A tensor saved twice, or several views of one buffer, cost their storage once.
+    return sum(b - a for a, b in spans.values())

@@ -32,6 +32,7 @@ never inside a host callback or a capture, so the training thread does not stall
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import enum
 import queue
 import threading
@@ -108,20 +109,37 @@ def _step(owner: str, state: State, call: str) -> State:
 
 @dataclass(frozen=True)
 class SavedTensorSpec:
-    """What discovery saw of one saved tensor, and where it lives in the slot."""
+    """What discovery saw of one saved tensor, and where it lives in the slot.
+
+    Saved tensors that view one storage (a tensor saved twice, the q/k/v slices of one
+    projection) share one region of the slot laid out like that storage, so their bytes
+    are held and moved once, as the graph's own pool would hold them.
+    """
 
     shape: tuple[int, ...]
     stride: tuple[int, ...]
     dtype: Any
     device: str
     nbytes: int
-    offset: int = 0
+    offset: int = 0  #: slot byte offset of the first element (set by layout)
     offload: bool = True  #: False: kept on the device (below the size threshold)
+    storage: int = -1  #: which saved storage it views, in order of first sight; -1: its own region
+    storage_offset: int = 0  #: byte offset of the first element inside that storage
+    extent: int = 0  #: bytes from the first element to just past the last
 
     @staticmethod
-    def of(t: torch.Tensor) -> SavedTensorSpec:
-        return SavedTensorSpec(tuple(t.shape), tuple(t.stride()), t.dtype, str(t.device),
-                          t.numel() * t.element_size())
+    def of(t: torch.Tensor, storages: dict[int, int] | None = None) -> SavedTensorSpec:
+        """Describe ``t``; with ``storages`` (data pointer -> index, filled in as seen)
+        it is placed with the other saved views of its storage."""
+        es = t.element_size()
+        shape, stride = tuple(t.shape), tuple(t.stride())
+        extent = (1 + sum((n - 1) * st for n, st in zip(shape, stride))) * es if t.numel() else 0
+        sid = -1
+        overlaps = any(st == 0 and n > 1 for n, st in zip(shape, stride))  # expanded: copy densely
+        if storages is not None and not overlaps and t.numel():
+            sid = storages.setdefault(t.untyped_storage().data_ptr(), len(storages))
+        return SavedTensorSpec(shape, stride, t.dtype, str(t.device), t.numel() * es,
+                               storage=sid, storage_offset=t.storage_offset() * es, extent=extent)
 
     def describe(self) -> str:
         return f"{list(self.shape)} stride {list(self.stride)} {self.dtype} on {self.device}"
@@ -233,6 +251,7 @@ class OffloadGroup:
         self._captured = 0
         self._mapped_for_forward: Future[Any] | None = None
         self._bytes: tuple[Any, Any] = (None, None)
+        self._seen_storages: dict[int, int] = {}  # discovery: data pointer -> storage index
         self.index = len(engine.groups)  # key of this group's tickets in the engine
 
     def __repr__(self) -> str:
@@ -250,36 +269,51 @@ class OffloadGroup:
     def discover(self, t: torch.Tensor) -> None:
         """Record one saved tensor seen during the eager warm-up (autograd is untouched)."""
         self._go("discover")
-        self.specs.append(SavedTensorSpec.of(t))
+        self.specs.append(SavedTensorSpec.of(t, self._seen_storages))
 
     def adopt(self, specs: list[SavedTensorSpec]) -> None:
         """Take a layout discovered elsewhere (another graph of the same module)."""
         for sp in specs:
             self._go("discover")
-            self.specs.append(SavedTensorSpec(sp.shape, sp.stride, sp.dtype, sp.device, sp.nbytes))
+            self.specs.append(dataclasses.replace(sp, offset=0, offload=True))
 
     def restart_discovery(self) -> None:
         """Forget what an earlier warm-up iteration recorded (each iteration must agree)."""
         if self.state is not State.DISCOVERING:
             _step(f"offload group {self.name}", self.state, "discover")
         self.specs.clear()
+        self._seen_storages.clear()
 
     # -- allocation ----------------------------------------------------------------
 
     def layout(self) -> None:
-        """Assign slot offsets: offloaded tensors first (one host copy), kept ones after."""
+        """Assign slot offsets: one region per saved storage (or per tensor of its own),
+        offloaded regions first (one host copy), kept ones after."""
         eng = self.engine
-        ordered = sorted(range(len(self.specs)),
-                         key=lambda i: not (self.offload_enabled and self.specs[i].nbytes >= eng.min_bytes))
-        pos = 0
+        regions: dict[Any, list[int]] = {}
+        for i, sp in enumerate(self.specs):
+            regions.setdefault(("own", i) if sp.storage < 0 else sp.storage, []).append(i)
+        spans = []
+        for members in regions.values():
+            own = self.specs[members[0]].storage < 0
+            start = 0 if own else min(self.specs[i].storage_offset for i in members)
+            end = (self.specs[members[0]].nbytes if own else
+                   max(self.specs[i].storage_offset + self.specs[i].extent for i in members))
+            off = self.offload_enabled and end - start >= eng.min_bytes
+            spans.append((not off, members, own, start, end))
+        spans.sort(key=lambda x: x[0])  # stable: offloaded regions first, in order of first sight
         placed: dict[int, SavedTensorSpec] = {}
-        host = 0
-        for i in ordered:
-            s = self.specs[i]
-            off = self.offload_enabled and s.nbytes >= eng.min_bytes
-            placed[i] = SavedTensorSpec(s.shape, s.stride, s.dtype, s.device, s.nbytes, pos, off)
-            pos = align_up(pos + s.nbytes, _ALIGN)
-            if off:
+        pos = host = 0
+        for kept, members, own, start, end in spans:
+            # Keep each view's address alignment as it was in its storage (kernels choose
+            # their vector width from it), so slot and pool run the very same kernels.
+            base = align_up(pos, _ALIGN) + start % _ALIGN
+            for i in members:
+                sp = self.specs[i]
+                placed[i] = dataclasses.replace(sp, offset=base + (0 if own else sp.storage_offset - start),
+                                                offload=not kept)
+            pos = align_up(base + end - start, _ALIGN)
+            if not kept:
                 host = pos
         self.specs = [placed[i] for i in range(len(self.specs))]
         self.nbytes = pos
@@ -304,7 +338,8 @@ class OffloadGroup:
         else:
             self.reservation, _ = eng.backend.reserve_mapped(self.slot_bytes)
         va = self.reservation.va
-        self.views = [eng.backend.tensor_at(va + s.offset, s.shape, s.dtype, _dense_stride(s))
+        self.views = [eng.backend.tensor_at(va + s.offset, s.shape, s.dtype,
+                                            _dense_stride(s) if s.storage < 0 else s.stride)
                       for s in self.specs]
         # The VA never changes (remap swaps only the backing), so the flat byte views the
         # copies use are made once here, not per offload and restore.
@@ -317,6 +352,9 @@ class OffloadGroup:
     def begin_capture(self) -> None:
         self._go("begin_capture")
         self._captured = 0
+        self._capture_storages: dict[int, int] = {}  # region -> data pointer at capture
+        self._capture_ptrs: dict[int, int] = {}  # data pointer -> region
+        self._copied: set[tuple[Any, ...]] = set()
 
     def save_tensor(self, t: torch.Tensor) -> torch.Tensor:
         """Pack hook during capture: copy ``t`` into its slot place and return the slot view."""
@@ -337,7 +375,21 @@ class OffloadGroup:
         if view.data_ptr() != want:
             raise CaptureMismatchError(f"offload group {self.name}: slot view #{i} is at "
                                        f"0x{view.data_ptr():x}, not the slot address 0x{want:x}")
-        view.copy_(t)
+        key: tuple[Any, ...] = ("own", i)
+        if spec.storage >= 0:
+            # Views share a region only if they share a storage now as they did at discovery.
+            ptr = t.untyped_storage().data_ptr()
+            had = self._capture_storages.setdefault(spec.storage, ptr)
+            other = self._capture_ptrs.setdefault(ptr, spec.storage)
+            if had != ptr or other != spec.storage or t.storage_offset() * t.element_size() != spec.storage_offset:
+                raise CaptureMismatchError(
+                    f"offload group {self.name}: saved tensor #{i} does not view its storage as at "
+                    "discovery (which saved tensors share memory, or where, changed); the layer must "
+                    "save the same tensors every time")
+            key = (ptr, spec.storage_offset, spec.shape, spec.stride)
+        if key not in self._copied:  # a tensor saved twice is copied once
+            self._copied.add(key)
+            view.copy_(t)
         self._captured += 1
         return view
 

@@ -339,8 +339,9 @@ def test_input_shape_or_dtype_changes_after_capture_are_refused(engine_clean):
 def _allocated_group(b: graphslot.Backend, n: int = 1):
     eng = OffloadEngine(b, "remap")
     g = eng.group("g")
-    for _ in range(n):
-        g.discover(torch.zeros(64, device=b.device))
+    seen = [torch.zeros(64, device=b.device) for _ in range(n)]  # alive, as autograd keeps them
+    for t in seen:
+        g.discover(t)
     g.allocate()
     return eng, g
 
@@ -547,4 +548,77 @@ def test_adopt_after_allocation_is_refused(engine_clean):
     g.allocate()
     with pytest.raises(StateError, match="cannot discover in state allocated"):
         g.adopt([graphslot.offload.SavedTensorSpec((1,), (1,), torch.float32, "cpu", 4)])
+    eng.close()
+
+
+# --------------------------------------------------------------------------- shared storages
+
+
+class SplitMix(nn.Module):
+    """Saves views of one storage (q, k, v slices of one projection) and one tensor twice."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.proj = nn.Linear(d, 3 * d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.proj(x).chunk(3, dim=-1)
+        a = torch.tanh(q * k)  # mul saves q and k; tanh saves its output
+        return a * a + v * x  # a saved twice (once per operand)
+
+
+@pytest.mark.parametrize("mode", ["resident", "remap"])
+def test_views_of_one_storage_share_one_region_and_train_bitwise(engine_clean, mode):
+    b = engine_clean
+    torch.manual_seed(0)
+    d, n = 64, 96
+    layers = [SplitMix(d).to(b.device) for _ in range(2)]
+    ref = copy.deepcopy(layers)
+    sample = torch.randn(n, d, device=b.device, requires_grad=True)
+    with GraphedLayers(layers, sample, mode=mode, backend=b, debug_checksums=True) as stack:
+        g = stack._runners[0].group
+        assert g is not None
+        per_tensor = sum(s.nbytes for s in g.specs)
+        # q, k, v live in one qkv region; 'a' saved twice is held once.
+        assert len({s.storage for s in g.specs if s.storage >= 0}) < len(g.specs)
+        assert g.nbytes < per_tensor
+        qkv = [s for s in g.specs if s.shape == (n, d) and s.stride == (3 * d, 1)]
+        assert len(qkv) >= 2 and len({s.storage for s in qkv}) == 1
+        assert max(s.offset for s in qkv) - min(s.offset for s in qkv) in (d * 4, 2 * d * 4)
+        opt_a = torch.optim.SGD([p for m in layers for p in m.parameters()], lr=0.01)
+        opt_b = torch.optim.SGD([p for m in ref for p in m.parameters()], lr=0.01)
+        for step in range(4):
+            x = torch.randn(n, d, device=b.device, generator=None, requires_grad=True)
+            xa = x.detach().clone().requires_grad_()
+            out = stack(xa)
+            h = x
+            for m in ref:
+                h = m(h)
+            out.tanh().sum().backward()
+            h.tanh().sum().backward()
+            assert torch.isfinite(out).all() and torch.equal(out, h) and torch.equal(xa.grad, x.grad), step
+            opt_a.step(); opt_b.step(); opt_a.zero_grad(); opt_b.zero_grad()
+        for p, q in zip([p for m in layers for p in m.parameters()], [p for m in ref for p in m.parameters()]):
+            assert torch.equal(p, q)
+
+
+def test_a_capture_that_shares_storage_differently_is_refused(engine_clean):
+    b = engine_clean
+    eng = OffloadEngine(b, "resident")
+    g = eng.group("mix")
+    t = torch.randn(256, device=b.device, requires_grad=True)
+    with torch.autograd.graph.saved_tensors_hooks(lambda x: (g.discover(x), x)[1], lambda x: x):
+        u = t * 1.0
+        u * u  # one storage saved twice
+    assert g.specs[0].storage == g.specs[1].storage >= 0
+    g.allocate()
+    assert g.nbytes == 256 * 4  # held once
+    a = torch.randn(256, device=b.device, requires_grad=True)
+    c = torch.randn(256, device=b.device, requires_grad=True)
+    g.begin_capture()
+    graph = b.new_graph()
+    with pytest.raises(CaptureMismatchError, match="does not view its storage as at discovery"):
+        with graph.capture():
+            with torch.autograd.graph.saved_tensors_hooks(g.save_tensor, lambda x: x):
+                a * c  # two storages where discovery saw one
     eng.close()

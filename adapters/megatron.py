@@ -1,0 +1,576 @@
+"""Megatron-Core: local CUDA graphs and activation offload together, through graphslot slots.
+
+    from graphslot.adapters import megatron as gs_megatron
+
+    model = GPTModel(config, ...)          # config.cuda_graph_impl = "local"
+    offload = gs_megatron.enable(model, mode="resident")   # before the first training step
+    ...                                    # Megatron's own schedules and optimizer, unchanged
+    offload.disable()                      # or gs_megatron.disable()
+
+Megatron's local CUDA graphs capture every ``TransformerLayer`` forward and backward, and
+the saved activations of each layer stay in the graphs' memory pool from forward to
+backward. Megatron's own fine-grained offload cannot help there: it reloads into a new
+address, so its configuration check refuses offload with whole-layer graphs. With
+:func:`enable`, the graphed layers you choose save their activations into graphslot slots
+at fixed virtual addresses instead; after each forward replay the slot goes to pinned host
+memory, and before the backward replay it comes back to the same address. The graphs
+never see a new pointer, and the pool no longer holds those activations.
+
+What it touches, all restored by :meth:`MegatronOffload.disable`:
+
+* a forward pre-hook and hook on each chosen layer, only until Megatron creates its
+  graphs: they record what the layer saves for backward while Megatron records its
+  first, eager step (``is_graph_capturing`` and ``is_graph_warmup`` keep them quiet in
+  Megatron's own warm-up);
+* ``_CudagraphGlobalRecord.create_cudagraphs``, wrapped: before Megatron captures, each
+  graph runner of a chosen layer gets a slot, with ping-pong banks assigned in the order
+  of Megatron's own backward record; its forward is captured with a pack hook that
+  copies each saved tensor into the slot;
+* per runner, after capture: ``replay_graph_capture`` (offload after the forward
+  replay, or give the slot back when no backward follows) and ``bwd_graph`` (restore,
+  look-ahead restore of the runner whose backward came next the step before, replay).
+
+``disable()`` after the graphs exist calls Megatron's ``delete_cuda_graphs()`` first
+(those graphs read graphslot's slots), so the next step records and captures them again
+without graphslot.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import re
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable
+
+import torch
+
+from graphslot.backend import Backend
+from graphslot.errors import IncompatibleError, StateError, UsageError
+from graphslot.offload import Mode, OffloadEngine, OffloadGroup, SavedTensorSpec, State, Ticket
+from graphslot.selection import get_backend
+
+__all__ = ["MIN_VERSION", "MegatronOffload", "check_megatron", "check_config", "enable", "disable", "active"]
+
+#: The first Megatron-Core release with the local-graph record and fine-grained offload this
+#: adapter is written against.
+MIN_VERSION = (0, 16, 0)
+
+_NEEDS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("megatron.core.transformer.cuda_graphs",
+     ("_CudagraphGlobalRecord", "_CudaGraphRunner", "CudaGraphManager", "is_graph_capturing",
+      "is_graph_warmup", "delete_cuda_graphs")),
+    ("megatron.core.transformer.transformer_layer", ("TransformerLayer",)),
+)
+_RUNNER_NEEDS = ("func", "create_bwd_graph", "replay_graph_capture")
+
+
+@dataclass(frozen=True)
+class MegatronInfo:
+    """What :func:`check_megatron` found."""
+
+    version: str
+    cuda_graphs: Any  #: the ``megatron.core.transformer.cuda_graphs`` module
+    transformer_layer: type  #: ``TransformerLayer``
+
+
+def _version_tuple(v: str) -> tuple[int, ...]:
+    return tuple(int(x) for x in re.findall(r"\d+", v)[:3])
+
+
+def check_megatron(min_version: tuple[int, ...] = MIN_VERSION) -> MegatronInfo:
+    """Import Megatron-Core and check that it has what the adapter hooks into.
+
+    Raises :class:`~graphslot.errors.IncompatibleError` naming the missing package,
+    the version found, or each missing symbol.
+    """
+    need = ".".join(map(str, min_version))
+    try:
+        core = importlib.import_module("megatron.core")
+    except ImportError as e:
+        raise IncompatibleError(f"Megatron-Core is not importable ({e}); install megatron-core>={need}") from e
+    version = str(getattr(core, "__version__", "") or "unknown")
+    if version == "unknown" or _version_tuple(version) < tuple(min_version):
+        raise IncompatibleError(f"Megatron-Core {version} is too old: graphslot needs {need} or newer "
+                                "(the local CUDA graph record and fine-grained offload it hooks into)")
+    missing: list[str] = []
+    mods: dict[str, Any] = {}
+    for mod_name, names in _NEEDS:
+        try:
+            mods[mod_name] = mod = importlib.import_module(mod_name)
+        except ImportError as e:
+            missing.append(f"{mod_name} ({e})")
+            continue
+        missing += [f"{mod_name}.{n}" for n in names if not hasattr(mod, n)]
+    if not missing:
+        cg = mods["megatron.core.transformer.cuda_graphs"]
+        rec = cg._CudagraphGlobalRecord
+        for n in ("cudagraph_record", "cudagraph_created", "create_cudagraphs"):
+            if not hasattr(rec, n):
+                missing.append(f"_CudagraphGlobalRecord.{n}")
+        if not isinstance(rec.__dict__.get("create_cudagraphs"), classmethod):
+            missing.append("_CudagraphGlobalRecord.create_cudagraphs as a classmethod")
+        missing += [f"_CudaGraphRunner.{n}" for n in ("create_bwd_graph", "replay_graph_capture")
+                    if not hasattr(cg._CudaGraphRunner, n)]
+    if missing:
+        raise IncompatibleError(f"Megatron-Core {version} lacks what graphslot hooks into: " + ", ".join(missing))
+    return MegatronInfo(version, mods["megatron.core.transformer.cuda_graphs"],
+                        mods["megatron.core.transformer.transformer_layer"].TransformerLayer)
+
+
+def _names(v: Any) -> set[str]:
+    vals = v if isinstance(v, (list, tuple, set)) else [v]
+    return {str(getattr(x, "name", x)) for x in vals if x not in (None, "")}
+
+
+def check_config(config: Any) -> None:
+    """Check a ``TransformerConfig`` against what the adapter serves.
+
+    Raises :class:`~graphslot.errors.IncompatibleError` listing every problem and
+    what to set instead.
+    """
+    problems: list[str] = []
+    impl = getattr(config, "cuda_graph_impl", None)
+    if impl != "local":
+        problems.append(f"cuda_graph_impl is {impl!r}: graphslot serves Megatron's local CUDA graphs; "
+                        "set cuda_graph_impl='local'")
+    partial = _names(getattr(config, "cuda_graph_scope", None)) - {"full"}
+    partial |= _names(getattr(config, "cuda_graph_modules", None))
+    if partial:
+        problems.append(f"CUDA graphs capture part of a layer ({', '.join(sorted(partial))}): graphslot "
+                        "offloads whole graphed layers; leave cuda_graph_scope (cuda_graph_modules) empty")
+    if getattr(config, "fine_grained_activation_offloading", False):
+        problems.append("fine_grained_activation_offloading is True: Megatron's own offload would run "
+                        "beside graphslot's; set it False and choose layers with enable(layers=...)")
+    if getattr(config, "cpu_offloading", False):
+        problems.append("cpu_offloading is True: set it False (graphslot does the offload)")
+    if getattr(config, "recompute_granularity", None) is not None:
+        problems.append(f"recompute_granularity is {config.recompute_granularity!r}: recomputation "
+                        "inside graphed layers is not supported with offload; set it None")
+    if getattr(config, "fp8", None) or getattr(config, "fp4", None):
+        problems.append("fp8/fp4 is set: low-precision saved tensors have not been verified in "
+                        "graphslot slots; train in bf16/fp16/fp32")
+    if int(getattr(config, "gtp_weight_remat_size", 1) or 1) > 1:
+        problems.append("gtp_weight_remat_size > 1: runners on their own streams are not supported")
+    if problems:
+        raise IncompatibleError("this Megatron-Core configuration is not supported by graphslot:\n  - "
+                                + "\n  - ".join(problems))
+
+
+# --------------------------------------------------------------------------- per layer
+
+
+class _Layer:
+    """One chosen TransformerLayer: what it saves for backward, and its discovery hooks."""
+
+    def __init__(self, module: torch.nn.Module, device_type: str) -> None:
+        self.module = module
+        self.number = int(getattr(module, "layer_number", 0))
+        self.device_type = device_type
+        self.specs: list[SavedTensorSpec] | None = None
+        self._seen: list[SavedTensorSpec] = []
+        self._ctx: Any = None
+        self._state: set[int] = set()
+        self._storages: dict[int, int] = {}
+        self.handles: list[Any] = []
+
+    def is_state(self, t: torch.Tensor) -> bool:
+        # Parameters and buffers (and views of them) are never offloaded; neither are
+        # host-side or empty tensors, which cost the device nothing.
+        return (t.device.type != self.device_type or t.numel() == 0
+                or t.untyped_storage().data_ptr() in self._state)
+
+    def _record(self, t: torch.Tensor) -> torch.Tensor:
+        if not self.is_state(t):
+            self._seen.append(SavedTensorSpec.of(t, self._storages))
+        return t
+
+    def begin(self) -> None:
+        self._state = {t.untyped_storage().data_ptr()
+                       for t in [*self.module.parameters(), *self.module.buffers()]}
+        self._seen = []
+        self._storages: dict[int, int] = {}
+        self._ctx = torch.autograd.graph.saved_tensors_hooks(self._record, lambda t: t)
+        self._ctx.__enter__()
+
+    def end(self) -> None:
+        if self._ctx is None:
+            return
+        self._ctx.__exit__(None, None, None)
+        self._ctx = None
+        seen = self._seen
+        if self.specs is not None and list(map(_key, seen)) != list(map(_key, self.specs)):
+            raise StateError(f"layer {self.number} saved different tensors in two forward passes "
+                             f"({len(self.specs)} then {len(seen)}); graphed layers must save the same "
+                             "tensors every time")
+        self.specs = seen
+
+
+def _key(s: SavedTensorSpec) -> tuple[Any, ...]:
+    return (s.shape, s.stride, s.dtype, s.device, s.storage, s.storage_offset)
+
+
+@dataclass(eq=False)
+class _Runner:
+    """One Megatron graph runner (one layer, one microbatch in flight) and its slot."""
+
+    runner: Any
+    layer: _Layer
+    group: OffloadGroup
+    bank: int
+    count: int = 0
+    ticket: Ticket | None = None
+    grad: bool = True
+
+
+@dataclass(eq=False)
+class _Patch:
+    obj: Any
+    name: str
+    had_own: bool
+    old: Any = None
+
+    @staticmethod
+    def set(obj: Any, name: str, value: Any) -> _Patch:
+        own = name in vars(obj)
+        p = _Patch(obj, name, own, vars(obj)[name] if own else None)
+        setattr(obj, name, value)
+        return p
+
+    def undo(self) -> None:
+        if self.had_own:
+            setattr(self.obj, self.name, self.old)
+        else:
+            with contextlib.suppress(AttributeError):
+                delattr(self.obj, self.name)
+
+
+class _BackwardGraph:
+    """Stands in for a runner's ``bwd_graph``: restore, look-ahead, replay, consumed."""
+
+    def __init__(self, owner: MegatronOffload, r: _Runner, graph: Any) -> None:
+        self._owner, self._r, self.graph = owner, r, graph
+
+    def replay(self) -> None:
+        self._owner._backward(self._r, self.graph)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.graph, name)
+
+
+_ACTIVE: MegatronOffload | None = None
+
+
+class MegatronOffload:
+    """graphslot offload for the graphed layers of a Megatron-Core model; see the module docs.
+
+    Args:
+        model: the model, or a list of model chunks (virtual pipeline stages); wrappers
+            such as DDP are fine: every ``TransformerLayer`` inside is found.
+        mode: ``"resident"`` (two mapped banks per slot size, no driver calls per step)
+            or ``"remap"`` (least memory: each slot's pages exist only around its use).
+        layers: Megatron layer numbers (``layer.layer_number``, 1-based) to offload;
+            default: every graphed layer of this rank.
+        min_offload_bytes: saved tensors smaller than this stay on the device.
+        backend: the graphslot backend (default :func:`graphslot.get_backend`); it must
+            run on the model's device type.
+        debug_checksums: check every restored activation against what was offloaded.
+
+    Create it (or call :func:`enable`) after building the model and before the first
+    training step; Megatron records its graphs in that step.
+    """
+
+    def __init__(self, model: Any, *, mode: Mode | str = Mode.RESIDENT, layers: Iterable[int] | None = None,
+                 min_offload_bytes: int = 0, backend: Backend | None = None,
+                 debug_checksums: bool = False) -> None:
+        global _ACTIVE
+        info = check_megatron()
+        self.megatron_version = info.version
+        self._cg = info.cuda_graphs
+        chunks = list(model) if isinstance(model, (list, tuple)) else [model]
+        found = [m for c in chunks for m in c.modules() if isinstance(m, info.transformer_layer)]
+        if not found:
+            raise UsageError("no megatron.core TransformerLayer found in the model")
+        check_config(found[0].config)
+        try:
+            m = Mode(mode)
+        except ValueError:
+            raise UsageError(f"unknown offload mode {mode!r}; choose resident or remap") from None
+        if m is Mode.OFF:
+            raise UsageError("mode 'off' offloads nothing; do not call enable() for that")
+        numbers = sorted(int(getattr(x, "layer_number", 0)) for x in found)
+        chosen = set(numbers) if layers is None else {int(n) for n in layers}
+        unknown = sorted(chosen - set(numbers))
+        if unknown:
+            raise UsageError(f"layers {unknown} are not on this rank; its graphed layers are {numbers}")
+        rec = self._cg._CudagraphGlobalRecord
+        if rec.cudagraph_created or rec.cudagraph_record:
+            raise StateError("enable() must run before the first training step: Megatron has already "
+                             "recorded or created its CUDA graphs (call its delete_cuda_graphs() first)")
+        if _ACTIVE is not None:
+            raise StateError("graphslot's Megatron adapter is already enabled; disable() it first")
+        selected = [x for x in found if int(getattr(x, "layer_number", 0)) in chosen]
+        for x in selected:
+            if getattr(x, "cudagraph_manager", None) is None:
+                raise IncompatibleError(f"layer {x.layer_number} has no CUDA graph manager: build the "
+                                        "model after setting cuda_graph_impl='local'")
+        self.backend = backend or get_backend()
+        dev = next((p.device for x in selected for p in x.parameters()), self.backend.device)
+        if dev.type != self.backend.device.type:
+            raise UsageError(f"the model is on {dev}, but the {self.backend.name} backend runs on "
+                             f"{self.backend.device}; set GRAPHSLOT_BACKEND={dev.type}")
+        self.engine = OffloadEngine(self.backend, m, min_bytes=min_offload_bytes,
+                                    debug_checksums=debug_checksums)
+        self.layers = {id(x): _Layer(x, dev.type) for x in selected}
+        self.runners: list[_Runner] = []  # in Megatron's backward order
+        self._patches: list[_Patch] = []
+        self._created = False
+        self._closed = False
+        self._last_fwd: _Runner | None = None
+        self._last_bwd: _Runner | None = None
+        self._next_fwd: dict[int, _Runner | None] = {}
+        self._next_bwd: dict[int, _Runner | None] = {}
+        try:
+            for L in self.layers.values():
+                L.handles = [L.module.register_forward_pre_hook(self._pre_hook(L)),
+                             L.module.register_forward_hook(self._post_hook(L), always_call=True)]
+            original = rec.__dict__["create_cudagraphs"]
+            owner = self
+
+            def create_cudagraphs(cls: Any) -> Any:
+                return owner._create(cls, original)
+
+            self._patches.append(_Patch.set(rec, "create_cudagraphs", classmethod(create_cudagraphs)))
+        except BaseException:
+            self._undo()
+            self.engine.close()
+            raise
+        _ACTIVE = self
+
+    # -- discovery (Megatron's recording step) ------------------------------------------
+
+    def _discovering(self, module: torch.nn.Module) -> bool:
+        cg = self._cg
+        return (not cg._CudagraphGlobalRecord.cudagraph_created and not cg.is_graph_capturing()
+                and not cg.is_graph_warmup() and torch.is_grad_enabled() and module.training)
+
+    def _pre_hook(self, L: _Layer) -> Callable[..., None]:
+        def hook(module: torch.nn.Module, args: Any) -> None:
+            if self._discovering(module):
+                L.begin()
+        return hook
+
+    def _post_hook(self, L: _Layer) -> Callable[..., None]:
+        def hook(module: torch.nn.Module, args: Any, out: Any) -> None:
+            L.end()
+        return hook
+
+    def _remove_hooks(self) -> None:
+        for L in self.layers.values():
+            for h in L.handles:
+                h.remove()
+            L.handles = []
+
+    # -- capture -------------------------------------------------------------------------
+
+    def _create(self, rec: Any, original: classmethod) -> Any:
+        create = original.__func__  # type: ignore[attr-defined]
+        if rec.cudagraph_created or not rec.cudagraph_record:
+            return create(rec)
+        self._remove_hooks()  # Megatron refuses user forward pre-hooks on replayed layers
+        self._prepare(rec.cudagraph_record)
+        result = create(rec)
+        self._created = True
+        self._after_capture()
+        return result
+
+    def _prepare(self, record: list[tuple[Any, ...]]) -> None:
+        """Before Megatron captures: a slot per runner, banks in Megatron's backward order."""
+        per_layer: dict[int, int] = {}
+        for entry in record:
+            runner, kind = entry[0], entry[1]
+            L = self.layers.get(id(getattr(runner, "base_module", None)))
+            if kind != "bwd" or L is None:
+                continue
+            missing = [n for n in _RUNNER_NEEDS if not hasattr(runner, n)]
+            if missing:
+                raise IncompatibleError(f"Megatron-Core {self.megatron_version}: graph runner lacks {missing}")
+            if L.specs is None:
+                raise StateError(f"layer {L.number} ran no training forward while Megatron recorded "
+                                 "its graphs, so there is nothing to lay out")
+            k = per_layer.get(L.number, 0)
+            per_layer[L.number] = k + 1
+            g = self.engine.group(f"layer{L.number}.graph{k}")
+            g.adopt(L.specs)
+            bank = len(self.runners) % 2
+            g.allocate(bank_index=bank)
+            r = _Runner(runner, L, g, bank)
+            self.runners.append(r)
+            self._patches.append(_Patch.set(runner, "func", self._capturing(r, runner.func)))
+            self._patches.append(_Patch.set(runner, "create_bwd_graph", self._finishing(r, runner.create_bwd_graph)))
+
+    def _capturing(self, r: _Runner, func: Callable[..., Any]) -> Callable[..., Any]:
+        g, L, b = r.group, r.layer, self.backend
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            return t if L.is_state(t) else g.save_tensor(t)
+
+        def run(*args: Any, **kwargs: Any) -> Any:
+            if not b.is_capturing():  # Megatron's warm-up before the capture
+                return func(*args, **kwargs)
+            g.begin_capture()
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                return func(*args, **kwargs)
+        return run
+
+    @staticmethod
+    def _finishing(r: _Runner, create_bwd: Callable[[], Any]) -> Callable[[], Any]:
+        def run() -> Any:
+            out = create_bwd()
+            r.group.finish_capture()
+            return out
+        return run
+
+    def _after_capture(self) -> None:
+        # Capture is over: the capture wrappers go; replay goes through graphslot.
+        keep = []
+        for p in self._patches:
+            if p.name in ("func", "create_bwd_graph"):
+                p.undo()
+            else:
+                keep.append(p)
+        self._patches = keep
+        for r in self.runners:
+            if r.group.state is not State.READY:
+                raise StateError(f"{r.group.name}: Megatron captured no backward graph for it")
+            self._patches.append(_Patch.set(r.runner, "replay_graph_capture",
+                                            self._forward(r, r.runner.replay_graph_capture)))
+            self._patches.append(_Patch.set(r.runner, "bwd_graph", _BackwardGraph(self, r, r.runner.bwd_graph)))
+
+    # -- replay ----------------------------------------------------------------------------
+
+    def _forward(self, r: _Runner, replay: Callable[..., Any]) -> Callable[..., Any]:
+        eng = self.engine
+
+        def run(*args: Any, **kwargs: Any) -> Any:
+            if r.ticket is not None:
+                raise StateError(f"{r.group.name}: forward replayed again before its backward")
+            grad = torch.is_grad_enabled()
+            r.count += 1
+            t = eng.before_forward(r.group, r.count)
+            if grad:
+                self._saw_forward(r)
+            out = replay(*args, **kwargs)
+            if grad:
+                eng.after_forward(t)
+                r.ticket = t
+            else:
+                eng.forget(t)  # evaluation: no backward will read the slot
+            return out
+        return run
+
+    def _saw_forward(self, r: _Runner) -> None:
+        # Learn the schedule from the step before: which offloaded runner ran next.
+        if self._last_bwd is not None:
+            self._next_bwd[id(self._last_bwd)] = None  # a forward came between: no look-ahead
+            self._last_bwd = None
+        if self._last_fwd is not None:
+            self._next_fwd[id(self._last_fwd)] = r
+        self._last_fwd = r
+        nxt = self._next_fwd.get(id(r))
+        if nxt is not None:
+            self.engine.prefetch_forward(nxt.group)  # remap: map its slot ahead
+
+    def _backward(self, r: _Runner, graph: Any) -> None:
+        eng = self.engine
+        t = r.ticket
+        if t is None:
+            raise StateError(f"{r.group.name}: backward graph replayed with no forward pending")
+        eng.wait_restored(t)
+        nxt = self._next_bwd.get(id(r))
+        if nxt is not None and nxt.ticket is not None and nxt.ticket.state in (State.RELEASED, State.RESIDENT_PENDING):
+            bank = nxt.group.bank
+            if bank is None or bank.restored_for is None:
+                eng.restore(nxt.ticket)  # look-ahead: its copy runs under this backward graph
+        graph.replay()
+        eng.consumed(t)
+        r.ticket = None
+        if self._last_fwd is not None:
+            self._next_fwd[id(self._last_fwd)] = None
+            self._last_fwd = None
+        if self._last_bwd is not None:
+            self._next_bwd[id(self._last_bwd)] = r
+        self._last_bwd = r
+
+    # -- inspection and teardown -------------------------------------------------------------
+
+    @property
+    def mode(self) -> Mode:
+        return self.engine.mode
+
+    def report(self) -> dict[str, Any]:
+        """Slots, banks and byte counts, as plain data (JSON-ready)."""
+        return {
+            "megatron_core": self.megatron_version,
+            "backend": self.backend.name,
+            "mode": self.mode.value,
+            "layers": sorted(L.number for L in self.layers.values()),
+            "graphs_created": self._created,
+            "runners": [{"group": r.group.name, "layer": r.layer.number, "bank": r.bank,
+                         "saved_tensors": len(r.group.specs), "slot_bytes": r.group.slot_bytes,
+                         "offloaded_bytes": r.group.host_bytes} for r in self.runners],
+            "mapped_bytes": self.backend.ledger.mapped_bytes,
+            "peak_mapped_bytes": self.backend.ledger.peak_mapped_bytes,
+            "stats": dict(self.engine.stats),
+        }
+
+    def _undo(self) -> None:
+        self._remove_hooks()
+        for p in reversed(self._patches):
+            p.undo()
+        self._patches = []
+
+    def disable(self) -> None:
+        """Restore everything :func:`enable` touched and release the slots (idempotent).
+
+        After Megatron created its graphs this deletes them (they read graphslot's slots)
+        with Megatron's ``delete_cuda_graphs()``; the next step captures them again.
+        """
+        global _ACTIVE
+        if self._closed:
+            return
+        busy = [r.group.name for r in self.runners if r.ticket is not None]
+        if busy:
+            raise StateError(f"cannot disable with microbatches in flight (forward without backward: {busy})")
+        self._undo()
+        if self._created:
+            self._cg.delete_cuda_graphs()
+        self.engine.close()
+        self._closed = True
+        if _ACTIVE is self:
+            _ACTIVE = None
+
+    def __enter__(self) -> MegatronOffload:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.disable()
+
+
+def enable(model: Any, **kwargs: Any) -> MegatronOffload:
+    """Offload the activations of ``model``'s graphed layers through graphslot slots.
+
+    Takes the arguments of :class:`MegatronOffload`; returns it. One may be active at a time.
+    """
+    return MegatronOffload(model, **kwargs)
+
+
+def disable() -> None:
+    """Disable the active :class:`MegatronOffload`, if any."""
+    if _ACTIVE is not None:
+        _ACTIVE.disable()
+
+
+def active() -> MegatronOffload | None:
+    """The enabled :class:`MegatronOffload`, or None."""
+    return _ACTIVE

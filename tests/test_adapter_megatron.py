@@ -1,0 +1,234 @@
+"""graphslot.adapters.megatron: wiring on every machine, training on a CUDA device.
+
+Megatron-Core imports without a GPU, so version checks, configuration checks and the
+installation and removal of every hook run wherever it is installed (tox env
+``megatron``). Its layers run only on CUDA (they allocate CUDA buffers), so training with
+local CUDA graphs plus graphslot offload runs on the cuda backend.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import graphslot
+from graphslot.errors import IncompatibleError, StateError, UsageError
+
+megatron_core = pytest.importorskip("megatron.core", reason="megatron-core is not installed (tox -e megatron installs it)")
+
+from graphslot.adapters import megatron as gsm  # noqa: E402
+
+cg = pytest.importorskip("megatron.core.transformer.cuda_graphs")
+HERE = Path(__file__).parent
+
+
+# --------------------------------------------------------------------------- versions
+
+
+def test_check_megatron_reports_the_installed_version():
+    info = gsm.check_megatron()
+    assert info.version == megatron_core.__version__
+    assert info.cuda_graphs is cg
+    assert info.transformer_layer.__name__ == "TransformerLayer"
+
+
+def test_an_old_version_is_refused_naming_it(monkeypatch):
+    monkeypatch.setattr(megatron_core, "__version__", "0.15.3")
+    with pytest.raises(IncompatibleError, match=r"Megatron-Core 0\.15\.3 is too old: graphslot needs 0\.16\.0"):
+        gsm.check_megatron()
+
+
+def test_a_missing_hook_point_is_named(monkeypatch):
+    monkeypatch.delattr(cg, "is_graph_warmup")
+    with pytest.raises(IncompatibleError, match=r"lacks what graphslot hooks into: .*cuda_graphs\.is_graph_warmup"):
+        gsm.check_megatron()
+
+
+def test_megatron_not_importable_is_named(monkeypatch):
+    monkeypatch.setitem(sys.modules, "megatron.core", None)
+    with pytest.raises(IncompatibleError, match="Megatron-Core is not importable"):
+        gsm.check_megatron()
+
+
+# --------------------------------------------------------------------------- configurations
+
+
+def _config(**kw):
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    return TransformerConfig(num_layers=2, hidden_size=64, num_attention_heads=4, **kw)
+
+
+def test_local_whole_layer_graphs_are_served():
+    gsm.check_config(_config(cuda_graph_impl="local"))
+
+
+def test_every_problem_of_a_configuration_is_listed():
+    c = _config()  # cuda_graph_impl "none"
+    c.fine_grained_activation_offloading = True
+    c.recompute_granularity = "full"
+    with pytest.raises(IncompatibleError) as e:
+        gsm.check_config(c)
+    msg = str(e.value)
+    assert "cuda_graph_impl is 'none'" in msg and "set cuda_graph_impl='local'" in msg
+    assert "fine_grained_activation_offloading is True" in msg
+    assert "recompute_granularity is 'full'" in msg
+
+
+def test_partial_layer_graphs_are_refused():
+    c = _config(cuda_graph_impl="local")
+    if hasattr(c, "cuda_graph_modules"):
+        c.cuda_graph_modules = ["attn"]
+    else:
+        c.cuda_graph_scope = ["attn"]
+    with pytest.raises(IncompatibleError, match="capture part of a layer \\(attn\\)"):
+        gsm.check_config(c)
+
+
+# --------------------------------------------------------------------------- hooks
+
+
+@pytest.fixture(scope="module")
+def cpu_gpt():
+    """A real Megatron-Core GPT built on the host (its layers cannot run there)."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    if not dist.is_initialized():
+        store = dist.HashStore()
+        dist.init_process_group("gloo", rank=0, world_size=1, store=store)
+    parallel_state.initialize_model_parallel()
+    c = _config(use_cpu_initialization=True)
+    model = GPTModel(config=c, transformer_layer_spec=get_gpt_layer_local_spec(), vocab_size=64,
+                     max_sequence_length=16)
+    yield model
+    parallel_state.destroy_model_parallel()
+
+
+def test_a_model_built_without_local_graphs_is_refused(cpu_gpt):
+    with pytest.raises(IncompatibleError, match="cuda_graph_impl is 'none'"):
+        gsm.enable(cpu_gpt)
+    assert gsm.active() is None
+
+
+def test_a_plain_module_is_refused():
+    with pytest.raises(UsageError, match="no megatron.core TransformerLayer"):
+        gsm.enable(torch.nn.Linear(2, 2))
+
+
+@pytest.fixture
+def local_gpt(cpu_gpt, monkeypatch):
+    """The host-built model as Megatron builds it for local graphs: the config says so and
+    each layer has a graph manager (which nothing calls before the first step)."""
+    monkeypatch.setattr(cpu_gpt.config, "cuda_graph_impl", "local")
+    for layer in cpu_gpt.decoder.layers:
+        monkeypatch.setattr(layer, "cudagraph_manager", object(), raising=False)
+    yield cpu_gpt
+    gsm.disable()
+
+
+@pytest.fixture
+def host():
+    """The cpu backend: the host-built model's parameters live on the host."""
+    return graphslot.get_backend("cpu")
+
+
+def test_enable_installs_its_hooks_and_disable_removes_every_one(local_gpt, host):
+    rec = cg._CudagraphGlobalRecord
+    original = rec.__dict__["create_cudagraphs"]
+    layers = list(local_gpt.decoder.layers)
+    before = [(len(m._forward_pre_hooks), len(m._forward_hooks)) for m in layers]
+    off = gsm.enable(local_gpt, mode="remap", layers=[2], backend=host)
+    assert gsm.active() is off
+    assert rec.__dict__["create_cudagraphs"] is not original
+    hooked = [(len(m._forward_pre_hooks), len(m._forward_hooks)) for m in layers]
+    assert hooked == [before[0], (before[1][0] + 1, before[1][1] + 1)]  # only layer 2
+    assert off.report()["layers"] == [2] and off.report()["runners"] == []
+    off.disable()
+    assert rec.__dict__["create_cudagraphs"] is original
+    assert [(len(m._forward_pre_hooks), len(m._forward_hooks)) for m in layers] == before
+    assert gsm.active() is None
+    off.disable()  # idempotent
+    assert host.ledger.mapped_bytes == 0
+
+
+def test_one_adapter_at_a_time_and_only_before_the_first_step(local_gpt, host, monkeypatch):
+    off = gsm.enable(local_gpt, backend=host)
+    with pytest.raises(StateError, match="already enabled"):
+        gsm.enable(local_gpt, backend=host)
+    off.disable()
+    monkeypatch.setattr(cg._CudagraphGlobalRecord, "cudagraph_record", [("runner", "fwd")])
+    with pytest.raises(StateError, match="before the first training step"):
+        gsm.enable(local_gpt, backend=host)
+    assert gsm.active() is None
+
+
+def test_bad_arguments_are_named(local_gpt, host):
+    with pytest.raises(UsageError, match=r"layers \[7\] are not on this rank; its graphed layers are \[1, 2\]"):
+        gsm.enable(local_gpt, layers=[7], backend=host)
+    with pytest.raises(UsageError, match="unknown offload mode 'fast'"):
+        gsm.enable(local_gpt, mode="fast", backend=host)
+    with pytest.raises(UsageError, match="mode 'off' offloads nothing"):
+        gsm.enable(local_gpt, mode="off", backend=host)
+    assert gsm.active() is None
+
+
+def test_a_backend_on_another_device_type_is_refused(local_gpt, backend):
+    if backend.device.type == "cpu":
+        pytest.skip("needs a device backend beside a host-built model")
+    with pytest.raises(UsageError, match="set GRAPHSLOT_BACKEND=cpu"):
+        gsm.enable(local_gpt, backend=backend)
+
+
+# --------------------------------------------------------------------------- training (cuda)
+
+
+def _run(mode: str, tmp_path: Path, *extra: str) -> dict:
+    out = tmp_path / f"{mode}.json"
+    path = os.pathsep.join(x for x in (str(HERE.parent), os.environ.get("PYTHONPATH")) if x)
+    env = dict(os.environ, GRAPHSLOT_BACKEND="cuda", PYTHONPATH=path)
+    cmd = [sys.executable, str(HERE / "megatron_worker.py"), "--mode", mode, "--out", str(out), *extra]
+    p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=560)
+    if p.returncode != 0:
+        raise AssertionError(f"{mode} run failed ({p.returncode}):\n{p.stdout[-3000:]}\n{p.stderr[-6000:]}")
+    return json.loads(out.read_text())
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="Megatron-Core layers run only on CUDA")
+def test_local_graphs_with_graphslot_offload_train_like_local_graphs_alone(backend, tmp_path):
+    if backend.name != "cuda":
+        pytest.skip("runs on the cuda backend")
+    steps = ["--steps", "20"]
+    ref = _run("graphs", tmp_path, *steps)
+    runs = {m: _run(m, tmp_path, *steps, "--checksums") for m in ("resident", "remap")}
+    summary = {"graphs": {k: ref[k] for k in ("driver_used_bytes", "median_step_ms_after_capture")}}
+    for mode, r in runs.items():
+        assert len(r["losses"]) == len(ref["losses"]) == 20
+        # The same kernels read the same bytes, from a slot instead of the pool.
+        assert r["losses"] == pytest.approx(ref["losses"], rel=1e-5, abs=0), mode
+        rep = r["graphslot"]
+        assert rep["graphs_created"] and rep["layers"] == list(range(1, ref["shape"]["layers"] + 1))
+        offloaded = sum(x["offloaded_bytes"] for x in rep["runners"])
+        assert offloaded > 0 and rep["stats"]["restored_bytes"] == rep["stats"]["offloaded_bytes"]
+        banks = 2 * max(x["slot_bytes"] for x in rep["runners"]) if mode == "resident" else 0
+        saved = ref["driver_used_bytes"] - r["driver_used_bytes"]
+        # Driver-level memory falls by the offloaded activations, less what the banks hold.
+        assert saved >= 0.5 * (offloaded - banks), (mode, saved, offloaded, banks)
+        summary[mode] = {"driver_used_bytes": r["driver_used_bytes"], "saved_bytes": saved,
+                         "offloaded_bytes": offloaded, "bank_bytes": banks,
+                         "bitwise_losses": r["losses"] == ref["losses"],
+                         "median_step_ms_after_capture": r["median_step_ms_after_capture"]}
+    print("megatron summary:", json.dumps(summary))
+    dest = os.environ.get("GRAPHSLOT_RESULTS_DIR")
+    if dest:
+        Path(dest).mkdir(parents=True, exist_ok=True)
+        for name, r in {"graphs": ref, **runs}.items():
+            (Path(dest) / f"megatron_{name}.json").write_text(json.dumps(r, indent=1))
