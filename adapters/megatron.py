@@ -419,8 +419,11 @@ class MegatronOffload:
             if not b.is_capturing():  # Megatron's warm-up before the capture
                 return func(*args, **kwargs)
             g.begin_capture()
-            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-                return func(*args, **kwargs)
+            try:
+                with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                    return func(*args, **kwargs)
+            finally:
+                g.forward_captured()
         return run
 
     @staticmethod

@@ -118,6 +118,7 @@ class _Runner:
             with fwd.capture():
                 with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
                     out = self.module(self.static_in)
+                g.forward_captured()
         else:
             with fwd.capture():
                 out = self.module(self.static_in)

@@ -355,6 +355,9 @@ class OffloadGroup:
         self._capture_storages: dict[int, int] = {}  # region -> data pointer at capture
         self._capture_ptrs: dict[int, int] = {}  # data pointer -> region
         self._copied: set[tuple[Any, ...]] = set()
+        # The originals stay alive until the forward capture ends: once freed, the graph
+        # pool hands their addresses to later tensors, and address would no longer mean storage.
+        self._originals: list[torch.Tensor] = []
 
     def save_tensor(self, t: torch.Tensor) -> torch.Tensor:
         """Pack hook during capture: copy ``t`` into its slot place and return the slot view."""
@@ -387,13 +390,19 @@ class OffloadGroup:
                     "discovery (which saved tensors share memory, or where, changed); the layer must "
                     "save the same tensors every time")
             key = (ptr, spec.storage_offset, spec.shape, spec.stride)
+        self._originals.append(t)
         if key not in self._copied:  # a tensor saved twice is copied once
             self._copied.add(key)
             view.copy_(t)
         self._captured += 1
         return view
 
+    def forward_captured(self) -> None:
+        """The forward capture is over: let the graph pool reuse the saved originals."""
+        self._originals = []
+
     def finish_capture(self) -> None:
+        self._originals = []
         if self._captured != len(self.specs):
             raise CaptureMismatchError(
                 f"offload group {self.name}: capture saved {self._captured} tensors, discovery "
