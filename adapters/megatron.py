@@ -40,7 +40,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Iterable
 
 import torch
@@ -189,7 +189,7 @@ class _Layer:
         self._state = {t.untyped_storage().data_ptr()
                        for t in [*self.module.parameters(), *self.module.buffers()]}
         self._seen = []
-        self._storages: dict[int, int] = {}
+        self._storages = {}
         self._ctx = torch.autograd.graph.saved_tensors_hooks(self._record, lambda t: t)
         self._ctx.__enter__()
 
@@ -288,10 +288,11 @@ class MegatronOffload:
         self.megatron_version = info.version
         self._cg = info.cuda_graphs
         chunks = list(model) if isinstance(model, (list, tuple)) else [model]
-        found = [m for c in chunks for m in c.modules() if isinstance(m, info.transformer_layer)]
+        layer_type: Any = info.transformer_layer
+        found: list[torch.nn.Module] = [m for c in chunks for m in c.modules() if isinstance(m, layer_type)]
         if not found:
             raise UsageError("no megatron.core TransformerLayer found in the model")
-        check_config(found[0].config)
+        check_config(getattr(found[0], "config", None))
         try:
             m = Mode(mode)
         except ValueError:

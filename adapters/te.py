@@ -54,7 +54,7 @@ import sys
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Hashable, Iterator
 
-from graphslot.arena import PoolFullError, VariantGraphs
+from graphslot.arena import VariantGraphs
 from graphslot.backend import Backend, DeviceGraph, no_gc
 from graphslot.errors import BackendUnavailableError, StateError, UsageError
 from graphslot.planner import Plan, PlanError, branch_table
@@ -262,31 +262,15 @@ def _cuda_routing(backend: Backend, graph: DeviceGraph) -> Iterator[None]:
     (allocations outside that pool never reach graphslot's allocator). The capture stream
     TE uses (torch's default) is warmed up first, outside the region.
     """
-    region = getattr(graph, "_region", None)  # RegionCudaGraph: its shim id and MemPool
-    if backend.name != "cuda" or region is None or not hasattr(region, "shim"):
+    routing = getattr(graph, "routing", None)  # cuda region graphs (backends/cuda/pool.py)
+    if backend.name != "cuda" or routing is None:
         yield
         return
     import torch
 
-    from graphslot.backends.cuda import pool as cuda_pool
-
     torch.cuda.graph(torch.cuda.CUDAGraph())  # creates torch's default capture stream, if new
-    stream = torch.cuda.graph.default_capture_stream
-    if stream is not None:
-        cuda_pool.warm_up(backend, stream)
-    region.shim.activate(region.id)
-    try:
+    with routing(torch.cuda.graph.default_capture_stream):
         yield
-    except BaseException as e:
-        st = region.shim.stats(region.id)
-        if st["failed"] and not isinstance(e, PoolFullError):
-            raise PoolFullError(
-                f"graph pool region [0x{region.va:x}, 0x{region.va + region.size:x}) is full: "
-                f"a capture asked for a {st['failed']}-byte segment with {st['live']} of "
-                f"{region.size} bytes in use; give the pool a larger region") from e
-        raise
-    finally:
-        region.shim.deactivate()
 
 
 class _Hooks:

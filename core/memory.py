@@ -142,7 +142,7 @@ def saved_activation_bytes(layers: Sequence[torch.nn.Module], x: torch.Tensor) -
         ptr = t.untyped_storage().data_ptr()
         if ptr not in state and t.device == x.device and t.numel():
             es = t.element_size()
-            lo = t.storage_offset() * es
+            lo = int(t.storage_offset()) * es
             hi = lo + (1 + sum((n - 1) * st for n, st in zip(t.shape, t.stride()))) * es
             a, b = spans.get(ptr, (lo, hi))
             spans[ptr] = (min(a, lo), max(b, hi))
@@ -155,6 +155,7 @@ def saved_activation_bytes(layers: Sequence[torch.nn.Module], x: torch.Tensor) -
         h = x
         for m in layers:
             h = m(h)
-    del h, keep
+    del h
+    keep.clear()
     # A tensor saved twice, or several views of one buffer, cost their storage once.
     return sum(b - a for a, b in spans.values())

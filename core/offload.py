@@ -139,7 +139,7 @@ class SavedTensorSpec:
         if storages is not None and not overlaps and t.numel():
             sid = storages.setdefault(t.untyped_storage().data_ptr(), len(storages))
         return SavedTensorSpec(shape, stride, t.dtype, str(t.device), t.numel() * es,
-                               storage=sid, storage_offset=t.storage_offset() * es, extent=extent)
+                               storage=sid, storage_offset=int(t.storage_offset()) * es, extent=extent)
 
     def describe(self) -> str:
         return f"{list(self.shape)} stride {list(self.stride)} {self.dtype} on {self.device}"

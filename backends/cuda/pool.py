@@ -302,21 +302,22 @@ def _define() -> type:
             region.graphs += 1
 
         @contextlib.contextmanager
-        def capture(self, stream: Any = None) -> Iterator[None]:
-            if self._state != "empty":
-                raise StateError(f"this graph is already {self._state}; make a new graph to capture again")
+        def routing(self, stream: Any = None) -> Iterator[None]:
+            """Route this pool's allocations into the region for the block.
+
+            :meth:`capture` does it around its own capture; code that captures its own
+            graphs into ``self.pool`` (TransformerEngine's ``make_graphed_callables``)
+            runs under it. ``stream``, when given, is warmed up first, outside the region.
+            """
             r = self._region
             if r.id < 0 or r.mempool is None:
                 raise StateError("this graph's pool region was released")
-            stream = capture_stream(self._backend) if stream is None else stream
-            warm_up(self._backend, stream)  # before activating: nothing of it may land in the region
+            if stream is not None:
+                warm_up(self._backend, stream)  # before activating: nothing of it may land in the region
             r.shim.activate(r.id)
-            self._state = "capturing"
             try:
-                with super().capture(stream):  # torch.cuda.graph(pool=...), garbage collector paused
-                    yield
+                yield
             except BaseException as e:
-                self._state = "failed"
                 st = r.shim.stats(r.id)
                 # torch reports the NULL from gs_malloc as an out-of-memory error (or, if
                 # its error path trips over the capture, as another one): the shim knows.
@@ -328,6 +329,20 @@ def _define() -> type:
                 raise
             finally:
                 r.shim.deactivate()
+
+        @contextlib.contextmanager
+        def capture(self, stream: Any = None) -> Iterator[None]:
+            if self._state != "empty":
+                raise StateError(f"this graph is already {self._state}; make a new graph to capture again")
+            stream = capture_stream(self._backend) if stream is None else stream
+            with self.routing(stream):
+                self._state = "capturing"
+                try:
+                    with super().capture(stream):  # torch.cuda.graph(pool=...), garbage collector paused
+                        yield
+                except BaseException:
+                    self._state = "failed"
+                    raise
             self._state = "captured"
 
         def replay(self) -> None:
