@@ -301,7 +301,20 @@ class VariantGraphs:
         variant's region is freed at once, or, while the exception's traceback still
         references tensors in it, by a later :meth:`capture` or :meth:`close`.
         """
-        self._check_open("capture")
+        widen = lambda g: getattr(g, "executes_during_capture", True)  # noqa: E731
+        with self._new_graph("capture", name, part, widen) as (v, g):
+            with g.capture(stream):
+                out = fn(*args, **kwargs)
+            v.graphs[part] = g
+            v.outputs[part] = out
+        return out
+
+    @contextlib.contextmanager
+    def _new_graph(self, what: str, name: Hashable, part: Hashable,
+                   widen: Callable[[DeviceGraph], bool]) -> Iterator[tuple[_Variant, DeviceGraph]]:
+        """A new graph over variant ``name``'s pool for the block; on failure the part is
+        dropped and the arena's memory is as before; on success the arena is fitted."""
+        self._check_open(what)
         self._reap()
         known = self._variants.get(name)
         if known is not None and part in known.graphs:
@@ -321,13 +334,11 @@ class VariantGraphs:
             self._variants[name] = v
         widened = False
         try:
-            if not self.fixed and getattr(g, "executes_during_capture", True) \
-                    and self.arena.mapped_bytes < self.arena.capacity:
-                # The capture writes as it goes: give it the whole region, keep what is there.
+            if not self.fixed and widen(g) and self.arena.mapped_bytes < self.arena.capacity:
+                # The graph's work writes as it goes: give it the whole region, keep what is there.
                 self.arena.resize(self.arena.capacity, keep=self._largest())
                 widened = True
-            with g.capture(stream):
-                out = fn(*args, **kwargs)
+            yield v, g
         except BaseException as e:
             self._drop_failed(v, g, new_variant)
             if widened:
@@ -337,10 +348,7 @@ class VariantGraphs:
                          f"the {self.arena.capacity}-byte region capacity")
                 raise PoolFullError(f"variant {name!r} (graph {part!r}) does not fit {where}: {e}") from e
             raise
-        v.graphs[part] = g
-        v.outputs[part] = out
         self._fit()
-        return out
 
     @contextlib.contextmanager
     def lend_pool(self, name: Hashable, part: Hashable = "main") -> Iterator[DeviceGraph]:
@@ -361,42 +369,10 @@ class VariantGraphs:
         largest pool afterwards. If the block raises, the part is dropped as after a
         failed :meth:`capture`.
         """
-        self._check_open("lend_pool")
-        self._reap()
-        known = self._variants.get(name)
-        if known is not None and part in known.graphs:
-            raise UsageError(f"variant {name!r} already has a graph {part!r}; "
-                             "use another part name")
-        new_variant = known is None
-        v = _Variant(name, self.arena.add_region(name)) if known is None else known
-        limit = self.arena.mapped_bytes if self.fixed else self.arena.capacity
-        try:
-            g = (self.backend.new_graph(pool_region=(v.region.va, limit)) if not v.graphs else
-                 self.backend.new_graph(share_pool_with=next(iter(v.graphs.values()))))
-        except BaseException:
-            if new_variant:
-                self.arena.remove_region(name)
-            raise
-        if new_variant:
-            self._variants[name] = v
-        widened = False
-        try:
-            if not self.fixed and self.arena.mapped_bytes < self.arena.capacity:
-                self.arena.resize(self.arena.capacity, keep=self._largest())
-                widened = True
+        with self._new_graph("lend_pool", name, part, lambda g: True) as (v, g):
             yield g
-        except BaseException as e:
-            self._drop_failed(v, g, new_variant)
-            if widened:
-                self._fit()
-            if isinstance(e, PoolFullError):
-                where = (f"the arena's fixed {self.arena.mapped_bytes} bytes" if self.fixed else
-                         f"the {self.arena.capacity}-byte region capacity")
-                raise PoolFullError(f"variant {name!r} (graph {part!r}) does not fit {where}: {e}") from e
-            raise
-        v.graphs[part] = g
-        v.outputs[part] = None
-        self._fit()
+            v.graphs[part] = g
+            v.outputs[part] = None
 
     def _largest(self) -> int:
         return max((v.used for v in self._variants.values()), default=0)

@@ -677,16 +677,9 @@ class OffloadEngine:
         del self._pending[(g.index, t.microbatch)]
         if g.empty:
             return
-        b = self.backend
-        done = b.record_event(b.new_event())
         g._give_stash(t.stash, t.restore_done)  # type: ignore[arg-type]
         t.stash = None
-        if self.mode is Mode.RESIDENT:
-            g.bank.consumed = done  # type: ignore[union-attr]
-            g.bank.restored_for = None  # type: ignore[union-attr]
-        else:
-            res = g.reservation
-            self.worker.submit(lambda: self._release_after(res, done))  # type: ignore[union-attr,arg-type]
+        self._free_slot(g)
 
     def forget(self, t: Ticket) -> None:
         """A forward replay that no backward will follow (evaluation): drop its ticket.
@@ -696,12 +689,17 @@ class OffloadEngine:
         t._go("forget")
         g = t.group
         del self._pending[(g.index, t.microbatch)]
-        if g.empty:
-            return
+        if not g.empty:
+            self._free_slot(g)
+
+    def _free_slot(self, g: OffloadGroup) -> None:
+        """The slot's last user so far is queued: a restore into the bank waits for it
+        (resident); the pages go once it is done (remap)."""
         b = self.backend
         done = b.record_event(b.new_event())
         if self.mode is Mode.RESIDENT:
-            g.bank.consumed = done  # type: ignore[union-attr]  # a restore waits for these writes
+            g.bank.consumed = done  # type: ignore[union-attr]
+            g.bank.restored_for = None  # type: ignore[union-attr]
         else:
             res = g.reservation
             self.worker.submit(lambda: self._release_after(res, done))  # type: ignore[union-attr,arg-type]

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 import graphslot
-from graphslot.errors import BackendUnavailableError
+from graphslot.errors import BackendUnavailableError, UsageError
 
 
 @pytest.fixture(scope="session")
@@ -30,6 +30,20 @@ def clean(backend: graphslot.Backend):
     backend.faults.clear()
     after = backend.ledger.snapshot()
     assert after == before, f"ledger leaked: before {before}, after {after}"
+
+
+@pytest.fixture
+def regions(clean):
+    """``clean``, skipping backends whose graphs cannot draw their pool from a region."""
+    b = clean
+    res = b.reserve(b.granularity)
+    try:
+        b.new_graph(pool_region=(res.va, b.granularity)).release_pool()
+    except UsageError as e:
+        pytest.skip(f"{b.name}: {e}")
+    finally:
+        b.free(res)
+    return b
 
 
 def pytest_report_header(config: pytest.Config) -> str:

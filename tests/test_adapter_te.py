@@ -37,18 +37,6 @@ HIDDEN = 32
 CAPACITY = 64 * MiB
 
 
-@pytest.fixture
-def regions(clean):
-    """``clean``, skipping backends whose graphs cannot draw their pool from a region."""
-    b = clean
-    res = b.reserve(b.granularity)
-    try:
-        b.new_graph(pool_region=(res.va, b.granularity)).release_pool()
-    except UsageError as e:
-        pytest.skip(f"{b.name}: {e}")
-    finally:
-        b.free(res)
-    return b
 
 
 # --------------------------------------------------------------------------- the stand-in

@@ -75,18 +75,6 @@ def check(y: torch.Tensor, want: torch.Tensor, what: str) -> None:
     torch.testing.assert_close(y, want, rtol=1e-4, atol=1e-4, msg=lambda m: f"{what}: {m}")
 
 
-@pytest.fixture
-def regions(clean):
-    """``clean``, skipping backends whose graphs cannot draw their pool from a region."""
-    b = clean
-    res = b.reserve(b.granularity)
-    try:
-        b.new_graph(pool_region=(res.va, b.granularity)).release_pool()
-    except UsageError as e:
-        pytest.skip(f"{b.name}: {e}")
-    finally:
-        b.free(res)
-    return b
 
 
 # --------------------------------------------------------------------------- allocator shim
