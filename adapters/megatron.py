@@ -220,7 +220,6 @@ class _Runner:
     bank: int
     count: int = 0
     ticket: Ticket | None = None
-    grad: bool = True
 
 
 @dataclass(eq=False)
