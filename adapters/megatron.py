@@ -379,8 +379,10 @@ class MegatronOffload:
             return create(rec)
         self._remove_hooks()  # Megatron refuses user forward pre-hooks on replayed layers
         self._prepare(rec.cudagraph_record)
-        result = create(rec)
+        # From here Megatron's graphs may read the slots: disable() must delete them first,
+        # even if this creation fails half way.
         self._created = True
+        result = create(rec)
         self._after_capture()
         return result
 
