@@ -31,6 +31,7 @@ from typing import Any, Iterator, Sequence
 import torch
 
 from .backend import Backend
+from .offload import SavedTensorSpec
 
 __all__ = ["MemoryReport", "report", "measure", "settle", "used_bytes", "saved_activation_bytes"]
 
@@ -141,9 +142,8 @@ def saved_activation_bytes(layers: Sequence[torch.nn.Module], x: torch.Tensor) -
     def pack(t: torch.Tensor) -> Any:
         ptr = t.untyped_storage().data_ptr()
         if ptr not in state and t.device == x.device and t.numel():
-            es = t.element_size()
-            lo = int(t.storage_offset()) * es
-            hi = lo + (1 + sum((n - 1) * st for n, st in zip(t.shape, t.stride()))) * es
+            sp = SavedTensorSpec.of(t)  # the slot layout's own byte extent of a view
+            lo, hi = sp.storage_offset, sp.storage_offset + sp.extent
             a, b = spans.get(ptr, (lo, hi))
             spans[ptr] = (min(a, lo), max(b, hi))
             keep.append(t.untyped_storage())
