@@ -456,3 +456,22 @@ def test_driver_calls_are_serialised_across_threads(clean):
     for t in threads:
         t.join()
     assert not errors
+
+
+# --------------------------------------------------------------------------- impossible sizes
+
+
+def test_create_of_an_impossible_size_fails_cleanly(clean):
+    """Like a device, a backend refuses physical memory it cannot hold, at create time,
+    with a DriverError, and leaves nothing behind (ledger, memfds, mappings)."""
+    b = clean
+    size = align_up(1 << 62, b.granularity)
+    ledger0, real0 = b.ledger.snapshot(), footprint(b)
+    t0 = time.perf_counter()
+    with pytest.raises(DriverError) as ei:
+        b.create(size)
+    assert time.perf_counter() - t0 < 5.0
+    if b.name == "cpu":
+        assert "out of memory" in str(ei.value) and ei.value.name == "ENOMEM"
+    assert b.ledger.snapshot() == ledger0
+    assert footprint(b) == real0
