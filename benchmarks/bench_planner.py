@@ -1,7 +1,8 @@
 """Benchmark: slot-planner quality (arena / lower bound) and planning time on realistic
 pipeline-parallel schedules.
 
-    python benchmarks/bench_planner.py [--json] [--reps 3] [--case NAME ...] [--ablation]
+    python benchmarks/bench_planner.py [--json] [--reps 3] [--case NAME ...] [--seeds 8]
+                                       [--ablation]
 
 Each case is the memory one pipeline rank sees in one training step of an interleaved
 1F1B schedule (Megatron order: warm-up forwards, steady one-forward-one-backward,
@@ -14,6 +15,12 @@ step. Branches are mutually exclusive alternatives of the whole step (sequence b
 or context-parallel sizes) whose activations scale with their per-rank sequence length;
 parameter gradients are common to all of them. Two stress cases (sizes that change per
 microbatch; random tensors) show the planner off its home ground.
+
+A second family (``family_tensors``, ``--seeds`` schedules of 800 to 1,050 tensors, plus
+the same generator at 10k and 100k tensors) has few exact size ties: every model
+chunk's layers have their own irregular sizes, each tensor a few KiB of its own
+variation, three context-parallel branches scaled by 1/cp. Each row also prints the
+ratio of the textbook baselines (``graphslot.planner.baselines``) beside the planner's.
 
 Not a test: it asserts nothing except that every plan passes ``verify``.
 """
@@ -30,7 +37,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from graphslot import planner
-from graphslot.planner import TensorSpec, plan, verify
+from graphslot.planner import TensorSpec, baselines, lower_bound, plan, verify
 
 MiB = 1 << 20
 
@@ -166,8 +173,105 @@ def tensors_for(case: Case) -> list[TensorSpec]:
     return out
 
 
-def run_case(case: Case, reps: int) -> dict[str, Any]:
-    ts = tensors_for(case)
+KiB = 1 << 10
+
+
+@dataclass(frozen=True)
+class FamilyCase:
+    """One schedule of the irregular context-parallel family (see :func:`family_tensors`)."""
+
+    name: str
+    pp: int
+    vpp: int
+    microbatches: int
+    layers_per_chunk: int
+    rank: int
+    seed: int
+    cps: tuple[int, ...] = (1, 2, 4)
+
+
+def family_case(seed: int, lo: int = 800, hi: int = 1050) -> FamilyCase:
+    """A family schedule drawn from ``seed`` with ``lo`` to ``hi`` tensors."""
+    rng = random.Random(seed)
+    while True:
+        pp = rng.choice([2, 4, 8])
+        vpp = rng.choice([2, 3, 4])
+        m = pp * rng.choice([1, 2, 3])
+        L = rng.choice([1, 2, 3])
+        rank = rng.randrange(pp)
+        if lo <= 3 * m * vpp * (4 + 9 * L) + vpp * L * 2 <= hi:
+            return FamilyCase(f"cp-family-s{seed}", pp, vpp, m, L, rank, seed)
+
+
+def family_tensors(case: FamilyCase) -> list[TensorSpec]:
+    """Interleaved 1F1B with virtual stages where every model chunk's layers have their
+    own hidden size (0.5x to 1.5x of 4096, multiples of 64: not multiples of each
+    other), each tensor a random 0 to 4 KiB larger (then rounded up to 256 bytes),
+    three mutually exclusive context-parallel branches (cp 1, 2, 4) whose activations
+    scale by 1/cp, input/output staging and gradient send/receive tensors, backward
+    transients, and weight-gradient tensors common to all branches (alive from the
+    chunk's first backward to the end of the step). Few sizes tie exactly."""
+    rng = random.Random(case.seed * 7919 + 1)
+    L = case.layers_per_chunk
+    ops = schedule(case.pp, case.vpp, case.microbatches, case.rank)
+    span = 2 * L + 2
+    fwd_at: dict[tuple[int, int], int] = {}
+    bwd_at: dict[tuple[int, int], int] = {}
+    for k, (kind, mb, c) in enumerate(ops):
+        (fwd_at if kind == "F" else bwd_at)[(mb, c)] = k * span
+    step_end = len(ops) * span + 1
+    hid = {(c, layer): int(4096 * rng.uniform(0.5, 1.5)) // 64 * 64
+           for c in range(case.vpp) for layer in range(L)}
+    out: list[TensorSpec] = []
+
+    def add(name: str, size: int, start: int, end: int, branch: Any) -> None:
+        size += rng.randrange(4 * KiB + 1)
+        out.append(TensorSpec(name, -(-size // 256) * 256, start, end, 256, branch))
+
+    for cp in case.cps:
+        br, s = f"cp{cp}", 8192 // cp
+        for (mb, c), f in fwd_at.items():
+            b = bwd_at[(mb, c)]
+            p = f"{br}.m{mb}.c{c}"
+            a0, aL = s * hid[(c, 0)] * 2, s * hid[(c, L - 1)] * 2
+            add(f"{p}.in", a0, f, f + 1, br)
+            add(f"{p}.out", aL, f + 2 * L, f + 2 * L + 2, br)
+            add(f"{p}.gin", aL, b, b + 1, br)
+            add(f"{p}.gout", a0, b + 2 * L, b + 2 * L + 2, br)
+            for layer in range(L):
+                act = s * hid[(c, layer)] * 2
+                fa = f + 1 + 2 * layer
+                bm = b + 1 + 2 * (L - 1 - layer)
+                q = f"{p}.l{layer}"
+                add(f"{q}.ln1", act, fa, bm + 2, br)
+                add(f"{q}.qkv", 3 * act, fa, bm + 2, br)
+                add(f"{q}.attn", act, fa, bm + 2, br)
+                add(f"{q}.ln2", act, fa + 1, bm + 1, br)
+                add(f"{q}.fc1", 4 * act, fa + 1, bm + 1, br)
+                add(f"{q}.act", 4 * act, fa + 1, bm + 1, br)
+                add(f"{q}.fwd_ws", 4 * act, fa + 1, fa + 2, br)
+                add(f"{q}.dgrad", 4 * act, bm, bm + 1, br)
+                add(f"{q}.wgrad_ws", 2 * act, bm + 1, bm + 2, br)
+    for c in range(case.vpp):
+        first_b = min(t for (mb, cc), t in bwd_at.items() if cc == c)
+        for layer in range(L):
+            h = hid[(c, layer)]
+            for j in range(2):
+                add(f"grad.c{c}.l{layer}.{j}", 6 * h * h * 2, first_b, step_end, None)
+    return out
+
+
+#: The family at scale, for planning time: same generator, more microbatches and layers.
+FAMILY_BIG = {
+    c.name: c for c in (
+        FamilyCase("cp-family-10k", pp=8, vpp=4, microbatches=32, layers_per_chunk=3, rank=0, seed=0),
+        FamilyCase("cp-family-100k", pp=8, vpp=4, microbatches=272, layers_per_chunk=3, rank=0,
+                   seed=0),
+    )
+}
+
+
+def run_case(name: str, kind: str, ts: list[TensorSpec], reps: int) -> dict[str, Any]:
     times = []
     for _ in range(reps):
         t0 = time.perf_counter()
@@ -176,39 +280,43 @@ def run_case(case: Case, reps: int) -> dict[str, Any]:
     t0 = time.perf_counter()
     verify(p)
     verify_s = time.perf_counter() - t0
-    branches = len(case.seq) if len(case.seq) > 1 else 0
+    base = {n: b.arena_bytes for n, b in baselines(ts).items()}
+    assert p.arena_bytes <= min(base.values(), default=0), (name, p.arena_bytes, base)
     return {
-        "case": case.name,
-        "kind": "stress" if case.name in STRESS else "realistic",
+        "case": name,
+        "kind": kind,
         "tensors": len(ts),
-        "branches": branches,
+        "branches": len({t.branch for t in ts if t.branch is not None}),
         "steps": len({x for t in ts for x in (t.start, t.end)}),
         "arena_bytes": p.arena_bytes,
         "lower_bound_bytes": p.lower_bound_bytes,
         "ratio": p.arena_bytes / p.lower_bound_bytes,
+        "baselines": {n: {"arena_bytes": a, "ratio": a / p.lower_bound_bytes} for n, a in base.items()},
         "plan_s": statistics.median(times),
         "verify_s": verify_s,
     }
 
 
-def greedy_by_size_longest_first(b: Any) -> tuple:
-    """The textbook greedy-by-size order (ties: longest-lived first), for comparison."""
-    return (-b.extent, -sum(e - s for s, e in b.spans), b.spans[0][0])
+def ablation(ts: list[TensorSpec]) -> dict[str, float]:
+    """Arena / lower bound of each candidate of the planner alone, without refinement
+    (reaches into the planner's private candidate list on purpose: this is what the
+    portfolio buys)."""
+    specs = tuple(ts)
+    blocks, nsteps = planner._prepare(specs, None)
+    lb = lower_bound(specs)
+    return {c.name: planner._run([c], blocks, nsteps, lb)[0] / lb for c in planner._CANDIDATES}
 
 
-def ablation(case: Case) -> dict[str, float]:
-    """Arena / lower bound of each placement order alone (reaches into the planner's
-    private strategy list on purpose: this is what the portfolio buys)."""
-    ts = tensors_for(case)
-    saved = planner._STRATEGIES
-    out = {}
-    try:
-        for fuse, key in saved + ((False, greedy_by_size_longest_first),):
-            planner._STRATEGIES = ((fuse, key),)
-            p = plan(ts)
-            out[f"{key.__name__.lstrip('_')}{'+fused' if fuse else ''}"] = p.arena_bytes / p.lower_bound_bytes
-    finally:
-        planner._STRATEGIES = saved
+def all_cases(args: argparse.Namespace) -> list[tuple[str, str, list[TensorSpec]]]:
+    out = []
+    for n in args.case:
+        if n in CASES:
+            out.append((n, "stress" if n in STRESS else "realistic", tensors_for(CASES[n])))
+        else:
+            out.append((n, "family", family_tensors(FAMILY_BIG[n])))
+    for seed in range(args.seeds):
+        c = family_case(seed)
+        out.append((c.name, "family", family_tensors(c)))
     return out
 
 
@@ -216,31 +324,45 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", action="store_true", help="print one JSON object")
     ap.add_argument("--reps", type=int, default=3, help="planning runs per case (median)")
-    ap.add_argument("--case", nargs="+", choices=sorted(CASES), default=list(CASES))
+    ap.add_argument("--case", nargs="*", choices=sorted(CASES) + sorted(FAMILY_BIG),
+                    default=list(CASES) + list(FAMILY_BIG))
+    ap.add_argument("--seeds", type=int, default=8,
+                    help="how many ~1,000-tensor schedules of the irregular cp family")
     ap.add_argument("--ablation", action="store_true",
-                    help="also report the ratio of each placement order alone")
+                    help="also report the ratio of each candidate order alone")
     args = ap.parse_args()
-    rows = [run_case(CASES[n], args.reps) for n in args.case]
+    cases = all_cases(args)
+    rows = [run_case(n, kind, ts, args.reps) for n, kind, ts in cases]
     if args.ablation:
-        for r in rows:
-            r["ablation"] = ablation(CASES[r["case"]])
+        for r, (_, _, ts) in zip(rows, cases):
+            r["ablation"] = ablation(ts)
     if args.json:
         print(json.dumps({"python": platform.python_version(), "machine": platform.machine(),
                           "cases": rows}, indent=2))
         return
-    print(f"{'case':<14} {'kind':<9} {'tensors':>7} {'branches':>8} {'steps':>5} "
-          f"{'lower bound':>12} {'arena':>12} {'ratio':>6} {'plan s':>7} {'verify s':>8}")
+    names = list(planner.BASELINES)
+    print(f"{'case':<15} {'kind':<9} {'tensors':>7} {'branches':>8} {'steps':>5} "
+          f"{'lower bound':>12} {'arena':>12} {'ratio':>6} "
+          + " ".join(f"{n:>14}" for n in names) + f" {'plan s':>7} {'verify s':>8}")
     for r in rows:
-        print(f"{r['case']:<14} {r['kind']:<9} {r['tensors']:>7} {r['branches']:>8} {r['steps']:>5} "
+        print(f"{r['case']:<15} {r['kind']:<9} {r['tensors']:>7} {r['branches']:>8} {r['steps']:>5} "
               f"{r['lower_bound_bytes'] / MiB:>8.0f} MiB {r['arena_bytes'] / MiB:>8.0f} MiB "
-              f"{r['ratio']:>6.3f} {r['plan_s']:>7.3f} {r['verify_s']:>8.3f}")
+              f"{r['ratio']:>6.3f} "
+              + " ".join(f"{r['baselines'][n]['ratio']:>14.3f}" for n in names)
+              + f" {r['plan_s']:>7.3f} {r['verify_s']:>8.3f}")
+    fam = [r for r in rows if r["case"].startswith("cp-family-s")]
+    if fam:
+        print(f"\ncp family, {len(fam)} seeds: planner ratio max {max(r['ratio'] for r in fam):.4f}, "
+              f"mean {statistics.mean(r['ratio'] for r in fam):.4f}; "
+              + ", ".join(f"{n} max {max(r['baselines'][n]['ratio'] for r in fam):.4f}"
+                          for n in names))
     if args.ablation:
-        names = list(rows[0]["ablation"])
+        cand = list(rows[0]["ablation"])
         print()
-        print("arena / lower bound of each order alone:")
-        print(f"{'case':<14} " + " ".join(f"{n:>30}" for n in names))
+        print("arena / lower bound of each candidate alone (no refinement):")
+        print(f"{'case':<15} " + " ".join(f"{n:>16}" for n in cand))
         for r in rows:
-            print(f"{r['case']:<14} " + " ".join(f"{r['ablation'][n]:>30.3f}" for n in names))
+            print(f"{r['case']:<15} " + " ".join(f"{r['ablation'][n]:>16.3f}" for n in cand))
 
 
 if __name__ == "__main__":

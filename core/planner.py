@@ -31,9 +31,11 @@ from __future__ import annotations
 
 import math
 from bisect import bisect_left, bisect_right, insort
+from heapq import heappop, heappush
 from dataclasses import dataclass
-from itertools import accumulate, chain
-from typing import Callable, Collection, Hashable, Iterable, Mapping, NamedTuple, Sequence
+from itertools import accumulate, chain, compress, count
+from operator import sub
+from typing import Callable, Collection, Hashable, Iterable, Iterator, Mapping, NamedTuple, Sequence
 
 from .errors import UsageError
 
@@ -44,6 +46,8 @@ __all__ = [
     "plan",
     "verify",
     "lower_bound",
+    "baselines",
+    "BASELINES",
     "SlotPlanEntry",
     "branch_table",
     "export_slot_plan",
@@ -145,6 +149,7 @@ class _Block:
     branch: Hashable | None
     spans: list[tuple[int, int]]  # merged lifetime intervals, in steps
     members: list[tuple[int, int]]  # (index into tensors, byte offset from block start)
+    life: int  # steps live (the sum of spans, in schedule steps)
 
 
 def _merge(spans: Iterable[tuple[int, int]]) -> list[tuple[int, int]]:
@@ -176,7 +181,8 @@ def _validate(tensors: Sequence[TensorSpec],
             raise PlanError(f"tensors[{i}] {t.name!r}: unknown branch {t.branch!r}; "
                             f"known branches: {sorted(map(repr, allowed))}")
         if t.alias_group is None:
-            blocks.append(_Block(t.size, t.align, 0, t.branch, [(t.start, t.end)], [(i, 0)]))
+            blocks.append(_Block(t.size, t.align, 0, t.branch, [(t.start, t.end)], [(i, 0)],
+                                 t.end - t.start))
         else:
             groups.setdefault(t.alias_group, []).append(i)
     for gid, idx in groups.items():
@@ -199,11 +205,12 @@ def _validate(tensors: Sequence[TensorSpec],
                     f"alias group {gid!r}: {t.name!r} (alias_offset {t.alias_offset}, align "
                     f"{t.align}) and {a.name!r} (alias_offset {a.alias_offset}, align {a.align}) "
                     f"cannot both be aligned at any group base")
+        spans = _merge((tensors[i].start, tensors[i].end) for i in idx)
         blocks.append(_Block(
             extent=max(tensors[i].alias_offset + tensors[i].size for i in idx) - base,
-            align=a.align, phase=phase, branch=first.branch,
-            spans=_merge((tensors[i].start, tensors[i].end) for i in idx),
-            members=[(i, tensors[i].alias_offset - base) for i in idx]))
+            align=a.align, phase=phase, branch=first.branch, spans=spans,
+            members=[(i, tensors[i].alias_offset - base) for i in idx],
+            life=sum(e - s for s, e in spans)))
     return blocks
 
 
@@ -360,11 +367,10 @@ def _union_add(lists: list[list[int] | None], k: int, a: int, b: int) -> None:
     flat[lo:hi] = (a, b)
 
 
-def _best_fit(taken: list[list[int]], size: int, align: int, phase: int) -> int:
-    """Lowest start in the smallest free gap that fits ``size`` at ``phase`` mod ``align``;
-    above everything taken when no gap fits."""
-    if not taken:
-        return phase
+def _gaps(taken: list[list[int]], size: int) -> tuple[list[int], list[int], Iterator[int], int]:
+    """The free gaps of the union of ``taken``: ``lo`` and ``hi`` bounds (gap ``i`` is
+    ``[lo[i], hi[i])``, in address order), a lazy iterator over the indices of those of at
+    least ``size`` bytes, and the top of the union."""
     if len(taken) == 1:
         starts, ends = taken[0][::2], taken[0][1::2]
     else:
@@ -378,20 +384,53 @@ def _best_fit(taken: list[list[int]], size: int, align: int, phase: int) -> int:
         ends.insert(0, 0)  # the gap below everything
     else:
         del starts[0]
-    best = -1
-    best_gap = 0
-    for lo, hi in [(lo, hi) for lo, hi in zip(ends, starts) if hi - lo >= size]:
-        start = lo + (phase - lo) % align
-        if start + size <= hi and (best < 0 or hi - lo < best_gap):
-            best, best_gap = start, hi - lo
-    if best >= 0:
-        return best
+    # All C-level iterators: gap widths, compared with size, filtered to indices.
+    return ends, starts, compress(count(), map(size.__le__, map(sub, starts, ends))), top
+
+
+def _best_fit(taken: list[list[int]], size: int, align: int, phase: int) -> int:
+    """Lowest start in the smallest free gap that fits ``size`` at ``phase`` mod ``align``;
+    above everything taken when no gap fits."""
+    if not taken:
+        return phase
+    los, his, fits, top = _gaps(taken, size)
+    widths = list(map(sub, his, los))
+    # The smallest wide-enough gap, found at C speed; the lowest of equal ones.
+    narrowest = min(filter(size.__le__, widths), default=-1)
+    if narrowest >= 0:
+        i = widths.index(narrowest)
+        start = los[i] + (phase - los[i]) % align
+        if start + size <= his[i]:
+            return start
+        # Alignment padding left that gap too small: look at every gap.
+        best = -1
+        best_gap = 0
+        for i in fits:
+            lo, hi = los[i], his[i]
+            start = lo + (phase - lo) % align
+            if start + size <= hi and (best < 0 or hi - lo < best_gap):
+                best, best_gap = start, hi - lo
+        if best >= 0:
+            return best
+    return top + (phase - top) % align
+
+
+def _first_fit(taken: list[list[int]], size: int, align: int, phase: int) -> int:
+    """Lowest start at ``phase`` mod ``align`` where ``size`` bytes fit."""
+    if not taken:
+        return phase
+    los, his, fits, top = _gaps(taken, size)
+    for i in fits:
+        start = los[i] + (phase - los[i]) % align
+        if start + size <= his[i]:
+            return start
     return top + (phase - top) % align
 
 
 def _pack(blocks: list[_Block], order: list[int], nsteps: int,
+          fit: Callable[[list[list[int]], int, int, int], int] = _best_fit,
           limit: float = math.inf) -> list[int] | None:
-    """Place blocks in ``order``, each into the best-fitting free gap; their starts, or
+    """Place blocks in ``order``, each into the free gap ``fit`` picks; their starts, or
     ``None`` as soon as the arena would reach ``limit`` (a better plan is known)."""
     n = 1
     while n < nsteps:
@@ -415,12 +454,76 @@ def _pack(blocks: list[_Block], order: list[int], nsteps: int,
         else:
             own = per_branch.get(blk.branch) or per_branch.setdefault(blk.branch, _Occupancy(n))
             own.taken(canon, up, taken)
-        start = starts[k] = _best_fit(taken, blk.extent, blk.align, blk.phase)
+        start = starts[k] = fit(taken, blk.extent, blk.align, blk.phase)
         if start + blk.extent >= limit:
             return None
         own.add(canon, up, start, start + blk.extent)
         if blk.branch is not None and pos < last_common:
             any_branch.add(canon, up, start, start + blk.extent)
+    return starts
+
+
+def _pack_sweep(blocks: list[_Block], order: list[int], nsteps: int,
+                fit: Callable[[list[list[int]], int, int, int], int] = _first_fit,
+                limit: float = math.inf, reverse: bool = False) -> list[int] | None:
+    """:func:`_pack` for an ``order`` sorted by first step (by last step, descending,
+    when ``reverse``): a sweep over time that keeps only the blocks live now, per
+    branch key, so a placement looks at what is live instead of at a tree of unions.
+    A block counts as live from its first to its last step (a view group's idle gaps
+    are not reused), which is conservative, so plans stay valid."""
+    del nsteps  # the sweep needs no step tree
+    starts = [0] * len(blocks)
+    # Flat sorted [s0, e0, s1, e1, ...] of what is live now: the common blocks, and per
+    # branch its own blocks together with the common ones (all disjoint), so placing a
+    # branch block reads one list.
+    common: list[int] = []
+    view: dict[Hashable, list[int]] = {}
+    ends: list[tuple[int, int]] = []  # heap of (time the block dies, block)
+
+    def drop(flat: list[int], a: int) -> None:
+        # Intervals of one list are disjoint but may touch: the start is the last entry
+        # equal to it.
+        i = bisect_right(flat, a) - 1
+        del flat[i:i + 2]
+
+    def put(flat: list[int], a: int, b: int) -> None:
+        i = bisect_right(flat, a)
+        flat[i:i] = (a, b)
+
+    for k in order:
+        b = blocks[k]
+        if reverse:
+            t0, t1 = -b.spans[-1][1], -b.spans[0][0]
+        else:
+            t0, t1 = b.spans[0][0], b.spans[-1][1]
+        while ends and ends[0][0] <= t0:
+            j = heappop(ends)[1]
+            a, br = starts[j], blocks[j].branch
+            if br is None:
+                drop(common, a)
+                for flat in view.values():
+                    drop(flat, a)
+            else:
+                drop(view[br], a)
+        br = b.branch
+        if br is None:
+            taken = [f for f in view.values() if f] or ([common] if common else [])
+        else:
+            own = view.get(br)
+            if own is None:
+                own = view[br] = list(common)
+            taken = [own] if own else []
+        start = starts[k] = fit(taken, b.extent, b.align, b.phase)
+        stop = start + b.extent
+        if stop >= limit:
+            return None
+        if br is None:
+            put(common, start, stop)
+            for flat in view.values():
+                put(flat, start, stop)
+        else:
+            put(own, start, stop)
+        heappush(ends, (t1, k))
     return starts
 
 
@@ -448,9 +551,12 @@ def _bundle(blocks: list[_Block]) -> list[_Block]:
             pos += (b.phase - pos) % b.align
             members += [(i, pos + rel) for i, rel in b.members]
             pos += b.extent
-        out.append(_Block(pos, parts[0].align, 0, parts[0].branch, parts[0].spans, members))
+        out.append(_Block(pos, parts[0].align, 0, parts[0].branch, parts[0].spans, members,
+                          parts[0].life))
     return out
 
+
+# Orders: sort keys of a block. Ties left by a key keep input order (sorts are stable).
 
 def _by_size_then_start(b: _Block) -> tuple:
     # Equal tensors of successive microbatches then stack into the same few slots.
@@ -461,14 +567,143 @@ def _by_lifetime_then_size(b: _Block) -> tuple:
     return (-sum(e - s for s, e in b.spans), -b.extent, b.spans[0][0])
 
 
-#: (bundle equal lifetimes?, order) tried in turn; plan() keeps the smallest arena and
-#: stops at the first within _GOOD_ENOUGH of the lower bound.
-_STRATEGIES: tuple[tuple[bool, Callable[[_Block], tuple]], ...] = (
-    (True, _by_size_then_start),
-    (False, _by_lifetime_then_size),
-    (False, _by_size_then_start),
+def _by_start_larger_first(b: _Block) -> tuple:
+    # The textbook first-fit order: allocation order of the schedule itself.
+    return (b.spans[0][0], -b.extent)
+
+
+def _by_size_longest_lived_first(b: _Block) -> tuple:
+    # Greedy by size as in the TFLite and ONNX Runtime offline planners; ties go to the
+    # longest-lived tensor (in schedule steps, not compressed ones).
+    return (-b.extent, -b.life)
+
+
+def _sweep(b: _Block) -> tuple:
+    # Start order, longest-lived first on ties, then larger: what is born together is
+    # stacked so the longest stays lowest and the short-lived above it free together.
+    return (b.spans[0][0], -b.spans[-1][1], -b.extent)
+
+
+def _sweep_reversed(b: _Block) -> tuple:
+    # The same sweep with time running backwards (an end order): schedules are not
+    # symmetric, and backward passes free in a different pattern than forwards allocate.
+    return (-b.spans[-1][1], b.spans[0][0], -b.extent)
+
+
+class _Candidate(NamedTuple):
+    """One way to place: an order, a gap rule, and whether equal lifetimes are fused."""
+
+    name: str
+    fuse: bool
+    order: Callable[[_Block], tuple]
+    fit: Callable[[list[list[int]], int, int, int], int]
+    baseline: bool = False  # a textbook planner: always tried, reported by baselines()
+    sweep: int = 0  # 1: the order is by first step, -1: by last step descending (see _pack_sweep)
+
+
+#: The textbook planners plan() is never worse than, by name.
+BASELINES: tuple[str, ...] = ("first-fit", "greedy-by-size")
+
+#: Tried in turn; plan() keeps the smallest arena. Once one is within _GOOD_ENOUGH of the
+#: lower bound only the baselines not yet tried still run (each abandoned as soon as it
+#: cannot win); at the lower bound itself nothing more runs.
+_CANDIDATES: tuple[_Candidate, ...] = (
+    _Candidate("sweep", False, _sweep, _first_fit, sweep=1),
+    _Candidate("size-start-fused", True, _by_size_then_start, _best_fit),
+    _Candidate("first-fit", False, _by_start_larger_first, _first_fit, baseline=True, sweep=1),
+    _Candidate("greedy-by-size", False, _by_size_longest_lived_first, _best_fit, baseline=True),
+    _Candidate("sweep-reversed", False, _sweep_reversed, _first_fit, sweep=-1),
+    _Candidate("lifetime-size", False, _by_lifetime_then_size, _best_fit),
+    _Candidate("size-start", False, _by_size_then_start, _best_fit),
 )
 _GOOD_ENOUGH = 1.01
+#: The refinement (see _refine) places at most this many blocks in all, so its time is
+#: bounded by what a few passes over ~10,000 tensors cost; big inputs get no rounds.
+_REFINE_WORK = 30_000
+_REFINE_ROUNDS = 40
+_REFINE_BUMP = 0.7
+
+
+def _prepare(specs: tuple[TensorSpec, ...],
+             branches: Collection[Hashable] | None) -> tuple[list[_Block], int]:
+    """Validated blocks with spans in compressed steps, and the number of steps."""
+    blocks = _validate(specs, branches)
+    steps = sorted({p for b in blocks for s in b.spans for p in s})
+    index = {s: k for k, s in enumerate(steps)}
+    for b in blocks:
+        b.spans = [(index[s], index[e]) for s, e in b.spans]
+    return blocks, max(len(steps) - 1, 1)
+
+
+def _arena(cand: list[_Block], starts: list[int]) -> int:
+    return max((s + b.extent for s, b in zip(starts, cand)), default=0)
+
+
+def _run(cands: Sequence[_Candidate], blocks: list[_Block], nsteps: int, lb: int,
+         early_stop: bool = True) -> tuple[int, list[_Block], list[int]]:
+    """The smallest arena of ``cands``: (arena, the blocks placed, their starts)."""
+    best: tuple[int, list[_Block], list[int]] | None = None
+    fused: list[_Block] | None = None
+    tried: set[tuple[int, Callable, Callable]] = set()
+    for c in cands:
+        if best is not None and early_stop and (
+                best[0] <= lb or (best[0] <= lb * _GOOD_ENOUGH and not c.baseline)):
+            continue
+        cand = blocks
+        if c.fuse:
+            fused = cand = _bundle(blocks) if fused is None else fused
+        if (id(cand), c.order, c.fit) in tried:
+            continue
+        tried.add((id(cand), c.order, c.fit))
+        order = sorted(range(len(cand)), key=lambda k: c.order(cand[k]))
+        limit = math.inf if best is None else best[0]
+        if c.sweep:
+            starts = _pack_sweep(cand, order, nsteps, c.fit, limit, c.sweep < 0)
+        else:
+            starts = _pack(cand, order, nsteps, c.fit, limit)
+        if starts is not None:
+            best = (_arena(cand, starts), cand, starts)
+    if best is None:  # no tensors
+        return 0, blocks, []
+    return best
+
+
+def _refine(blocks: list[_Block], nsteps: int, lb: int,
+            best: tuple[int, list[_Block], list[int]]) -> tuple[int, list[_Block], list[int]]:
+    """Squeaky-wheel rounds of the first-fit sweep: every block that ended above the
+    lower bound moves up in the order, and the sweep places again. Deterministic; the
+    number of rounds shrinks with the input (see _REFINE_WORK), and it stops once a plan
+    is within _GOOD_ENOUGH of the lower bound."""
+    rounds = min(_REFINE_ROUNDS, _REFINE_WORK // max(len(blocks), 1))
+    if rounds < 2 or best[0] <= lb * _GOOD_ENOUGH:
+        return best
+    order = sorted(range(len(blocks)), key=lambda k: _sweep(blocks[k]))
+    priority = [0.0] * len(blocks)
+    for pos, k in enumerate(order):
+        priority[k] = float(pos)
+    for _ in range(rounds):
+        # Bumped blocks leave start order, so this needs the general packer.
+        starts = _pack(blocks, order, nsteps, _first_fit)
+        assert starts is not None
+        arena = _arena(blocks, starts)
+        if arena < best[0]:
+            best = (arena, blocks, starts)
+            if arena <= lb * _GOOD_ENOUGH:
+                break
+        for k, b in enumerate(blocks):
+            if starts[k] + b.extent > lb:
+                priority[k] *= _REFINE_BUMP
+        order.sort(key=priority.__getitem__)
+    return best
+
+
+def _offsets(specs: Sequence[TensorSpec], cand: list[_Block], starts: list[int]) -> dict[str, int]:
+    offsets: dict[str, int] = {}
+    for b, start in zip(cand, starts):
+        for i, rel in b.members:
+            offsets[specs[i].name] = start + rel
+    # Offsets in input order, so plans print and serialise predictably.
+    return {t.name: offsets[t.name] for t in specs}
 
 
 def plan(tensors: Iterable[TensorSpec], *,
@@ -480,48 +715,38 @@ def plan(tensors: Iterable[TensorSpec], *,
         branches: the valid branch ids; when given, a tensor naming any other branch is
             an error (catches typos that would silently drop conflicts).
 
-    Greedy placement into the best-fitting gap, under a few orders (biggest first by
-    start step with tensors of equal lifetime fused; longest-lived first; biggest first
-    unfused); the smallest arena wins. An order is abandoned once it cannot win, and the
-    search stops at the first plan within 1% of the lower bound.
+    Greedy placement under several orders and gap rules, the smallest arena winning.
+    The candidates always include the textbook planners of :data:`BASELINES` (first-fit
+    in start order, larger first on ties; greedy by size, longest-lived first), so the
+    arena is never larger than theirs (see :func:`baselines`). An order is abandoned once
+    it cannot win; once a plan is within 1% of the lower bound only the baselines still
+    run, and at the lower bound nothing more does.
     Deterministic. Returns a :class:`Plan` that passes :func:`verify`; raises
     :class:`PlanError` for invalid input, naming the tensor or alias group at fault.
     """
     specs = tuple(tensors)
-    blocks = _validate(specs, branches)
-    steps = sorted({p for b in blocks for s in b.spans for p in s})
-    index = {s: k for k, s in enumerate(steps)}
-    for b in blocks:
-        b.spans = [(index[s], index[e]) for s, e in b.spans]
-    nsteps = max(len(steps) - 1, 1)
+    blocks, nsteps = _prepare(specs, branches)
     lb = lower_bound(specs)
-    best: tuple[int, list[_Block], list[int]] | None = None
-    fused: list[_Block] | None = None
-    tried: set[tuple[int, Callable]] = set()
-    for fuse, key in _STRATEGIES:
-        cand = blocks
-        if fuse:
-            fused = cand = _bundle(blocks) if fused is None else fused
-        if (id(cand), key) in tried:
-            continue
-        tried.add((id(cand), key))
-        order = sorted(range(len(cand)), key=lambda k: key(cand[k]))
-        starts = _pack(cand, order, nsteps, math.inf if best is None else best[0])
-        if starts is None:
-            continue
-        arena = max((s + b.extent for s, b in zip(starts, cand)), default=0)
-        best = (arena, cand, starts)
-        if arena <= lb * _GOOD_ENOUGH:
-            break
-    assert best is not None
-    arena, cand, starts = best
-    offsets: dict[str, int] = {}
-    for b, start in zip(cand, starts):
-        for i, rel in b.members:
-            offsets[specs[i].name] = start + rel
-    # Offsets in input order, so plans print and serialise predictably.
-    offsets = {t.name: offsets[t.name] for t in specs}
-    return Plan(arena, offsets, lb, specs)
+    arena, cand, starts = _refine(blocks, nsteps, lb, _run(_CANDIDATES, blocks, nsteps, lb))
+    return Plan(arena, _offsets(specs, cand, starts), lb, specs)
+
+
+def baselines(tensors: Iterable[TensorSpec], *,
+              branches: Collection[Hashable] | None = None) -> dict[str, Plan]:
+    """The plans of the textbook planners that :func:`plan` is never worse than, by name
+    (see :data:`BASELINES`): ``first-fit`` places tensors in start order (larger first
+    on ties) at the lowest offset that fits; ``greedy-by-size`` places them largest
+    first (longest-lived first on ties) into the smallest gap that fits. Both respect
+    branches and alias groups as :func:`plan` does."""
+    specs = tuple(tensors)
+    blocks, nsteps = _prepare(specs, branches)
+    lb = lower_bound(specs)
+    out = {}
+    for c in _CANDIDATES:
+        if c.baseline:
+            arena, cand, starts = _run([c], blocks, nsteps, lb)
+            out[c.name] = Plan(arena, _offsets(specs, cand, starts), lb, specs)
+    return out
 
 
 # --------------------------------------------------------------------------- verify
