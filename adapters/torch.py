@@ -14,9 +14,29 @@ the backward graph reads them at a fixed address, and between forward and backwa
 they wait on the host (``resident``: two mapped banks per slot class, no driver calls;
 ``remap``: the device pages are released). ``off`` graphs without offload.
 
-Parameters and buffers are never offloaded. Several microbatches may be in flight
-before their backward (with ``resident`` or ``remap``); gradient accumulation,
-``loss.backward()`` and any optimizer work as usual.
+What the graphs hold, and why it is no more than torch's own graphed callables:
+
+* Layer boundaries are chained: layer ``i + 1`` is captured reading layer ``i``'s static
+  output, and layer ``i``'s backward reading layer ``i + 1``'s static input gradient, so
+  no activation or gradient is copied or cloned between layers. Only the stack's own
+  input, output and their gradients are copied, once per step.
+* Parameter gradients are the backward graphs' static buffers: after a backward with
+  ``.grad`` unset, ``.grad`` *is* that buffer (no second copy). A later backward that finds
+  ``.grad`` still there (gradient accumulation, ``zero_grad(set_to_none=False)``) replays a
+  second backward graph that adds into it, as eager autograd adds into ``.grad``; the
+  result is bitwise eager's. A parameter shared by several layers, or one with tensor
+  hooks, gets its gradient as a copy, so autograd sums and hooks run as in eager. A
+  ``.grad`` someone still holds after ``zero_grad(set_to_none=True)`` is moved out of the
+  buffer before the next backward overwrites it, and that parameter is copied from then on.
+* Capture-time autograd graphs are dropped once the backward graphs exist, so training
+  builds its own gradient accumulators on the training stream.
+
+Parameters and buffers are never offloaded. Several microbatches may be in flight before
+their backward on every layer: offloaded layers keep each microbatch in the engine's
+host buffers; layers whose activations stay on the device keep the newest microbatch in
+the graph's own memory and move older ones to device buffers of their own only when
+another microbatch's graphs are about to run. Gradient accumulation, ``loss.backward()``
+and any optimizer work as usual. A forward under ``torch.no_grad()`` offloads nothing.
 
 Limits, as for device graphs in general: each layer takes one tensor and returns one
 tensor of fixed shape, dtype and device; no host synchronisation or data-dependent
@@ -26,47 +46,102 @@ shapes inside a layer; random ops (dropout) are not supported inside graphed lay
 from __future__ import annotations
 
 import contextlib
+import gc
+import warnings
 from typing import Any, Callable, Iterable, Sequence
 
 import torch
 from torch import nn
 
-from graphslot.backend import Backend
+from graphslot.backend import Backend, DeviceGraph
 from graphslot.errors import CaptureMismatchError, StateError, UsageError
-from graphslot.offload import Mode, OffloadEngine, OffloadGroup
+from graphslot.offload import Mode, OffloadEngine, OffloadGroup, Ticket
 from graphslot.selection import get_backend
 
 __all__ = ["GraphedLayers"]
 
+_use_count: Callable[[int], int] | None = getattr(torch._C, "_storage_Use_Count", None)
+
+
+def _storage_id(t: torch.Tensor) -> int:
+    return int(t.untyped_storage()._cdata)
+
+
+class _ParamGrad:
+    """One parameter's gradient buffer in a layer's backward graphs."""
+
+    __slots__ = ("param", "buf", "ptr", "storage", "base_refs", "copy")
+
+    def __init__(self, param: nn.Parameter, buf: torch.Tensor, copy: bool) -> None:
+        self.param = param
+        self.buf = buf  # written by the backward graph (added into by its accumulate twin)
+        self.ptr = buf.data_ptr()
+        self.storage = _storage_id(buf)
+        self.base_refs = 0  # references to buf's storage that graphslot itself holds
+        #: hand out a copy, never the buffer: shared parameters, hooked ones, and those
+        #: whose earlier gradient somebody kept
+        self.copy = copy
+
+    def aliased(self) -> bool:
+        g = self.param.grad
+        return g is not None and g.data_ptr() == self.ptr
+
+    def others_hold(self) -> bool:
+        """Does anyone but graphslot (and an aliasing ``.grad``) hold the buffer?"""
+        if _use_count is None:
+            return False
+        extra = 1 if self.aliased() else 0
+        return _use_count(self.storage) > self.base_refs + extra
+
 
 class _Runner:
-    """One layer: its graphs, static tensors and offload group."""
+    """One layer: its graphs, static tensors and, for offloaded layers, its group."""
 
     def __init__(self, stack: GraphedLayers, index: int, module: nn.Module) -> None:
         self.stack = stack
         self.index = index
         self.module = module
-        self.params = [p for p in module.parameters() if p.requires_grad]
+        named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+        self.params = [p for _, p in named]
+        # Warm-up and capture differentiate with respect to aliases of the parameters (same
+        # memory, so the graphs read the very same addresses): the parameters' own tensor
+        # hooks must run at each real backward, not once baked into a graph, and their
+        # gradient accumulators must come from the training stream, not the capture's.
+        self._names = [n for n, _ in named]
         self.group: OffloadGroup | None = None
-        self.in_flight: set[int] = set()
+        self.pending: set[int] = set()  # microbatches whose backward has not run
+        # Layers that keep activations in the graph's own memory: what the forward graph
+        # saved (byte views of pool memory) and older microbatches moved out of it.
+        self.saved_views: list[torch.Tensor] = []
+        self.parked: dict[int, list[torch.Tensor]] = {}
         self.static_in: torch.Tensor
         self.static_out: torch.Tensor
         self.static_grad_out: torch.Tensor
-        self.static_grads: tuple[torch.Tensor | None, ...]
+        self.grad_in: torch.Tensor | None = None
+        self.grads: list[_ParamGrad | None] = []
+        self.fwd: DeviceGraph
+        self.bwd: DeviceGraph | None = None
+        self.bwd_acc: DeviceGraph | None = None
+        self.copy_in = True  # the stack's first layer copies its input into static_in
+        self.clone_grad_in = True  # the first layer hands its input gradient out as a copy
 
     # -- build ---------------------------------------------------------------------------
 
     def _state_storages(self) -> set[int]:
         return {t.untyped_storage().data_ptr() for t in [*self.module.parameters(), *self.module.buffers()]}
 
-    def build_forward(self, sample: torch.Tensor) -> torch.Tensor:
-        """Warm up (discovery), allocate the slot, capture the forward graph."""
+    def build_forward(self, static_in: torch.Tensor) -> torch.Tensor:
+        """Warm up, discover what the capture saves, allocate the slot, capture the forward."""
         st, b, eng = self.stack, self.stack.backend, self.stack.engine
         state = self._state_storages()
-        self.static_in = sample.detach().clone().requires_grad_(sample.requires_grad)
-        inputs = ([self.static_in] if sample.requires_grad else []) + self.params
-
+        self.static_in = static_in
+        aliases = [p.detach().requires_grad_() for p in self.params]
+        inputs = ([static_in] if static_in.requires_grad else []) + aliases
         dev = b.device
+        by_name = dict(zip(self._names, aliases))
+
+        def call() -> Any:
+            return torch.func.functional_call(self.module, by_name, (static_in,))
 
         def is_state(t: torch.Tensor) -> bool:
             # Parameters and buffers are never offloaded; neither are host-side or empty
@@ -76,24 +151,15 @@ class _Runner:
         if eng.mode is not Mode.OFF and self.index in st.offload_layers:
             self.group = eng.group(f"layer{self.index}")
 
-        def discover(t: torch.Tensor) -> torch.Tensor:
-            if not is_state(t):
-                self.group.discover(t)  # type: ignore[union-attr]
-            return t
-
-        # Discovery: eager warm-up on a side stream; autograd is untouched. Not on the
-        # current stream: if that is the legacy default stream, any accumulator node the
-        # warm-up leaves alive would tie it to the capture, which CUDA refuses.
+        # Warm-up: eager iterations on a side stream (libraries initialise, autotuners
+        # settle); autograd is untouched. Not on the current stream: if that is the legacy
+        # default stream, an accumulator node the warm-up leaves alive would tie it to the
+        # capture, which CUDA refuses.
         side = b.new_stream()
         b.wait_event(side, b.record_event(b.new_event()))
         with b.stream(side):
             for _ in range(st.warmup_iters):
-                if self.group is not None:
-                    self.group.restart_discovery()
-                    with torch.autograd.graph.saved_tensors_hooks(discover, lambda t: t):
-                        out = self.module(self.static_in)
-                else:
-                    out = self.module(self.static_in)
+                out = call()
                 if not isinstance(out, torch.Tensor):
                     raise UsageError(f"layer {self.index} returned {type(out).__name__}; "
                                      "graphed layers must return one tensor")
@@ -104,10 +170,28 @@ class _Runner:
         b.synchronize()
 
         if self.group is not None:
-            self.group.allocate(bank_index=st.bank_index(self.index))
+            g = self.group
+            # Discovery under capture: kernels may save other tensors when captured than
+            # when run eagerly (SDPA's memory-efficient kernel saves its RNG seed and
+            # offset as device tensors only under capture), so the slot is laid out from
+            # a capture, which is then thrown away.
+            g.restart_discovery()
 
-        fwd = b.new_graph(share_pool_with=st._pool_owner)
-        st._pool_owner = st._pool_owner or fwd
+            def discover(t: torch.Tensor) -> torch.Tensor:
+                if not is_state(t):
+                    g.discover(t)
+                return t
+
+            probe_graph = st._new_graph(owner=False)
+            with probe_graph.capture():
+                with torch.autograd.graph.saved_tensors_hooks(discover, lambda t: t):
+                    out = call()
+            del out, probe_graph
+            gc.collect()
+            b.synchronize()
+            g.allocate(bank_index=st.bank_index(self.index))
+
+        fwd = st._new_graph()
         if self.group is not None:
             g = self.group
             g.begin_capture()
@@ -117,118 +201,236 @@ class _Runner:
 
             with fwd.capture():
                 with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-                    out = self.module(self.static_in)
+                    out = call()
                 g.forward_captured()
         else:
-            with fwd.capture():
-                out = self.module(self.static_in)
-        self.static_out = out
-        self.static_grad_out = torch.zeros_like(out)
-        self.fwd = fwd
-        self._inputs = inputs
-        self._wants_grad_in = sample.requires_grad
-        return out.detach()
+            kept: dict[int, tuple[int, int]] = {}  # storage pointer -> (pointer, bytes)
 
-    def build_backward(self) -> None:
-        """Capture the backward graph (after every forward: see GraphedLayers)."""
-        b, out, inputs = self.stack.backend, self.static_out, self._inputs
-        bwd = b.new_graph(share_pool_with=self.stack._pool_owner)
-        if inputs and out.requires_grad:
-            try:
+            def note(t: torch.Tensor) -> torch.Tensor:
+                # What the backward graph will read from the graph's own memory.
+                if not is_state(t):
+                    s = t.untyped_storage()
+                    kept.setdefault(s.data_ptr(), (s.data_ptr(), s.nbytes()))
+                return t
+
+            with fwd.capture():
+                with torch.autograd.graph.saved_tensors_hooks(note, lambda t: t):
+                    out = call()
+            self._kept = kept
+        self.fwd = fwd
+        self._out = out  # the captured autograd graph, until the backward graphs exist
+        self._inputs = inputs
+        self.static_out = out.detach()
+        return self.static_out
+
+    def build_backward(self, static_grad_out: torch.Tensor | None, shared: set[int]) -> None:
+        """Capture the backward graph and its accumulating twin (after every forward)."""
+        b, out, inputs = self.stack.backend, self._out, self._inputs
+        if static_grad_out is None or static_grad_out.shape != out.shape:
+            static_grad_out = torch.zeros_like(out)
+        self.static_grad_out = static_grad_out
+        wants_grad_in = self.static_in.requires_grad
+        differentiable = bool(inputs) and out.requires_grad
+        try:
+            if differentiable:
+                bwd = self.stack._new_graph()
                 with bwd.capture():
-                    grads = torch.autograd.grad(out, inputs, self.static_grad_out, allow_unused=True)
-            except Exception as e:
-                raise StateError(
-                    f"layer {self.index}: capturing the backward graph failed ({type(e).__name__}: "
-                    f"{str(e).splitlines()[0]}). A common cause is an autograd graph from earlier "
-                    "eager work that is still alive (a kept loss, or a saved-tensor hook that "
-                    "returned its argument without a backward): its parameter accumulators "
-                    "then belong to the default stream. Build GraphedLayers before such work "
-                    "or drop those references.") from e
-        else:
-            grads = tuple(None for _ in inputs)  # type: ignore[misc]  # nothing to differentiate
+                    grads = torch.autograd.grad(out, inputs, static_grad_out, allow_unused=True,
+                                                retain_graph=bool(self.params))
+                self.bwd = bwd
+                grad_list = list(grads)
+                self.grad_in = grad_list.pop(0) if wants_grad_in else None
+                self.grads = [None if gbuf is None else _ParamGrad(p, gbuf, id(p) in shared or bool(p._backward_hooks))
+                              for p, gbuf in zip(self.params, grad_list)]
+                if self.params:
+                    # The twin adds this backward's gradients into the buffers, which
+                    # hold .grad by then; its input gradient lands where the first's does.
+                    acc = self.stack._new_graph()
+                    with acc.capture():
+                        more = torch.autograd.grad(out, inputs, static_grad_out, allow_unused=True)
+                        more = list(more)
+                        gin = more.pop(0) if wants_grad_in else None
+                        if gin is not None and self.grad_in is not None:
+                            self.grad_in.copy_(gin)
+                        for pg, gnew in zip(self.grads, more):
+                            if pg is not None and gnew is not None:
+                                pg.buf.add_(gnew)
+                        del more, gin
+                    self.bwd_acc = acc
+        except Exception as e:
+            raise StateError(
+                f"layer {self.index}: capturing the backward graph failed ({type(e).__name__}: "
+                f"{str(e).splitlines()[0]}). A common cause is an autograd graph from earlier "
+                "eager work that is still alive (a kept loss, or a saved-tensor hook that "
+                "returned its argument without a backward): its parameter accumulators "
+                "then belong to the default stream. Build GraphedLayers before such work "
+                "or drop those references.") from e
         if self.group is not None:
             self.group.finish_capture()
-        self.bwd = bwd
-        self.has_bwd = bool(inputs) and out.requires_grad
-        grad_list = list(grads)
-        self.grad_in = grad_list.pop(0) if self._wants_grad_in else None
-        self.static_grads = tuple(grad_list)
-        del self._inputs
+        # Drop the captured autograd graph: its accumulator nodes were made on the capture
+        # stream, and training must make its own on the training stream.
+        del self._out, self._inputs
+        kept = getattr(self, "_kept", None)
+        if kept:
+            self.saved_views = [b.alias_bytes(ptr, n) for ptr, n in kept.values()]
+        self._kept = None
+
+    def settle_refs(self) -> None:
+        """After the build: count the references graphslot itself holds to each buffer."""
+        for pg in self.grads:
+            if pg is not None and _use_count is not None:
+                pg.base_refs = _use_count(pg.storage)
 
     # -- run -------------------------------------------------------------------------------
 
-    def forward(self, x: torch.Tensor, mb: int) -> torch.Tensor:
+    def check_input(self, x: torch.Tensor) -> None:
         si = self.static_in
         if x.shape != si.shape or x.dtype != si.dtype or x.device != si.device:
             raise CaptureMismatchError(
                 f"layer {self.index} was captured for input {list(si.shape)} {si.dtype} on "
                 f"{si.device}, got {list(x.shape)} {x.dtype} on {x.device}")
-        eng = self.stack.engine
-        if self.group is None:
-            if self.in_flight:
-                raise StateError(f"layer {self.index} keeps its activations in its graph's own "
-                                 "memory (mode 'off', or not in offload_layers), one microbatch "
-                                 "at a time; run backward first, or offload this layer to keep "
-                                 "several microbatches in flight")
-            self.in_flight.add(mb)
-            ticket = None
-        else:
+
+    def forward(self, x: torch.Tensor, mb: int, training: bool) -> torch.Tensor:
+        stack = self.stack
+        if self.copy_in:
+            self.check_input(x)
+        if mb in self.pending:
+            raise StateError(f"layer {self.index}: microbatch {mb} ran forward again before its backward")
+        stack._claim(mb)
+        eng = stack.engine
+        ticket: Ticket | None = None
+        if self.group is not None:
             ticket = eng.before_forward(self.group, mb)
-            nxt = self.stack._next_forward(self.index)
+            nxt = stack._next_forward(self.index)
             if nxt is not None and nxt.group is not None:
                 eng.prefetch_forward(nxt.group)
-        with torch.no_grad():
-            si.copy_(x)
-        with self.stack._span(f"fwd layer{self.index}"):
+        if x.data_ptr() != self.static_in.data_ptr():
+            with torch.no_grad():
+                self.static_in.copy_(x)
+        if stack._tracing:
+            with stack._span(f"fwd layer{self.index}"):
+                self.fwd.replay()
+            if stack.probe is not None:
+                stack.probe(f"F{self.index}")
+        else:
             self.fwd.replay()
-        if self.stack.probe is not None:
-            self.stack.probe(f"F{self.index}")
         if ticket is not None:
-            eng.after_forward(ticket)
-        return self.static_out.detach().clone()
+            if training:
+                eng.after_forward(ticket)
+            else:
+                eng.forget(ticket)
+        if training:
+            self.pending.add(mb)
+        return self.static_out
 
     def backward(self, grad: torch.Tensor, mb: int) -> tuple[torch.Tensor | None, ...]:
-        eng = self.stack.engine
-        if self.group is None:
-            if mb not in self.in_flight:
-                raise StateError(f"layer {self.index}: backward for microbatch {mb} before its forward")
-            self.in_flight.discard(mb)
-            t = None
-        else:
+        stack, eng = self.stack, self.stack.engine
+        if mb not in self.pending:
+            raise StateError(
+                f"layer {self.index}: microbatch {mb} has no forward waiting for this backward: "
+                "it ran backward already (a second backward through graphed layers, e.g. "
+                "retain_graph=True, is not supported) or close() abandoned it")
+        stack._claim(mb)
+        parked = self.parked.pop(mb, None)
+        if parked is not None:  # this microbatch's activations were moved out: bring them back
+            for dst, src in zip(self.saved_views, parked):
+                dst.copy_(src)
+        t = None
+        if self.group is not None:
             t = eng.ticket(self.group, mb)
             eng.wait_restored(t)
         # Look-ahead: the next offloaded layer's reload runs under this backward graph
         # (and under every graph up to it, when offloaded layers are spread out).
-        prev = self.stack._next_backward(self.index)
-        if prev is not None:
-            eng.restore(eng.ticket(prev.group, mb))
-        if self.has_bwd:
-            with torch.no_grad():
-                self.static_grad_out.copy_(grad)
-            with self.stack._span(f"bwd layer{self.index}"):
-                self.bwd.replay()
-            if self.stack.probe is not None:
-                self.stack.probe(f"B{self.index}")
+        prev = stack._next_backward(self.index)
+        if prev is not None and mb in prev.pending:
+            eng.restore(eng.ticket(prev.group, mb))  # type: ignore[arg-type]
+        out: list[torch.Tensor | None] = [None] * len(self.params)
+        if self.bwd is not None:
+            if grad.data_ptr() != self.static_grad_out.data_ptr():
+                with torch.no_grad():
+                    self.static_grad_out.copy_(grad)
+            graph = self._prepare_grads()
+            if stack._tracing:
+                with stack._span(f"bwd layer{self.index}"):
+                    graph.replay()
+                if stack.probe is not None:
+                    stack.probe(f"B{self.index}")
+            else:
+                graph.replay()
+            out = self._grads_out(graph is self.bwd_acc)
+        self.pending.discard(mb)
         if t is not None:
             eng.consumed(t)
-        # Clones: autograd may keep a returned gradient as .grad (it steals sole
-        # references), and the next replay would overwrite it in place.
-        gin = self.grad_in.detach().clone() if self.grad_in is not None else None
-        return (gin, *(g.detach().clone() if g is not None else None for g in self.static_grads))
+        gin = self.grad_in
+        if gin is not None:
+            # The previous layer reads this buffer straight away, unless another of its
+            # microbatches could run in between: then, and for the stack's input, a copy.
+            gin = gin.clone() if self.clone_grad_in or len(stack._runners[self.index - 1].pending) > 1 \
+                else gin.detach()
+        return (gin, *out)
+
+    def _prepare_grads(self) -> DeviceGraph:
+        """Pick the graph that keeps eager's ``.grad`` semantics, and make its buffers ready."""
+        grads = self.grads
+        acc = [pg is not None and not pg.copy and pg.aliased() for pg in grads]
+        if not any(acc):
+            for pg in grads:
+                if pg is not None and not pg.copy and pg.others_hold():
+                    self._move_out(pg)
+            return self.bwd  # type: ignore[return-value]
+        for pg, a in zip(grads, acc):
+            if pg is not None and not a:
+                if not pg.copy and pg.others_hold():
+                    self._move_out(pg)
+                # -0.0 is the additive identity for every value (+0.0 is not for -0.0), so
+                # the accumulating graph leaves exactly this backward's gradient here.
+                pg.buf.fill_(-0.0)
+        return self.bwd_acc  # type: ignore[return-value]
+
+    def _move_out(self, pg: _ParamGrad) -> None:
+        """Somebody kept an earlier ``.grad`` that is this buffer: give it a copy of its own
+        bytes before the graph overwrites them, and hand this parameter copies from now on."""
+        with warnings.catch_warnings():  # isinstance() wakes deprecated module attributes
+            warnings.simplefilter("ignore")
+            held = [o for o in gc.get_objects() if isinstance(o, torch.Tensor) and o is not pg.buf
+                    and o.device == pg.buf.device and o.data_ptr() == pg.ptr]
+        for o in held:
+            if o.untyped_storage()._cdata == pg.storage:
+                o.data = o.clone()
+        pg.copy = True
+
+    def _grads_out(self, accumulated: bool) -> list[torch.Tensor | None]:
+        out: list[torch.Tensor | None] = []
+        for pg in self.grads:
+            if pg is None:
+                out.append(None)
+            elif pg.copy:
+                out.append(pg.buf.clone())
+            elif accumulated and pg.aliased():
+                out.append(None)  # .grad is the buffer, and the graph added into it
+            else:
+                # With .grad unset, autograd takes this tensor as .grad without a copy.
+                out.append(pg.buf.detach())
+        return out
+
+    def park(self, mb: int) -> None:
+        """Move microbatch ``mb``'s activations out of the graph's memory (device to device)."""
+        self.parked[mb] = [v.clone() for v in self.saved_views]
 
 
 class _LayerFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, runner: _Runner, mb: int, x: torch.Tensor, *params: torch.Tensor) -> torch.Tensor:
         ctx.runner, ctx.mb = runner, mb
-        return runner.forward(x, mb)
+        out = runner.forward(x, mb, True)
+        # The last layer's output goes to the caller, who may keep it across the next
+        # forward; inside the stack the next layer reads the buffer itself.
+        return out.clone() if runner.stack._runners[-1] is runner else out.detach()
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> Any:
         grads = ctx.runner.backward(grad, ctx.mb)
-        gin, pgrads = grads[0], grads[1:]
-        return (None, None, gin, *pgrads)
+        return (None, None, *grads)
 
 
 class GraphedLayers(nn.Module):
@@ -243,9 +445,12 @@ class GraphedLayers(nn.Module):
         min_offload_bytes: saved tensors smaller than this stay on the device.
         offload_layers: indices of the layers whose activations are offloaded
             (default: all); the others keep theirs on the device.
-        warmup_iters: eager iterations before capture (discovery runs in them).
+        warmup_iters: eager iterations before capture.
         backend: the graphslot backend (default: :func:`graphslot.get_backend`).
         debug_checksums: verify a checksum of every restored activation (slow).
+
+    Raises:
+        UsageError: no layers, a sample on another device, a bad layer index or mode.
 
     ``close()`` releases its slots, banks and host buffers; as a context manager
     (``with GraphedLayers(...) as stack:``) it closes on exit.
@@ -263,29 +468,63 @@ class GraphedLayers(nn.Module):
         if sample_input.device.type != self.backend.device.type:
             raise UsageError(f"sample_input is on {sample_input.device}, but the {self.backend.name} "
                              f"backend runs on {self.backend.device}")
+        n = len(self.layers)
+        chosen = list(range(n)) if offload_layers is None else list(offload_layers)
+        bad = [i for i in chosen if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < n]
+        if bad:
+            raise UsageError(f"offload_layers {bad} are not layer indices (integers 0..{n - 1})")
+        self.offload_layers = set(chosen)
         self.engine = OffloadEngine(self.backend, mode, min_bytes=min_offload_bytes,
                                     debug_checksums=debug_checksums)
-        n = len(self.layers)
-        self.offload_layers = set(range(n)) if offload_layers is None else set(offload_layers)
-        bad = sorted(i for i in self.offload_layers if not 0 <= i < n)
-        if bad:
-            raise UsageError(f"offload_layers {bad} out of range for {n} layers")
         self.warmup_iters = max(1, int(warmup_iters))
         self._microbatch = 0
+        self._holder: int | None = None  # microbatch whose activations the graphs' memory holds
         self._runners = [_Runner(self, i, m) for i, m in enumerate(self.layers)]
         #: called with a label after each layer's forward and backward replay (for probes)
         self.probe: Callable[[str], None] | None = None
         # One private pool for every graph, captured in replay order (all forwards, then
         # the backwards in reverse), as torch.cuda.make_graphed_callables does: memory a
         # graph frees at capture is reused only by graphs that replay after it.
-        self._pool_owner: Any = None
-        x = sample_input
-        for r in self._runners:
-            x = r.build_forward(x).requires_grad_(x.requires_grad or bool(r.params))
-        for r in reversed(self._runners):
-            r.build_backward()
-        self.backend.synchronize()
+        self._pool_owner: DeviceGraph | None = None
+        try:
+            self._build(sample_input)
+        except BaseException:
+            self.engine.close()
+            raise
         self._offloaded = [r for r in self._runners if r.group is not None and not r.group.empty]
+        self._in_pool = [r for r in self._runners if r.saved_views]
+
+    def _new_graph(self, owner: bool = True) -> DeviceGraph:
+        g = self.backend.new_graph(share_pool_with=self._pool_owner)
+        if owner and self._pool_owner is None:
+            self._pool_owner = g
+        return g
+
+    def _build(self, sample: torch.Tensor) -> None:
+        x = sample.detach().clone().requires_grad_(sample.requires_grad)
+        shared = self._shared_params()
+        for r in self._runners:
+            out = r.build_forward(x)
+            # The next layer is captured reading this layer's output buffer itself.
+            x = out.detach().requires_grad_(x.requires_grad or bool(r.params))
+        grad_out: torch.Tensor | None = None
+        for r in reversed(self._runners):
+            r.build_backward(grad_out, shared)
+            grad_out = r.grad_in
+        for r in self._runners[1:]:
+            r.copy_in = False
+            r.clone_grad_in = False
+        self.backend.synchronize()
+        gc.collect()
+        for r in self._runners:
+            r.settle_refs()
+
+    def _shared_params(self) -> set[int]:
+        seen: dict[int, int] = {}
+        for m in self.layers:
+            for p in {id(p): p for p in m.parameters()}.values():
+                seen[id(p)] = seen.get(id(p), 0) + 1
+        return {k for k, v in seen.items() if v > 1}
 
     @property
     def mode(self) -> Mode:
@@ -304,6 +543,10 @@ class GraphedLayers(nn.Module):
     def timeline(self, tl: Any) -> None:
         self.engine.timeline = tl
 
+    @property
+    def _tracing(self) -> bool:
+        return self.engine.timeline is not None or self.probe is not None
+
     def _span(self, name: str) -> Any:
         tl = self.engine.timeline
         return contextlib.nullcontext() if tl is None else tl.span("compute", name)
@@ -316,12 +559,30 @@ class GraphedLayers(nn.Module):
         """The next layer in backward order whose activations are offloaded (look-ahead)."""
         return next((r for r in reversed(self._offloaded) if r.index < i), None)
 
+    def _claim(self, mb: int) -> None:
+        """Graphs are about to run for microbatch ``mb``: their memory may overwrite what
+        layers that keep activations in it saved for another microbatch, so move those out."""
+        held = self._holder
+        if held == mb:
+            return
+        if held is not None:
+            for r in self._in_pool:
+                if held in r.pending and held not in r.parked:
+                    r.park(held)
+        self._holder = mb
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self._microbatch += 1
         mb = self._microbatch
-        for r in self._runners:
-            x = _LayerFunction.apply(r, mb, x, *r.params)
-        return x
+        runners = self._runners
+        if torch.is_grad_enabled() and (x.requires_grad or any(r.params for r in runners)):
+            for r in runners:
+                x = _LayerFunction.apply(r, mb, x, *r.params)
+            return x
+        # No backward can follow: nothing is offloaded or kept for one.
+        for r in runners:
+            x = r.forward(x, mb, False)
+        return x.clone()
 
     def close(self) -> None:
         """Release the slots, banks and buffers (the graphs cannot replay afterwards)."""

@@ -698,6 +698,19 @@ class Backend(abc.ABC):
         return {"allocated_bytes": None, "reserved_bytes": None, "peak_reserved_bytes": None,
                 "graph_pool_reserved_bytes": None, "graph_pool_allocated_bytes": None}
 
+    #: whether :meth:`make_graphed_callables` exists here (the framework's own, for comparison)
+    has_graphed_callables: bool = False
+
+    def make_graphed_callables(self, callables: tuple[Any, ...], sample_args: tuple[Any, ...]) -> Any:
+        """The framework's own graphed callables over ``callables`` (on cuda,
+        ``torch.cuda.make_graphed_callables``): the peer graphslot is measured against."""
+        raise UsageError(f"the {self.name} backend's framework has no graphed callables")
+
+    def graph_pool_segments(self) -> list[tuple[int, int]] | None:
+        """``(address, bytes)`` of each segment the framework allocator holds for graph
+        private pools, or ``None`` where this backend cannot tell."""
+        return None
+
     # ------------------------------------------------------------------ public: tensors
 
     def tensor_at(self, va: int, shape: Sequence[int], dtype: torch.dtype,
@@ -729,6 +742,16 @@ class Backend(abc.ABC):
         flat = self._tensor_at(va, nbytes)
         typed = flat.view(dtype)
         return typed.as_strided(shape, stride)
+
+    def alias_bytes(self, ptr: int, nbytes: int) -> torch.Tensor:
+        """A non-owning byte view of ``nbytes`` at ``ptr``: memory the framework allocator
+        owns (a graph's private pool, say), not graphslot. Valid only while its owner keeps
+        that memory; a graph's pool keeps it for the graph's life."""
+        if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes <= 0:
+            raise UsageError(f"alias_bytes: nbytes must be a positive int, got {nbytes!r}")
+        if not isinstance(ptr, int) or ptr <= 0:
+            raise UsageError(f"alias_bytes: ptr must be a positive address, got {ptr!r}")
+        return self._tensor_at(ptr, nbytes)
 
     def pinned_empty(self, nbytes: int) -> torch.Tensor:
         """A page-locked host byte buffer of ``nbytes`` for asynchronous copies."""

@@ -5,6 +5,7 @@ In one process, on the same layers and data, it runs
 ============== ==============================================================
 eager          plain autograd
 save_on_cpu    eager with ``torch.autograd.graph.save_on_cpu(pin_memory=True)``
+torch_graphed  ``torch.cuda.make_graphed_callables`` over the same layers (the peer)
 graph          graphed layers, no offload (``GraphedLayers(mode="off")``)
 graph_resident graphed, every layer offloaded, two resident banks
 graph_remap    graphed, every layer offloaded, pages released between phases
@@ -14,7 +15,9 @@ graph_auto     graphed, resident, offloading as many layers as compute can hide
 and reports for each: median step time, driver-level peak device memory, activation
 bytes left on the device at the forward/backward boundary, bytes offloaded, achieved
 copy bandwidth, exposed copy time and efficiency against the ideal bound
-(per phase, the larger of the compute time and offloaded bytes over the copy ceiling).
+(per phase, the larger of the compute time and offloaded bytes over the copy ceiling),
+and ``memory_breakdown``: what the device holds after the step's backward, by owner
+(see :func:`memory_breakdown`).
 """
 
 from __future__ import annotations
@@ -38,9 +41,10 @@ from .toy import Block, GPTConfig
 from .trace import Timeline
 
 __all__ = ["BenchShape", "CONFIGS", "run_bench", "copy_bandwidth", "auto_offload_layers",
-           "add_parser"]
+           "memory_breakdown", "add_parser"]
 
-CONFIGS = ("eager", "save_on_cpu", "graph", "graph_resident", "graph_remap", "graph_auto")
+CONFIGS = ("eager", "save_on_cpu", "torch_graphed", "graph", "graph_resident", "graph_remap",
+           "graph_auto")
 GiB, MiB = 1 << 30, 1 << 20
 
 
@@ -154,6 +158,21 @@ def _forward(layers: Sequence[torch.nn.Module], x: torch.Tensor) -> torch.Tensor
     return h
 
 
+def _torch_graphed(b: Backend, layers: Sequence[torch.nn.Module], x: torch.Tensor) -> None:
+    """The framework's graphed callables (``torch.cuda.make_graphed_callables``) over the
+    stack, as PyTorch documents for a sequence of modules: one sample input per layer."""
+    samples = tuple((torch.empty_like(x).requires_grad_(i > 0 or x.requires_grad),)
+                    for i in range(len(layers)))
+    b.make_graphed_callables(tuple(layers), samples)
+
+
+def _ungraph(layers: Sequence[torch.nn.Module]) -> None:
+    """Undo :func:`_torch_graphed`: it replaced each module's ``forward``."""
+    for m in layers:
+        if "forward" in vars(m):
+            del m.forward
+
+
 def _forward_saving_on_cpu(layers: Sequence[torch.nn.Module], x: torch.Tensor) -> torch.Tensor:
     with torch.autograd.graph.save_on_cpu(pin_memory=True):
         return _forward(layers, x)
@@ -202,7 +221,11 @@ def run_bench(b: Backend, shape: BenchShape, *, steps: int = 10, warmup: int = 3
             bar.done += warmup + steps + 2
             continue
         stack: Any = None
-        if name.startswith("graph"):
+        if name == "torch_graphed":
+            bar.update(f"{name}: capture", advance=False)
+            _torch_graphed(b, layers, x)
+            fwd = functools.partial(_forward, layers, x)
+        elif name.startswith("graph"):
             mode = {"graph": "off", "graph_resident": "resident", "graph_remap": "remap",
                     "graph_auto": "resident"}[name]
             kw: dict[str, Any] = {}
@@ -220,8 +243,10 @@ def run_bench(b: Backend, shape: BenchShape, *, steps: int = 10, warmup: int = 3
             fwd: Callable[[], torch.Tensor] = functools.partial(stack, x)
         elif name == "save_on_cpu":
             fwd = functools.partial(_forward_saving_on_cpu, layers, x)
-        else:
+        elif name == "eager":
             fwd = functools.partial(_forward, layers, x)
+        else:
+            raise AssertionError(name)
 
         def step() -> None:
             y = fwd()
@@ -268,8 +293,10 @@ def run_bench(b: Backend, shape: BenchShape, *, steps: int = 10, warmup: int = 3
 
         # One step for memory: peaks from a known baseline, and the boundary.
         curve: list[tuple[str, int]] = []
+        breakdown: dict[str, int | None] = {}
         peak, boundary = _memory_step(b, fwd, gy, stack, layers,
-                                      saved if name in ("eager", "graph") else 0, curve, zero_grads)
+                                      saved if name in ("eager", "torch_graphed", "graph") else 0,
+                                      curve, zero_grads, breakdown)
         curves[name] = curve
         bar.update(f"{name}: memory")
 
@@ -285,14 +312,17 @@ def run_bench(b: Backend, shape: BenchShape, *, steps: int = 10, warmup: int = 3
             "step_ms": step_ms, "fwd_ms": fwd_ms, "bwd_ms": bwd_ms,
             "peak_device_bytes": peak, "activation_bytes_at_boundary": boundary,
             "offloaded_bytes": offloaded, "d2h_gbps": d2h, "h2d_gbps": h2d,
+            "memory_breakdown": breakdown,
         }
         if name == "graph_auto":
             out["configs"][name]["offload_layers"] = kw["offload_layers"]
         if stack is not None:
             stack.close()
-            del stack, fwd, step
-            gc.collect()
-            b.empty_cache()
+        if name == "torch_graphed":
+            _ungraph(layers)
+        del stack, fwd, step
+        gc.collect()
+        b.empty_cache()
         if name == "save_on_cpu" and b.name != "cpu":
             out["configs"][name]["d2h_gbps"] = out["configs"][name]["h2d_gbps"] = None
             out["configs"][name]["copy_note"] = "copies issued by torch inside autograd; not timed"
@@ -310,6 +340,9 @@ def run_bench(b: Backend, shape: BenchShape, *, steps: int = 10, warmup: int = 3
 
 
 def _unsupported(b: Backend, name: str) -> str | None:
+    if name == "torch_graphed" and not b.has_graphed_callables:
+        return (f"torch.cuda.make_graphed_callables needs CUDA; the {b.name} backend's framework "
+                "has no graphed callables to compare with")
     if name == "save_on_cpu" and b.device.type == "cpu":
         return ("save_on_cpu moves device tensors to pinned host memory; on the cpu backend "
                 "they already are on the host")
@@ -321,8 +354,10 @@ def _unsupported(b: Backend, name: str) -> str | None:
 def _memory_step(b: Backend, fwd: Callable[[], torch.Tensor], gy: torch.Tensor, stack: Any,
                  layers: Sequence[torch.nn.Module], saved_on_device: int,
                  curve: list[tuple[str, int]],
-                 zero_grads: Callable[[], None]) -> tuple[int | None, int]:
-    """One step with memory probes after every layer; returns (peak, boundary bytes)."""
+                 zero_grads: Callable[[], None],
+                 breakdown: dict[str, int | None]) -> tuple[int | None, int]:
+    """One step with memory probes after every layer; returns (peak, boundary bytes) and
+    fills ``breakdown`` (:func:`memory_breakdown` after the backward)."""
 
     def in_use() -> int:
         # Bytes held, not reserved: what the allocator hands out plus graphslot's pages.
@@ -374,6 +409,7 @@ def _memory_step(b: Backend, fwd: Callable[[], torch.Tensor], gy: torch.Tensor, 
         if stack is not None:
             stack.engine.settle()
         curve.append(("end", in_use()))
+        breakdown.update(memory_breakdown(b, layers, stack))
     finally:
         if stack is not None:
             stack.probe = None
@@ -386,6 +422,54 @@ def _memory_step(b: Backend, fwd: Callable[[], torch.Tensor], gy: torch.Tensor, 
     peak = (before.driver_used_bytes + (stats["peak_reserved_bytes"] - before.allocator_reserved_bytes)
             + (b.ledger.peak_mapped_bytes - before.mapped_bytes))
     return peak, boundary
+
+
+def memory_breakdown(b: Backend, layers: Sequence[torch.nn.Module], stack: Any = None) -> dict[str, int | None]:
+    """What the device holds now, by owner, in bytes (each byte counted once).
+
+    ``weights_bytes``: the layers' parameters. ``grad_bytes``: their ``.grad`` tensors,
+    wherever they live (a graph's gradient buffer included). ``graph_pool_bytes``: graph
+    private pools as the allocator reserves them, less the ``.grad`` bytes inside them.
+    ``slot_bytes``: device pages graphslot has mapped (slots, banks). ``host_pinned_bytes``:
+    pinned host buffers graphslot's offload engine holds (host memory, not device).
+    ``other_bytes``: the rest of what the allocator reserves (inputs, caches, fragments).
+    ``None`` where the backend's allocator cannot see a figure.
+    """
+    params = {p.untyped_storage().data_ptr(): p.untyped_storage().nbytes()
+              for m in layers for p in m.parameters()}
+    grads: dict[int, int] = {}
+    for m in layers:
+        for p in m.parameters():
+            if p.grad is not None:
+                st = p.grad.untyped_storage()
+                grads[st.data_ptr()] = st.nbytes()
+    stats = b.allocator_stats()
+    pool = stats["graph_pool_reserved_bytes"]
+    segments = b.graph_pool_segments()
+    if segments is not None:
+        in_pool = sum(n for ptr, n in grads.items() if any(a <= ptr < a + size for a, size in segments))
+    elif stack is not None:  # the stack knows its gradient buffers
+        bufs = {pg.ptr for r in stack._runners for pg in r.grads if pg is not None}
+        in_pool = sum(n for ptr, n in grads.items() if ptr in bufs)
+    else:
+        in_pool = 0
+    if pool is None and stack is not None:
+        owner = stack._pool_owner
+        pool = owner.pool_bytes if owner is not None else 0
+    slot = b.ledger.mapped_bytes
+    host = stack.engine.host_bytes if stack is not None else 0
+    graph_pool = None if pool is None else max(0, pool - in_pool)
+    reserved = stats["reserved_bytes"]
+    if reserved is None:  # a host "device": what the process holds, less graphslot's pages
+        fp = b.footprint_bytes()
+        reserved = None if fp is None else fp - slot
+    weights, grad = sum(params.values()), sum(grads.values())
+    other = None
+    if reserved is not None and graph_pool is not None:
+        outside = reserved - graph_pool - in_pool  # the ordinary allocator's share
+        other = max(0, outside - weights - (grad - in_pool))
+    return {"weights_bytes": weights, "grad_bytes": grad, "graph_pool_bytes": graph_pool,
+            "slot_bytes": slot, "host_pinned_bytes": host, "other_bytes": other}
 
 
 def _derive(out: dict[str, Any], timings: dict[str, dict[str, float]], gbps: float) -> None:
@@ -419,13 +503,12 @@ def _plot(curves: dict[str, list[tuple[str, int]]], path: str, backend: str) -> 
                          "pip install 'graphslot[plot]'") from None
     fig, ax = plt.subplots(figsize=(9, 4.5))
     for name, pts in curves.items():
-        if pts:
-            base = pts[0][1]
-            ax.plot(range(len(pts)), [(v - base) / GiB for _, v in pts], marker=".", label=name)
+        if pts:  # absolute: the memory graphs hold before the step starts shows too
+            ax.plot(range(len(pts)), [v / GiB for _, v in pts], marker=".", label=name)
     longest = max(curves.values(), key=len, default=[])
     ax.set_xticks(range(len(longest)), [p[0] for p in longest], rotation=90, fontsize=7)
     ax.set_xlabel("after each layer's forward (F) and backward (B)")
-    ax.set_ylabel("device memory in use above step start (GiB)")
+    ax.set_ylabel("device memory in use (GiB)")
     ax.set_title(f"graphslot bench: memory over one step ({backend}; allocator + graphslot pages)")
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3)
@@ -460,18 +543,55 @@ def _table(r: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def main(args: argparse.Namespace) -> int:
-    from .selection import get_backend
+def _is_oom(e: BaseException) -> bool:
+    text = str(e).lower()
+    return isinstance(e, MemoryError) or any(k in text for k in (
+        "out of memory", "can't allocate", "cannot allocate", "out_of_memory"))
 
-    b = get_backend(args.backend)
+
+def check_args(args: argparse.Namespace) -> tuple[BenchShape, tuple[str, ...]]:
+    """The shape and configurations ``args`` ask for; ``ValueError`` naming a bad one."""
     shape = BenchShape.preset(args.preset)
     for k in ("hidden", "heads", "ffn", "seq", "batch", "layers", "dtype", "attention"):
         v = getattr(args, k)
         if v is not None:
             setattr(shape, k, v)
-    configs = tuple(args.configs.split(",")) if args.configs else CONFIGS
-    r = run_bench(b, shape, steps=args.steps, warmup=args.warmup, configs=configs,
-                  trace_path=args.trace, plot_path=args.plot, progress=not args.quiet)
+    for k in ("hidden", "heads", "ffn", "seq", "batch", "layers"):
+        if getattr(shape, k) < 1:
+            raise ValueError(f"--{k} must be at least 1, got {getattr(shape, k)}")
+    if shape.hidden % shape.heads:
+        raise ValueError(f"--hidden {shape.hidden} is not a multiple of --heads {shape.heads}")
+    if args.steps < 1:
+        raise ValueError(f"--steps must be at least 1, got {args.steps}")
+    if args.warmup < 0:
+        raise ValueError(f"--warmup must be at least 0, got {args.warmup}")
+    configs = (tuple(c.strip() for c in args.configs.split(",") if c.strip())
+               if args.configs is not None else CONFIGS)
+    unknown = [c for c in configs if c not in CONFIGS]
+    if unknown or not configs:
+        raise ValueError(f"--configs: unknown {', '.join(map(repr, unknown)) or 'empty list'}; "
+                         f"choose from {','.join(CONFIGS)}")
+    return shape, configs
+
+
+def main(args: argparse.Namespace) -> int:
+    from .selection import get_backend
+
+    try:
+        shape, configs = check_args(args)
+    except ValueError as e:
+        print(f"graphslot bench: error: {e}", file=sys.stderr)
+        return 2
+    b = get_backend(args.backend)
+    try:
+        r = run_bench(b, shape, steps=args.steps, warmup=args.warmup, configs=configs,
+                      trace_path=args.trace, plot_path=args.plot, progress=not args.quiet)
+    except (RuntimeError, MemoryError) as e:
+        if not _is_oom(e):
+            raise
+        print(f"graphslot bench: error: shape {asdict(shape)} does not fit on {b.device}: "
+              f"{str(e).splitlines()[0]}", file=sys.stderr)
+        return 2
     if args.json:
         print(json.dumps(r, indent=2))
     else:

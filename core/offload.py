@@ -42,6 +42,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from .backend import Allocation, Backend, Reservation, align_up
 from .errors import CaptureMismatchError, StateError, UsageError
@@ -352,12 +353,14 @@ class OffloadGroup:
     def begin_capture(self) -> None:
         self._go("begin_capture")
         self._captured = 0
-        self._capture_storages: dict[int, int] = {}  # region -> data pointer at capture
-        self._capture_ptrs: dict[int, int] = {}  # data pointer -> region
+        self._capture_storages: dict[int, int] = {}  # region -> storage identity at capture
+        self._capture_ptrs: dict[int, int] = {}  # storage identity -> region
         self._copied: set[tuple[Any, ...]] = set()
-        # The originals stay alive until the forward capture ends: once freed, the graph
-        # pool hands their addresses to later tensors, and address would no longer mean storage.
-        self._originals: list[torch.Tensor] = []
+        # Storages are told apart by identity, not address: the pool may hand a freed
+        # original's address to a later tensor. A weak reference pins the identity (the
+        # storage object's own memory) without keeping the original's bytes alive, so the
+        # pool reuses them at once, as it does for an eager forward.
+        self._originals: list[Any] = []
 
     def save_tensor(self, t: torch.Tensor) -> torch.Tensor:
         """Pack hook during capture: copy ``t`` into its slot place and return the slot view."""
@@ -381,7 +384,9 @@ class OffloadGroup:
         key: tuple[Any, ...] = ("own", i)
         if spec.storage >= 0:
             # Views share a region only if they share a storage now as they did at discovery.
-            ptr = t.untyped_storage().data_ptr()
+            st = t.untyped_storage()
+            ptr = st._cdata
+            self._originals.append(StorageWeakRef(st))
             had = self._capture_storages.setdefault(spec.storage, ptr)
             other = self._capture_ptrs.setdefault(ptr, spec.storage)
             if had != ptr or other != spec.storage or t.storage_offset() * t.element_size() != spec.storage_offset:
@@ -390,7 +395,6 @@ class OffloadGroup:
                     "discovery (which saved tensors share memory, or where, changed); the layer must "
                     "save the same tensors every time")
             key = (ptr, spec.storage_offset, spec.shape, spec.stride)
-        self._originals.append(t)
         if key not in self._copied:  # a tensor saved twice is copied once
             self._copied.add(key)
             view.copy_(t)
@@ -398,7 +402,7 @@ class OffloadGroup:
         return view
 
     def forward_captured(self) -> None:
-        """The forward capture is over: let the graph pool reuse the saved originals."""
+        """The forward capture is over: drop the storage identities it pinned."""
         self._originals = []
 
     def finish_capture(self) -> None:
@@ -510,6 +514,13 @@ class OffloadEngine:
             if t.stash is not None and t.stash.device is not None:
                 n += t.stash.device.numel()
         return n
+
+    @property
+    def host_bytes(self) -> int:
+        """Pinned host bytes this engine holds (buffers in flight and reusable ones)."""
+        stashes = [st for g in self.groups for st in g._host_pool]
+        stashes += [t.stash for t in self._pending.values() if t.stash is not None]
+        return sum(st.host.numel() for st in stashes if st.host is not None)
 
     # -- forward -------------------------------------------------------------------------
 

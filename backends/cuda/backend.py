@@ -158,6 +158,16 @@ class CudaBackend(TorchEventMixin, Backend):
             torch.cuda.reset_peak_memory_stats(self._torch_device)
         return out
 
+    has_graphed_callables = True
+
+    def make_graphed_callables(self, callables: tuple[Any, ...], sample_args: tuple[Any, ...]) -> Any:
+        return torch.cuda.make_graphed_callables(callables, sample_args)
+
+    def graph_pool_segments(self) -> list[tuple[int, int]] | None:
+        return [(int(seg["address"]), int(seg["total_size"])) for seg in torch.cuda.memory_snapshot()
+                if seg.get("device", self._index) == self._index
+                and tuple(seg.get("segment_pool_id", (0, 0))) != (0, 0)]
+
     def _is_capturing(self) -> bool:
         return bool(torch.cuda.is_current_stream_capturing())
 
