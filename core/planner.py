@@ -506,12 +506,12 @@ def _pack_sweep(blocks: list[_Block], order: list[int], nsteps: int,
             else:
                 drop(view[br], a)
         br = b.branch
+        own = common
         if br is None:
             taken = [f for f in view.values() if f] or ([common] if common else [])
         else:
-            own = view.get(br)
-            if own is None:
-                own = view[br] = list(common)
+            got = view.get(br)
+            own = view[br] = list(common) if got is None else got
             taken = [own] if own else []
         start = starts[k] = fit(taken, b.extent, b.align, b.phase)
         stop = start + b.extent

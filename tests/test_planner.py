@@ -508,8 +508,10 @@ def test_cli_json_prints_exactly_one_object(tmp_path, capsys):
     assert _cli(["plan", _write(tmp_path, DOC), "--json"]) == 0
     out = capsys.readouterr().out
     obj = json.loads(out)
-    assert set(obj) == {"arena_bytes", "lower_bound_bytes", "efficiency", "offsets"}
+    assert set(obj) == {"arena_bytes", "lower_bound_bytes", "efficiency", "offsets", "baselines"}
     assert obj["lower_bound_bytes"] == 4096 + 1000 + 2048
+    assert set(obj["baselines"]) == {"first-fit", "greedy-by-size"}
+    assert all(obj["arena_bytes"] <= b for b in obj["baselines"].values())
     assert obj["efficiency"] == pytest.approx(obj["lower_bound_bytes"] / obj["arena_bytes"])
     assert list(obj["offsets"]) == [t["name"] for t in DOC["tensors"]]
     ts = [T(**t) for t in DOC["tensors"]]
@@ -525,6 +527,8 @@ def test_cli_human_output_has_table_bound_and_efficiency(tmp_path, capsys):
     assert re.search(r"^k\s+\d+\s+256\s+\d+\s+\[6, 9\)\s+-\s+qkv\+256$", out, re.M)
     assert re.search(r"^lower bound\s+7144 bytes", out, re.M)
     assert re.search(r"^efficiency\s+\d\.\d{4}$", out, re.M)
+    assert re.search(r"^first-fit\s+\d+ bytes .*x the lower bound$", out, re.M)
+    assert re.search(r"^greedy-by-size\s+\d+ bytes", out, re.M)
 
 
 def test_cli_reads_stdin(monkeypatch, capsys):
