@@ -1,14 +1,67 @@
-"""The ``graphslot`` command: ``info | demo | bench | plan``, each with ``--json``."""
+"""The ``graphslot`` command: ``info | demo | bench | plan``, each with ``--json``.
+
+Bad input never ends in a traceback: a malformed argument, an out-of-range number, a bad
+environment variable or any other :class:`~graphslot.errors.GraphslotError` is one line
+on stderr, ``graphslot <command>: error: <message>``, and exit status 2. An interrupt
+(Ctrl-C) is one line and exit status 130. Subcommands take their numeric arguments with
+:func:`positive_int` or :func:`int_range`, so a bad number is an argparse error naming
+the argument.
+"""
 
 from __future__ import annotations
 
 import argparse
 import json
 import sys
+from typing import Callable, NoReturn
 
 from .errors import GraphslotError
 
-__all__ = ["main"]
+__all__ = ["main", "build_parser", "positive_int", "int_range", "one_line"]
+
+
+def one_line(text: str) -> str:
+    """``text`` on one line: its lines (any line break ``str.splitlines`` knows) joined by
+    one space, each stripped of the whitespace around the break."""
+    lines = text.splitlines()
+    if lines == [text] or not text:
+        return text
+    return " ".join(part.strip() for part in lines if part.strip())
+
+
+def int_range(lo: int, hi: int | None = None) -> Callable[[str], int]:
+    """An argparse ``type``: a decimal integer from ``lo`` to ``hi`` (inclusive; no upper
+    bound when ``hi`` is None). Anything else is an argparse error that argparse prefixes
+    with the argument's name, e.g. ``argument --steps: must be a positive integer, got '0'``."""
+    if hi is not None and hi < lo:
+        raise ValueError(f"int_range: empty range [{lo}, {hi}]")
+    want = ("a positive integer" if lo == 1 and hi is None else
+            f"an integer of at least {lo}" if hi is None else f"an integer from {lo} to {hi}")
+
+    def parse(text: str) -> int:
+        try:
+            n = int(text, 10)
+        except (TypeError, ValueError):
+            raise argparse.ArgumentTypeError(f"must be {want}, got {text!r}") from None
+        if n < lo or (hi is not None and n > hi):
+            raise argparse.ArgumentTypeError(f"must be {want}, got {text!r}")
+        return n
+
+    parse.__name__ = "positive_int" if lo == 1 and hi is None else f"int_{lo}_to_{hi}"
+    return parse
+
+
+#: An argparse ``type``: a decimal integer of at least 1 (``--steps 0`` is an argparse
+#: error naming ``--steps``). For an upper bound as well, use :func:`int_range`.
+positive_int: Callable[[str], int] = int_range(1)
+
+
+class _Parser(argparse.ArgumentParser):
+    """An ArgumentParser whose usage errors are one line and exit status 2:
+    ``graphslot demo: error: argument --steps: must be a positive integer, got '0'``."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {one_line(message)} (see {self.prog} --help)\n")
 
 
 def _human_bytes(n: int | None) -> str:
@@ -41,7 +94,7 @@ def _info(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="graphslot", description=(
+    p = _Parser(prog="graphslot", description=(
         "Fixed virtual addresses for device graphs whose memory moves."))
     p.add_argument("--backend", default=None,
                    help="auto | cpu | cuda | musa (default: $GRAPHSLOT_BACKEND or auto)")
@@ -59,16 +112,29 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of the ``graphslot`` console script."""
+    """Entry point of the ``graphslot`` console script; ``argv`` defaults to ``sys.argv[1:]``.
+
+    Returns the exit status instead of raising ``SystemExit``: 0 on success (and for
+    ``--help``), 1 where a subcommand reports a failed check (e.g. ``demo --strict``),
+    2 for bad input (one line on stderr naming the argument or what was wrong), 130 on
+    an interrupt.
+    """
     import logging
 
     logging.basicConfig(level=logging.WARNING, format="graphslot: %(message)s")
-    args = build_parser().parse_args(argv)
+    try:
+        args = build_parser().parse_args(argv)
+    except SystemExit as e:  # argparse already printed the help or the one-line error
+        return e.code if isinstance(e.code, int) else (0 if e.code is None else 2)
+    where = f"graphslot {args.command}"
     try:
         return int(args.func(args))
     except GraphslotError as e:
-        print(f"graphslot {args.command}: {e}", file=sys.stderr)
+        print(f"{where}: error: {one_line(str(e))}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print(f"{where}: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -19,10 +19,17 @@ from typing import Any
 import torch
 
 from .backend import Backend
+from .cli import int_range
+from .errors import UsageError
 from .memory import saved_activation_bytes
 from .toy import GPTConfig, TinyGPT
 
-__all__ = ["run_demo", "add_parser"]
+__all__ = ["run_demo", "add_parser", "MAX_STEPS", "MAX_LAYERS"]
+
+#: The most training steps ``graphslot demo`` runs (``--steps``); the demo is a quick check.
+MAX_STEPS = 10_000
+#: The most layers of the demo's model (``--layers``); larger stacks are ``graphslot bench``'s.
+MAX_LAYERS = 64
 
 
 def _train(b: Backend, model: TinyGPT, steps: int) -> dict[str, Any]:
@@ -70,6 +77,10 @@ def run_demo(b: Backend, config: GPTConfig | None = None, steps: int = 6) -> dic
     from graphslot.adapters.torch import GraphedLayers
 
     c = config or GPTConfig()
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+        raise UsageError(f"run_demo: steps must be a positive int, got {steps!r}")
+    if isinstance(c.layers, bool) or not isinstance(c.layers, int) or c.layers < 1:
+        raise UsageError(f"run_demo: config.layers must be a positive int, got {c.layers!r}")
     torch.manual_seed(0)
     base = TinyGPT(c).to(b.device)
     eager_model = copy.deepcopy(base)
@@ -146,7 +157,9 @@ def main(args: argparse.Namespace) -> int:
 def add_parser(sub: Any) -> None:
     p = sub.add_parser("demo", help="train a small GPT-like stack eagerly and graphed with offload")
     p.add_argument("--json", action="store_true", help="print one JSON object")
-    p.add_argument("--steps", type=int, default=6)
-    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--steps", type=int_range(1, MAX_STEPS), default=6, metavar="N",
+                   help=f"training steps per run, 1 to {MAX_STEPS} (default 6)")
+    p.add_argument("--layers", type=int_range(1, MAX_LAYERS), default=4, metavar="N",
+                   help=f"transformer blocks in the model, 1 to {MAX_LAYERS} (default 4)")
     p.add_argument("--strict", action="store_true", help="exit 1 unless every mode matches eager")
     p.set_defaults(func=main)
