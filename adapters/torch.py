@@ -21,13 +21,14 @@ What the graphs hold, and why it is no more than torch's own graphed callables:
   no activation or gradient is copied or cloned between layers. Only the stack's own
   input, output and their gradients are copied, once per step.
 * Parameter gradients are the backward graphs' static buffers: after a backward with
-  ``.grad`` unset, ``.grad`` *is* that buffer (no second copy). A later backward that finds
-  ``.grad`` still there (gradient accumulation, ``zero_grad(set_to_none=False)``) replays a
-  second backward graph that adds into it, as eager autograd adds into ``.grad``; the
-  result is bitwise eager's. A parameter shared by several layers, or one with tensor
-  hooks, gets its gradient as a copy, so autograd sums and hooks run as in eager. A
-  ``.grad`` someone still holds after ``zero_grad(set_to_none=True)`` is moved out of the
-  buffer before the next backward overwrites it, and that parameter is copied from then on.
+  ``.grad`` unset, ``.grad`` *is* that buffer (no second copy). A backward that finds
+  ``.grad`` still being that buffer (gradient accumulation, ``zero_grad(set_to_none=False)``)
+  first gives ``.grad`` bytes of its own (the same tensor object) and lets autograd add
+  into it, as eagerly; the result is bitwise eager's. A parameter shared by several
+  layers, or one with tensor hooks, gets its gradient as a copy, so autograd sums and
+  hooks run as in eager. A ``.grad`` someone still holds after
+  ``zero_grad(set_to_none=True)`` is moved out of the buffer before the next backward
+  overwrites it, and that parameter is copied from then on.
 * Capture-time autograd graphs are dropped once the backward graphs exist, so training
   builds its own gradient accumulators on the training stream.
 
@@ -74,7 +75,7 @@ class _ParamGrad:
 
     def __init__(self, param: nn.Parameter, buf: torch.Tensor, copy: bool) -> None:
         self.param = param
-        self.buf = buf  # written by the backward graph (added into by its accumulate twin)
+        self.buf = buf  # written by the backward graph at every replay
         self.ptr = buf.data_ptr()
         self.storage = _storage_id(buf)
         self.base_refs = 0  # references to buf's storage that graphslot itself holds
@@ -121,7 +122,6 @@ class _Runner:
         self.grads: list[_ParamGrad | None] = []
         self.fwd: DeviceGraph
         self.bwd: DeviceGraph | None = None
-        self.bwd_acc: DeviceGraph | None = None
         self.copy_in = True  # the stack's first layer copies its input into static_in
         self.clone_grad_in = True  # the first layer hands its input gradient out as a copy
 
@@ -155,7 +155,7 @@ class _Runner:
         # settle); autograd is untouched. Not on the current stream: if that is the legacy
         # default stream, an accumulator node the warm-up leaves alive would tie it to the
         # capture, which CUDA refuses.
-        side = b.new_stream()
+        side = st._warmup_stream
         b.wait_event(side, b.record_event(b.new_event()))
         with b.stream(side):
             for _ in range(st.warmup_iters):
@@ -182,13 +182,14 @@ class _Runner:
                     g.discover(t)
                 return t
 
-            probe_graph = st._new_graph(owner=False)
+            probe_graph = b.new_graph()  # a pool of its own, gone with it
             with probe_graph.capture():
                 with torch.autograd.graph.saved_tensors_hooks(discover, lambda t: t):
                     out = call()
             del out, probe_graph
             gc.collect()
             b.synchronize()
+            b.empty_cache()
             g.allocate(bank_index=st.bank_index(self.index))
 
         fwd = st._new_graph()
@@ -224,7 +225,7 @@ class _Runner:
         return self.static_out
 
     def build_backward(self, static_grad_out: torch.Tensor | None, shared: set[int]) -> None:
-        """Capture the backward graph and its accumulating twin (after every forward)."""
+        """Capture the backward graph (after every forward, in reverse layer order)."""
         b, out, inputs = self.stack.backend, self._out, self._inputs
         if static_grad_out is None or static_grad_out.shape != out.shape:
             static_grad_out = torch.zeros_like(out)
@@ -235,28 +236,13 @@ class _Runner:
             if differentiable:
                 bwd = self.stack._new_graph()
                 with bwd.capture():
-                    grads = torch.autograd.grad(out, inputs, static_grad_out, allow_unused=True,
-                                                retain_graph=bool(self.params))
+                    grads = torch.autograd.grad(out, inputs, static_grad_out, allow_unused=True)
                 self.bwd = bwd
                 grad_list = list(grads)
                 self.grad_in = grad_list.pop(0) if wants_grad_in else None
                 self.grads = [None if gbuf is None else _ParamGrad(p, gbuf, id(p) in shared or bool(p._backward_hooks))
                               for p, gbuf in zip(self.params, grad_list)]
-                if self.params:
-                    # The twin adds this backward's gradients into the buffers, which
-                    # hold .grad by then; its input gradient lands where the first's does.
-                    acc = self.stack._new_graph()
-                    with acc.capture():
-                        more = torch.autograd.grad(out, inputs, static_grad_out, allow_unused=True)
-                        more = list(more)
-                        gin = more.pop(0) if wants_grad_in else None
-                        if gin is not None and self.grad_in is not None:
-                            self.grad_in.copy_(gin)
-                        for pg, gnew in zip(self.grads, more):
-                            if pg is not None and gnew is not None:
-                                pg.buf.add_(gnew)
-                        del more, gin
-                    self.bwd_acc = acc
+                del grads, grad_list
         except Exception as e:
             raise StateError(
                 f"layer {self.index}: capturing the backward graph failed ({type(e).__name__}: "
@@ -297,6 +283,8 @@ class _Runner:
         if mb in self.pending:
             raise StateError(f"layer {self.index}: microbatch {mb} ran forward again before its backward")
         stack._claim(mb)
+        if stack._lent:
+            stack._give_back(None)
         eng = stack.engine
         ticket: Ticket | None = None
         if self.group is not None:
@@ -349,7 +337,9 @@ class _Runner:
             if grad.data_ptr() != self.static_grad_out.data_ptr():
                 with torch.no_grad():
                     self.static_grad_out.copy_(grad)
-            graph = self._prepare_grads()
+            if stack._lent:
+                stack._give_back(self.index)
+            graph = self.bwd
             if stack._tracing:
                 with stack._span(f"bwd layer{self.index}"):
                     graph.replay()
@@ -357,7 +347,8 @@ class _Runner:
                     stack.probe(f"B{self.index}")
             else:
                 graph.replay()
-            out = self._grads_out(graph is self.bwd_acc)
+            out = self._grads_out()
+            stack._lent += [(self.index, pg) for pg in self.grads if pg is not None and not pg.copy]
         self.pending.discard(mb)
         if t is not None:
             eng.consumed(t)
@@ -369,23 +360,18 @@ class _Runner:
                 else gin.detach()
         return (gin, *out)
 
-    def _prepare_grads(self) -> DeviceGraph:
-        """Pick the graph that keeps eager's ``.grad`` semantics, and make its buffers ready."""
-        grads = self.grads
-        acc = [pg is not None and not pg.copy and pg.aliased() for pg in grads]
-        if not any(acc):
-            for pg in grads:
-                if pg is not None and not pg.copy and pg.others_hold():
-                    self._move_out(pg)
-            return self.bwd  # type: ignore[return-value]
-        for pg, a in zip(grads, acc):
-            if pg is not None and not a:
-                if not pg.copy and pg.others_hold():
-                    self._move_out(pg)
-                # -0.0 is the additive identity for every value (+0.0 is not for -0.0), so
-                # the accumulating graph leaves exactly this backward's gradient here.
-                pg.buf.fill_(-0.0)
-        return self.bwd_acc  # type: ignore[return-value]
+    def give_back(self, pg: _ParamGrad) -> None:
+        """``pg``'s buffer is about to be overwritten: whoever holds it as a gradient (its
+        ``.grad`` under accumulation, or a kept reference) gets bytes of its own first."""
+        if _use_count is not None and _use_count(pg.storage) <= pg.base_refs:
+            return  # nobody kept it: the usual case after zero_grad(set_to_none=True)
+        if pg.aliased():
+            # The same tensor object keeps its identity (references to it stay good) and
+            # gets its own bytes; autograd then adds the next gradient into it, as eagerly.
+            g = pg.param.grad
+            g.data = g.clone()  # type: ignore[union-attr]
+        if pg.others_hold():
+            self._move_out(pg)
 
     def _move_out(self, pg: _ParamGrad) -> None:
         """Somebody kept an earlier ``.grad`` that is this buffer: give it a copy of its own
@@ -399,17 +385,16 @@ class _Runner:
                 o.data = o.clone()
         pg.copy = True
 
-    def _grads_out(self, accumulated: bool) -> list[torch.Tensor | None]:
+    def _grads_out(self) -> list[torch.Tensor | None]:
         out: list[torch.Tensor | None] = []
         for pg in self.grads:
             if pg is None:
                 out.append(None)
             elif pg.copy:
                 out.append(pg.buf.clone())
-            elif accumulated and pg.aliased():
-                out.append(None)  # .grad is the buffer, and the graph added into it
             else:
-                # With .grad unset, autograd takes this tensor as .grad without a copy.
+                # With .grad unset, autograd takes this tensor as .grad without a copy;
+                # with .grad set, it adds this into it.
                 out.append(pg.buf.detach())
         return out
 
@@ -486,6 +471,11 @@ class GraphedLayers(nn.Module):
         # the backwards in reverse), as torch.cuda.make_graphed_callables does: memory a
         # graph frees at capture is reused only by graphs that replay after it.
         self._pool_owner: DeviceGraph | None = None
+        # One side stream for every warm-up: libraries cache per-stream state (cuBLAS
+        # keeps a workspace of tens of MiB for each stream it has run on).
+        self._warmup_stream = self.backend.new_stream()
+        #: gradient buffers handed out as .grad since the last replay that could overwrite them
+        self._lent: list[tuple[int, _ParamGrad]] = []
         try:
             self._build(sample_input)
         except BaseException:
@@ -494,10 +484,9 @@ class GraphedLayers(nn.Module):
         self._offloaded = [r for r in self._runners if r.group is not None and not r.group.empty]
         self._in_pool = [r for r in self._runners if r.saved_views]
 
-    def _new_graph(self, owner: bool = True) -> DeviceGraph:
+    def _new_graph(self) -> DeviceGraph:
         g = self.backend.new_graph(share_pool_with=self._pool_owner)
-        if owner and self._pool_owner is None:
-            self._pool_owner = g
+        self._pool_owner = self._pool_owner or g
         return g
 
     def _build(self, sample: torch.Tensor) -> None:
@@ -558,6 +547,24 @@ class GraphedLayers(nn.Module):
     def _next_backward(self, i: int) -> _Runner | None:
         """The next layer in backward order whose activations are offloaded (look-ahead)."""
         return next((r for r in reversed(self._offloaded) if r.index < i), None)
+
+    def _give_back(self, layer: int | None) -> None:
+        """Before a replay: gradient buffers it may overwrite stop being anyone's gradient.
+
+        A backward graph's gradient buffers share pool memory with what forward graphs
+        write (as in torch's graphed callables, which is why they cost no extra memory),
+        and with what backward graphs of later layers wrote before them. So before any
+        forward replay every lent buffer is given back, and before layer ``j``'s backward
+        replay those of layer ``j`` and below; in an ordinary backward pass nothing is lent
+        below, and after ``zero_grad(set_to_none=True)`` nothing is held, so no copy is made.
+        """
+        keep = []
+        for i, pg in self._lent:
+            if layer is None or i <= layer:
+                self._runners[i].give_back(pg)
+            else:
+                keep.append((i, pg))
+        self._lent = keep
 
     def _claim(self, mb: int) -> None:
         """Graphs are about to run for microbatch ``mb``: their memory may overwrite what

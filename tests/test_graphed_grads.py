@@ -73,6 +73,7 @@ def test_grad_is_the_graph_buffer_not_a_copy(clean):
     model = small(b)
     with graphed(model, b, "off") as stack:
         for _ in range(2):
+            model.zero_grad(set_to_none=True)
             model(*model.batch(0, b.device)).backward()
         bufs = {pg.ptr for r in stack._runners for pg in r.grads if pg is not None}
         block_params = [p for blk in model.blocks for p in blk.parameters()]
