@@ -302,9 +302,10 @@ def ablation(ts: list[TensorSpec]) -> dict[str, float]:
     (reaches into the planner's private candidate list on purpose: this is what the
     portfolio buys)."""
     specs = tuple(ts)
-    blocks, nsteps = planner._prepare(specs, None)
-    lb = lower_bound(specs)
-    return {c.name: planner._run([c], blocks, nsteps, lb)[0] / lb for c in planner._CANDIDATES}
+    blocks, nsteps, unit = planner._prepare(specs, None)
+    lb = lower_bound(specs) / unit
+    return {c.name: planner._run([c], blocks, nsteps, unit, lb)[0] / lb
+            for c in planner._CANDIDATES}
 
 
 def all_cases(args: argparse.Namespace) -> list[tuple[str, str, list[TensorSpec]]]:
