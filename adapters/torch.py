@@ -319,6 +319,8 @@ class _Runner:
                 "it ran backward already (a second backward through graphed layers, e.g. "
                 "retain_graph=True, is not supported) or close() abandoned it")
         stack._claim(mb)
+        if stack._lent:  # before anything below writes pool memory a lent buffer may share
+            stack._give_back(self.index)
         parked = self.parked.pop(mb, None)
         if parked is not None:  # this microbatch's activations were moved out: bring them back
             for dst, src in zip(self.saved_views, parked):
@@ -337,8 +339,6 @@ class _Runner:
             if grad.data_ptr() != self.static_grad_out.data_ptr():
                 with torch.no_grad():
                     self.static_grad_out.copy_(grad)
-            if stack._lent:
-                stack._give_back(self.index)
             graph = self.bwd
             if stack._tracing:
                 with stack._span(f"bwd layer{self.index}"):
