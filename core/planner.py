@@ -692,29 +692,67 @@ class _Candidate(NamedTuple):
     fit: _Fit
     baseline: bool = False  # a textbook planner: always tried, reported by baselines()
     sweep: int = 0  # 1: the order is by first step, -1: by last step descending (see _pack_sweep)
+    cost: float = 1.0  # budget drawn per block placed (see _extra_work); 0: always runs
 
 
 #: The textbook planners plan() is never worse than, by name.
 BASELINES: tuple[str, ...] = ("first-fit", "greedy-by-size")
 
-#: Tried in turn; plan() keeps the smallest arena. Once one is within _GOOD_ENOUGH of the
-#: lower bound only the baselines not yet tried still run (each abandoned as soon as it
-#: cannot win); at the lower bound itself nothing more runs.
+#: What a sweep placement costs next to a step-tree one, in the work budget.
+_SWEEP_COST = 0.125
+
+#: Tried in turn; plan() keeps the smallest arena. The sweeps come first: they cost little
+#: (a placement reads only what is live) and usually win, so the step-tree candidates
+#: after them are abandoned early. Once a plan is within _GOOD_ENOUGH of the lower bound
+#: only the baselines not yet tried still run (each abandoned as soon as it cannot win);
+#: at the lower bound itself nothing more runs. Step-tree candidates that are not
+#: baselines, and the refinement, draw on a work budget (see _extra_work).
 _CANDIDATES: tuple[_Candidate, ...] = (
-    _Candidate("sweep", False, _sweep, _first_fit, sweep=1),
+    _Candidate("sweep", False, _sweep, _first_fit, sweep=1, cost=0),
+    _Candidate("sweep-best-fit", False, _sweep, _best_fit, sweep=1, cost=_SWEEP_COST),
+    _Candidate("sweep-reversed", False, _sweep_reversed, _first_fit, sweep=-1, cost=_SWEEP_COST),
+    _Candidate("sweep-reversed-best-fit", False, _sweep_reversed, _best_fit, sweep=-1,
+               cost=_SWEEP_COST),
+    _Candidate("first-fit", False, _by_start_larger_first, _first_fit, baseline=True, sweep=1,
+               cost=0),
+    _Candidate("greedy-by-size", False, _by_size_longest_lived_first, _best_fit, baseline=True,
+               cost=0),
     _Candidate("size-start-fused", True, _by_size_then_start, _best_fit),
-    _Candidate("first-fit", False, _by_start_larger_first, _first_fit, baseline=True, sweep=1),
-    _Candidate("greedy-by-size", False, _by_size_longest_lived_first, _best_fit, baseline=True),
-    _Candidate("sweep-reversed", False, _sweep_reversed, _first_fit, sweep=-1),
     _Candidate("lifetime-size", False, _by_lifetime_then_size, _best_fit),
     _Candidate("size-start", False, _by_size_then_start, _best_fit),
 )
 _GOOD_ENOUGH = 1.01
-#: The refinement (see _refine) places at most this many blocks in all, so its time is
-#: bounded by what a few passes over ~10,000 tensors cost; big inputs get no rounds.
-_REFINE_WORK = 30_000
 _REFINE_ROUNDS = 40
 _REFINE_BUMP = 0.7
+#: Step-tree placements allowed beyond the baselines and the first sweep: _EXTRA_WORK at
+#: no tensors, fewer as inputs grow, down to a _EXTRA_FLOOR share of the tensors. A
+#: step-tree placement costs about as much as there are tensors live at once, so small
+#: inputs get the extra orders and the refinement rounds (which is where they pay),
+#: while big ones are planned by the sweeps and the baselines, in time close to linear.
+_EXTRA_WORK = 40_000
+_EXTRA_SLOPE = 4
+_EXTRA_FLOOR = 0.25
+
+
+def _extra_work(n: int) -> float:
+    """The work budget for ``n`` blocks, in step-tree block placements."""
+    return max(_EXTRA_WORK - _EXTRA_SLOPE * n, _EXTRA_FLOOR * n)
+
+
+class _Budget:
+    """Step-tree placements left for candidates that are not baselines and refinement."""
+
+    __slots__ = ("left",)
+
+    def __init__(self, left: float) -> None:
+        self.left = left
+
+    def spend(self, n: int) -> bool:
+        """Take ``n`` placements if they are left."""
+        if n > self.left:
+            return False
+        self.left -= n
+        return True
 
 
 def _prepare(specs: tuple[TensorSpec, ...],
@@ -748,9 +786,11 @@ def _arena(cand: list[_Block], starts: list[int]) -> int:
 
 
 def _run(cands: Sequence[_Candidate], blocks: list[_Block], nsteps: int, unit: int,
-         lb: float, early_stop: bool = True) -> tuple[int, list[_Block], list[int]]:
+         lb: float, early_stop: bool = True,
+         budget: _Budget | None = None) -> tuple[int, list[_Block], list[int]]:
     """The smallest arena of ``cands``: (arena, the blocks placed, their starts), in
-    units of ``unit`` bytes, as ``lb`` is."""
+    units of ``unit`` bytes, as ``lb`` is. Candidates with a cost run only while
+    ``budget`` (default: none) has a full pass left."""
     best: tuple[int, list[_Block], list[int]] | None = None
     fused: list[_Block] | None = None
     tried: set[tuple[int, Callable, Callable]] = set()
@@ -758,10 +798,14 @@ def _run(cands: Sequence[_Candidate], blocks: list[_Block], nsteps: int, unit: i
         if best is not None and early_stop and (
                 best[0] <= lb or (best[0] <= lb * _GOOD_ENOUGH and not c.baseline)):
             continue
+        if c.cost and (budget is None or budget.left < c.cost * len(blocks) / 4):
+            continue  # (a fused problem is smaller: up to a few blocks in one)
         cand = blocks
         if c.fuse:
             fused = cand = _bundle(blocks, unit) if fused is None else fused
         if (id(cand), c.order, c.fit) in tried:
+            continue
+        if c.cost and budget is not None and not budget.spend(math.ceil(c.cost * len(cand))):
             continue
         tried.add((id(cand), c.order, c.fit))
         order = sorted(range(len(cand)), key=lambda k: c.order(cand[k]))
@@ -778,19 +822,21 @@ def _run(cands: Sequence[_Candidate], blocks: list[_Block], nsteps: int, unit: i
 
 
 def _refine(blocks: list[_Block], nsteps: int, lb: float,
-            best: tuple[int, list[_Block], list[int]]) -> tuple[int, list[_Block], list[int]]:
-    """Squeaky-wheel rounds of the first-fit sweep: every block that ended above the
-    lower bound moves up in the order, and the sweep places again. Deterministic; the
-    number of rounds shrinks with the input (see _REFINE_WORK), and it stops once a plan
-    is within _GOOD_ENOUGH of the lower bound."""
-    rounds = min(_REFINE_ROUNDS, _REFINE_WORK // max(len(blocks), 1))
-    if rounds < 2 or best[0] <= lb * _GOOD_ENOUGH:
+            best: tuple[int, list[_Block], list[int]],
+            budget: _Budget) -> tuple[int, list[_Block], list[int]]:
+    """Squeaky-wheel rounds of first-fit: every block that ended above the lower bound
+    moves up in the order, and first-fit places again. Deterministic; each round is a
+    pass of ``budget``, and it stops once a plan is within _GOOD_ENOUGH of the lower
+    bound."""
+    if best[0] <= lb * _GOOD_ENOUGH or budget.left < 2 * len(blocks):
         return best
     order = sorted(range(len(blocks)), key=lambda k: _sweep(blocks[k]))
     priority = [0.0] * len(blocks)
     for pos, k in enumerate(order):
         priority[k] = float(pos)
-    for _ in range(rounds):
+    for _ in range(_REFINE_ROUNDS):
+        if not budget.spend(len(blocks)):
+            break
         # Bumped blocks leave start order, so this needs the general packer.
         starts = _pack(blocks, order, nsteps, _first_fit)
         assert starts is not None
@@ -837,8 +883,9 @@ def plan(tensors: Iterable[TensorSpec], *,
     specs = tuple(tensors)
     blocks, nsteps, unit = _prepare(specs, branches)
     lb = lower_bound(specs)
-    arena, cand, starts = _refine(blocks, nsteps, lb / unit,
-                                  _run(_CANDIDATES, blocks, nsteps, unit, lb / unit))
+    budget = _Budget(_extra_work(len(blocks)))
+    best = _run(_CANDIDATES, blocks, nsteps, unit, lb / unit, budget=budget)
+    arena, cand, starts = _refine(blocks, nsteps, lb / unit, best, budget)
     return Plan(arena * unit, _offsets(specs, cand, starts, unit), lb, specs)
 
 
