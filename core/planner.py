@@ -448,10 +448,14 @@ def _pack(blocks: list[_Block], order: Sequence[int], nsteps: int, fit: _Fit = _
         n *= 2
     common = _Occupancy(n)
     per_branch: dict[Hashable, _Occupancy] = {}
-    # The union over all branches is what a common block must avoid; kept only while a
-    # common block is still to come.
-    last_common = max((pos for pos, k in enumerate(order) if blocks[k].branch is None),
-                      default=-1)
+    # A common block must avoid every branch. With few common blocks, each queries the
+    # branches one by one; with many, the union over all branches is kept as well
+    # (while a common block is still to come). The unions are the same either way.
+    commons = [pos for pos, k in enumerate(order) if blocks[k].branch is None]
+    last_common = commons[-1] if commons else -1
+    nbranches = len({b.branch for b in blocks}) - (1 if commons else 0)
+    if len(commons) * nbranches * 4 <= last_common - len(commons):
+        last_common = -1
     any_branch = _Occupancy(n)
     starts = [0] * len(blocks)
     for pos, k in enumerate(order):
@@ -461,7 +465,11 @@ def _pack(blocks: list[_Block], order: Sequence[int], nsteps: int, fit: _Fit = _
         common.taken(canon, path, taken)
         if blk.branch is None:
             own = common
-            any_branch.taken(canon, path, taken)
+            if last_common < 0:
+                for occ in per_branch.values():
+                    occ.taken(canon, path, taken)
+            else:
+                any_branch.taken(canon, path, taken)
         else:
             own = per_branch.get(blk.branch) or per_branch.setdefault(blk.branch, _Occupancy(n))
             own.taken(canon, path, taken)
@@ -693,6 +701,7 @@ class _Candidate(NamedTuple):
     baseline: bool = False  # a textbook planner: always tried, reported by baselines()
     sweep: int = 0  # 1: the order is by first step, -1: by last step descending (see _pack_sweep)
     cost: float = 1.0  # budget drawn per block placed (see _extra_work); 0: always runs
+    coarse: bool = False  # place extents rounded up to _COARSE_BITS significant bits
 
 
 #: The textbook planners plan() is never worse than, by name.
@@ -700,6 +709,22 @@ BASELINES: tuple[str, ...] = ("first-fit", "greedy-by-size")
 
 #: What a sweep placement costs next to a step-tree one, in the work budget.
 _SWEEP_COST = 0.125
+#: Coarse candidates place every extent rounded up to this many significant bits (at
+#: most 1/4096 more): tensors that differ by a few KiB (the same layer in another
+#: microbatch or model chunk) then fit each other's freed gaps exactly, instead of
+#: creeping upwards because each is slightly too big for the last one's hole.
+_COARSE_BITS = 12
+
+
+def _coarse(blocks: list[_Block]) -> list[_Block]:
+    """``blocks`` with extents rounded up as :data:`_COARSE_BITS` says; same order and
+    members, so their starts place the real blocks (each inside its rounded one)."""
+    out = []
+    for b in blocks:
+        g = 1 << max(0, b.extent.bit_length() - _COARSE_BITS)
+        out.append(_Block(-(-b.extent // g) * g, b.align, b.phase, b.branch, b.spans,
+                          b.members, b.life, b.nodes))
+    return out
 
 #: Tried in turn; plan() keeps the smallest arena. The sweeps come first: they cost little
 #: (a placement reads only what is live) and usually win, so the step-tree candidates
@@ -709,8 +734,14 @@ _SWEEP_COST = 0.125
 #: baselines, and the refinement, draw on a work budget (see _extra_work).
 _CANDIDATES: tuple[_Candidate, ...] = (
     _Candidate("sweep", False, _sweep, _first_fit, sweep=1, cost=0),
+    _Candidate("sweep-coarse", False, _sweep, _first_fit, sweep=1, cost=_SWEEP_COST,
+               coarse=True),
     _Candidate("sweep-best-fit", False, _sweep, _best_fit, sweep=1, cost=_SWEEP_COST),
     _Candidate("sweep-reversed", False, _sweep_reversed, _first_fit, sweep=-1, cost=_SWEEP_COST),
+    _Candidate("sweep-reversed-coarse", False, _sweep_reversed, _first_fit, sweep=-1,
+               cost=_SWEEP_COST, coarse=True),
+    _Candidate("sweep-best-fit-coarse", False, _sweep, _best_fit, sweep=1, cost=_SWEEP_COST,
+               coarse=True),
     _Candidate("sweep-reversed-best-fit", False, _sweep_reversed, _best_fit, sweep=-1,
                cost=_SWEEP_COST),
     _Candidate("first-fit", False, _by_start_larger_first, _first_fit, baseline=True, sweep=1,
@@ -793,6 +824,7 @@ def _run(cands: Sequence[_Candidate], blocks: list[_Block], nsteps: int, unit: i
     ``budget`` (default: none) has a full pass left."""
     best: tuple[int, list[_Block], list[int]] | None = None
     fused: list[_Block] | None = None
+    coarse: list[_Block] | None = None
     tried: set[tuple[int, Callable, Callable]] = set()
     for c in cands:
         if best is not None and early_stop and (
@@ -803,18 +835,21 @@ def _run(cands: Sequence[_Candidate], blocks: list[_Block], nsteps: int, unit: i
         cand = blocks
         if c.fuse:
             fused = cand = _bundle(blocks, unit) if fused is None else fused
-        if (id(cand), c.order, c.fit) in tried:
+        placed = cand
+        if c.coarse:
+            coarse = placed = _coarse(cand) if coarse is None else coarse
+        if (id(placed), c.order, c.fit) in tried:
             continue
         if c.cost and budget is not None and not budget.spend(math.ceil(c.cost * len(cand))):
             continue
-        tried.add((id(cand), c.order, c.fit))
-        order = sorted(range(len(cand)), key=lambda k: c.order(cand[k]))
+        tried.add((id(placed), c.order, c.fit))
+        order = sorted(range(len(placed)), key=lambda k: c.order(placed[k]))
         limit = math.inf if best is None else best[0]
         if c.sweep:
-            starts = _pack_sweep(cand, order, nsteps, c.fit, limit, c.sweep < 0)
+            starts = _pack_sweep(placed, order, nsteps, c.fit, limit, c.sweep < 0)
         else:
-            starts = _pack(cand, order, nsteps, c.fit, limit)
-        if starts is not None:
+            starts = _pack(placed, order, nsteps, c.fit, limit)
+        if starts is not None and (best is None or _arena(cand, starts) < best[0]):
             best = (_arena(cand, starts), cand, starts)
     if best is None:  # no tensors
         return 0, blocks, []
