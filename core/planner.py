@@ -707,6 +707,17 @@ class _Candidate(NamedTuple):
 #: The textbook planners plan() is never worse than, by name.
 BASELINES: tuple[str, ...] = ("first-fit", "greedy-by-size")
 
+#: Refinement runs in turn, while the budget lasts: (coarse extents, first order, bump).
+#: Coarse extents first: near-equal tensors then trade places cleanly.
+_REFINE_RUNS: tuple[tuple[bool, Callable[[_Block], tuple], float], ...] = (
+    (True, _sweep, 0.7),
+    (False, _sweep, 0.7),
+    (True, _sweep_reversed, 0.7),
+    (False, _sweep_reversed, 0.7),
+    (True, _sweep, 0.5),
+    (False, _sweep, 0.5),
+)
+
 #: What a sweep placement costs next to a step-tree one, in the work budget.
 _SWEEP_COST = 0.125
 #: Coarse candidates place every extent rounded up to this many significant bits (at
@@ -755,6 +766,9 @@ _CANDIDATES: tuple[_Candidate, ...] = (
 _GOOD_ENOUGH = 1.01
 _REFINE_ROUNDS = 40
 _REFINE_BUMP = 0.7
+#: A refinement run stops after this many rounds in a row without a smaller arena.
+_REFINE_PATIENCE = 8
+_REFINE_FRUITLESS = 3
 #: Step-tree placements allowed beyond the baselines and the first sweep: _EXTRA_WORK at
 #: no tensors, fewer as inputs grow, down to a _EXTRA_FLOOR share of the tensors. A
 #: step-tree placement costs about as much as there are tensors live at once, so small
@@ -861,29 +875,40 @@ def _refine(blocks: list[_Block], nsteps: int, lb: float,
             budget: _Budget) -> tuple[int, list[_Block], list[int]]:
     """Squeaky-wheel rounds of first-fit: every block that ended above the lower bound
     moves up in the order, and first-fit places again. Deterministic; each round is a
-    pass of ``budget``, and it stops once a plan is within _GOOD_ENOUGH of the lower
+    pass of ``budget``. A run stops after _REFINE_PATIENCE rounds without progress and
+    the next one starts over (see _REFINE_RUNS); all stop after _REFINE_FRUITLESS runs
+    in a row without progress, or once a plan is within _GOOD_ENOUGH of the lower
     bound."""
-    if best[0] <= lb * _GOOD_ENOUGH or budget.left < 2 * len(blocks):
-        return best
-    order = sorted(range(len(blocks)), key=lambda k: _sweep(blocks[k]))
-    priority = [0.0] * len(blocks)
-    for pos, k in enumerate(order):
-        priority[k] = float(pos)
-    for _ in range(_REFINE_ROUNDS):
-        if not budget.spend(len(blocks)):
+    fruitless = 0
+    for coarse, start_key, bump in _REFINE_RUNS:
+        if (best[0] <= lb * _GOOD_ENOUGH or budget.left < 2 * len(blocks)
+                or fruitless >= _REFINE_FRUITLESS):
             break
-        # Bumped blocks leave start order, so this needs the general packer.
-        starts = _pack(blocks, order, nsteps, _first_fit)
-        assert starts is not None
-        arena = _arena(blocks, starts)
-        if arena < best[0]:
-            best = (arena, blocks, starts)
-            if arena <= lb * _GOOD_ENOUGH:
+        before = best[0]
+        placed = _coarse(blocks) if coarse else blocks
+        order = sorted(range(len(blocks)), key=lambda k: start_key(placed[k]))
+        priority = [0.0] * len(blocks)
+        for pos, k in enumerate(order):
+            priority[k] = float(pos)
+        stalled = 0
+        for _ in range(_REFINE_ROUNDS):
+            if stalled >= _REFINE_PATIENCE or not budget.spend(len(blocks)):
                 break
-        for k, b in enumerate(blocks):
-            if starts[k] + b.extent > lb:
-                priority[k] *= _REFINE_BUMP
-        order.sort(key=priority.__getitem__)
+            stalled += 1
+            # Bumped blocks leave start order, so this needs the general packer.
+            starts = _pack(placed, order, nsteps, _first_fit)
+            assert starts is not None
+            arena = _arena(blocks, starts)
+            if arena < best[0]:
+                best = (arena, blocks, starts)
+                stalled = 0
+                if arena <= lb * _GOOD_ENOUGH:
+                    break
+            for k, b in enumerate(placed):
+                if starts[k] + b.extent > lb:
+                    priority[k] *= bump
+            order.sort(key=priority.__getitem__)
+        fruitless = fruitless + 1 if best[0] == before else 0
     return best
 
 
