@@ -2,7 +2,7 @@
 pipeline-parallel schedules.
 
     python benchmarks/bench_planner.py [--json] [--reps 3] [--case NAME ...] [--seeds 8]
-                                       [--ablation]
+                                       [--big-seeds 1] [--ablation]
 
 Each case is the memory one pipeline rank sees in one training step of an interleaved
 1F1B schedule (Megatron order: warm-up forwards, steady one-forward-one-backward,
@@ -33,7 +33,7 @@ import platform
 import random
 import statistics
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from graphslot import planner
@@ -272,11 +272,12 @@ FAMILY_BIG = {
 
 
 def run_case(name: str, kind: str, ts: list[TensorSpec], reps: int) -> dict[str, Any]:
-    times = []
+    times, cpu = [], []
     for _ in range(reps):
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         p = plan(ts)
         times.append(time.perf_counter() - t0)
+        cpu.append(time.process_time() - c0)
     t0 = time.perf_counter()
     verify(p)
     verify_s = time.perf_counter() - t0
@@ -293,6 +294,7 @@ def run_case(name: str, kind: str, ts: list[TensorSpec], reps: int) -> dict[str,
         "ratio": p.arena_bytes / p.lower_bound_bytes,
         "baselines": {n: {"arena_bytes": a, "ratio": a / p.lower_bound_bytes} for n, a in base.items()},
         "plan_s": statistics.median(times),
+        "plan_cpu_s": statistics.median(cpu),
         "verify_s": verify_s,
     }
 
@@ -314,7 +316,11 @@ def all_cases(args: argparse.Namespace) -> list[tuple[str, str, list[TensorSpec]
         if n in CASES:
             out.append((n, "stress" if n in STRESS else "realistic", tensors_for(CASES[n])))
         else:
-            out.append((n, "family", family_tensors(FAMILY_BIG[n])))
+            for seed in range(args.big_seeds):
+                c = FAMILY_BIG[n]
+                if seed:
+                    c = replace(c, name=f"{c.name}-s{seed}", seed=seed)
+                out.append((c.name, "family", family_tensors(c)))
     for seed in range(args.seeds):
         c = family_case(seed)
         out.append((c.name, "family", family_tensors(c)))
@@ -329,6 +335,9 @@ def main() -> None:
                     default=list(CASES) + list(FAMILY_BIG))
     ap.add_argument("--seeds", type=int, default=8,
                     help="how many ~1,000-tensor schedules of the irregular cp family")
+    ap.add_argument("--big-seeds", type=int, default=1,
+                    help="how many seeds of each cp-family-10k/100k case (other seeds draw "
+                         "other per-chunk sizes and variations)")
     ap.add_argument("--ablation", action="store_true",
                     help="also report the ratio of each candidate order alone")
     args = ap.parse_args()
@@ -342,16 +351,23 @@ def main() -> None:
                           "cases": rows}, indent=2))
         return
     names = list(planner.BASELINES)
-    print(f"{'case':<15} {'kind':<9} {'tensors':>7} {'branches':>8} {'steps':>5} "
+    print(f"{'case':<18} {'kind':<9} {'tensors':>7} {'branches':>8} {'steps':>5} "
           f"{'lower bound':>12} {'arena':>12} {'ratio':>6} "
-          + " ".join(f"{n:>14}" for n in names) + f" {'plan s':>7} {'verify s':>8}")
+          + " ".join(f"{n:>14}" for n in names) + f" {'plan s':>7} {'cpu s':>7} {'verify s':>8}")
     for r in rows:
-        print(f"{r['case']:<15} {r['kind']:<9} {r['tensors']:>7} {r['branches']:>8} {r['steps']:>5} "
+        print(f"{r['case']:<18} {r['kind']:<9} {r['tensors']:>7} {r['branches']:>8} {r['steps']:>5} "
               f"{r['lower_bound_bytes'] / MiB:>8.0f} MiB {r['arena_bytes'] / MiB:>8.0f} MiB "
               f"{r['ratio']:>6.3f} "
               + " ".join(f"{r['baselines'][n]['ratio']:>14.3f}" for n in names)
-              + f" {r['plan_s']:>7.3f} {r['verify_s']:>8.3f}")
+              + f" {r['plan_s']:>7.3f} {r['plan_cpu_s']:>7.3f} {r['verify_s']:>8.3f}")
     fam = [r for r in rows if r["case"].startswith("cp-family-s")]
+    big = [r for r in rows if r["case"].startswith(("cp-family-10k", "cp-family-100k"))]
+    if big:
+        print(f"\ncp family at scale, {len(big)} cases: planner ratio max "
+              f"{max(r['ratio'] for r in big):.4f}, plan s max "
+              + ", ".join(f"{k} {max(r['plan_s'] for r in big if r['case'].startswith(k + '-') or r['case'] == k):.2f}"
+                          for k in ("cp-family-10k", "cp-family-100k")
+                          if any(r['case'].startswith(k) for r in big)))
     if fam:
         print(f"\ncp family, {len(fam)} seeds: planner ratio max {max(r['ratio'] for r in fam):.4f}, "
               f"mean {statistics.mean(r['ratio'] for r in fam):.4f}; "
@@ -361,9 +377,9 @@ def main() -> None:
         cand = list(rows[0]["ablation"])
         print()
         print("arena / lower bound of each candidate alone (no refinement):")
-        print(f"{'case':<15} " + " ".join(f"{n:>16}" for n in cand))
+        print(f"{'case':<18} " + " ".join(f"{n:>16}" for n in cand))
         for r in rows:
-            print(f"{r['case']:<15} " + " ".join(f"{r['ablation'][n]:>16.3f}" for n in cand))
+            print(f"{r['case']:<18} " + " ".join(f"{r['ablation'][n]:>16.3f}" for n in cand))
 
 
 if __name__ == "__main__":
