@@ -46,9 +46,12 @@ shapes inside a layer; random ops (dropout) are not supported inside graphed lay
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import gc
+import threading
 import warnings
+import weakref
 from typing import Any, Callable, Iterable, Sequence
 
 import torch
@@ -256,10 +259,9 @@ class _Runner:
         # Drop the captured autograd graph: its accumulator nodes were made on the capture
         # stream, and training must make its own on the training stream.
         del self._out, self._inputs
-        kept = getattr(self, "_kept", None)
+        kept = self.__dict__.pop("_kept", None)
         if kept:
             self.saved_views = [b.alias_bytes(ptr, n) for ptr, n in kept.values()]
-        self._kept = None
 
     def settle_refs(self) -> None:
         """After the build: count the references graphslot itself holds to each buffer."""
@@ -312,6 +314,30 @@ class _Runner:
         return self.static_out
 
     def backward(self, grad: torch.Tensor, mb: int) -> tuple[torch.Tensor | None, ...]:
+        stack = self.stack
+        if stack._closed:
+            raise StateError(f"layer {self.index}: backward of microbatch {mb} after close(); "
+                             "close() abandoned the forward it belonged to")
+        stack._enter()
+        try:
+            return self._backward(grad, mb)
+        finally:
+            stack._leave()
+
+    def _backward(self, grad: torch.Tensor, mb: int) -> tuple[torch.Tensor | None, ...]:
+        stack = self.stack
+        # A backward pass is one unit for close(): from its first layer to the stack's first.
+        stack._in_backward.add(mb)
+        try:
+            out = self._replay_backward(grad, mb)
+        except BaseException:
+            stack._in_backward.discard(mb)
+            raise
+        if self.index == 0:
+            stack._in_backward.discard(mb)
+        return out
+
+    def _replay_backward(self, grad: torch.Tensor, mb: int) -> tuple[torch.Tensor | None, ...]:
         stack, eng = self.stack, self.stack.engine
         if mb not in self.pending:
             raise StateError(
@@ -408,6 +434,10 @@ class _LayerFunction(torch.autograd.Function):
     def forward(ctx: Any, runner: _Runner, mb: int, x: torch.Tensor, *params: torch.Tensor) -> torch.Tensor:
         ctx.runner, ctx.mb = runner, mb
         out = runner.forward(x, mb, True)
+        if runner.index == 0:
+            # The first layer's node outlives the others: when it dies without a backward
+            # (the output was dropped), the stack gives back what the microbatch holds.
+            weakref.finalize(ctx, runner.stack._abandoned.append, mb).atexit = False
         # The last layer's output goes to the caller, who may keep it across the next
         # forward; inside the stack the next layer reads the buffer itself.
         return out.clone() if runner.stack._runners[-1] is runner else out.detach()
@@ -476,11 +506,22 @@ class GraphedLayers(nn.Module):
         self._warmup_stream = self.backend.new_stream()
         #: gradient buffers handed out as .grad since the last replay that could overwrite them
         self._lent: list[tuple[int, _ParamGrad]] = []
+        self._lock = threading.Condition()
+        self._users = 0  # forwards and backwards under way (close() waits for them)
+        self._in_backward: set[int] = set()  # microbatches whose backward pass has begun
+        self._closed = False
+        #: microbatches whose autograd graph died without a backward (appended by finalizers)
+        self._abandoned: collections.deque[int] = collections.deque()
         try:
             self._build(sample_input)
         except BaseException:
-            self.engine.close()
+            self.engine.close()  # what the failed build made goes before the error does
+            self._warmup_stream = None
+            self._runners = []
             raise
+        # Dropped without close(): the pages, host buffers and threads go with the stack.
+        self._finalizer = weakref.finalize(self, OffloadEngine.close, self.engine)
+        self._finalizer.atexit = False
         self._offloaded = [r for r in self._runners if r.group is not None and not r.group.empty]
         self._in_pool = [r for r in self._runners if r.saved_views]
 
@@ -579,21 +620,86 @@ class GraphedLayers(nn.Module):
         self._holder = mb
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self._closed:
+            raise StateError("GraphedLayers: forward after close(); its slots and graphs are "
+                             "released, build a new stack")
+        if self._abandoned:
+            self._reap()
         self._microbatch += 1
         mb = self._microbatch
         runners = self._runners
-        if torch.is_grad_enabled() and (x.requires_grad or any(r.params for r in runners)):
-            for r in runners:
-                x = _LayerFunction.apply(r, mb, x, *r.params)
-            return x
-        # No backward can follow: nothing is offloaded or kept for one.
-        for r in runners:
-            x = r.forward(x, mb, False)
-        return x.clone()
+        self._enter()
+        try:
+            try:
+                if torch.is_grad_enabled() and (x.requires_grad or any(r.params for r in runners)):
+                    for r in runners:
+                        x = _LayerFunction.apply(r, mb, x, *r.params)
+                    return x
+                # No backward can follow: nothing is offloaded or kept for one.
+                for r in runners:
+                    x = r.forward(x, mb, False)
+                return x.clone()
+            except BaseException:
+                self._abandon(mb)  # nobody holds this forward's output: no backward can come
+                raise
+        finally:
+            self._leave()
 
-    def close(self) -> None:
-        """Release the slots, banks and buffers (the graphs cannot replay afterwards)."""
+    def _enter(self) -> None:
+        with self._lock:
+            if self._closed:
+                raise StateError("GraphedLayers: used after close()")
+            self._users += 1
+
+    def _leave(self) -> None:
+        with self._lock:
+            self._users -= 1
+            self._lock.notify_all()
+
+    def _abandon(self, mb: int) -> None:
+        """Microbatch ``mb``'s backward will never run: give back what it holds."""
+        eng = self.engine
+        for r in self._runners:
+            r.pending.discard(mb)
+            r.parked.pop(mb, None)
+            if r.group is not None and not eng.closed:
+                t = eng.find(r.group, mb)
+                if t is not None:
+                    eng.abandon(t)
+        if self._holder == mb:
+            self._holder = None
+        self._in_backward.discard(mb)
+
+    def _reap(self) -> None:
+        """Abandon the microbatches whose autograd graphs died without a backward."""
+        while self._abandoned:
+            mb = self._abandoned.popleft()
+            if any(mb in r.pending for r in self._runners) or any(
+                    r.group is not None and self.engine.find(r.group, mb) is not None
+                    for r in self._runners):
+                self._abandon(mb)
+
+    def close(self, timeout: float = 30.0) -> None:
+        """Release the slots, banks and buffers (the graphs cannot replay afterwards).
+
+        Safe to call again and from another thread: it waits up to ``timeout`` seconds for
+        a forward or backward under way to finish, then refuses with a StateError. A
+        microbatch whose backward has not run is abandoned; its backward then raises.
+        """
+        with self._lock:
+            if self._closed:
+                return
+            def idle() -> bool:  # no replay, and no backward pass begun that can still go on
+                return self._users == 0 and not any(
+                    m in r.pending for m in self._in_backward for r in self._runners)
+
+            if not self._lock.wait_for(idle, timeout):
+                raise StateError(f"GraphedLayers.close(): another thread is still replaying "
+                                 f"after {timeout:g} s; close() once it is done")
+            self._closed = True
+        self._finalizer.detach()
         self.engine.close()
+        self._warmup_stream = None
 
     def __enter__(self) -> GraphedLayers:
         return self

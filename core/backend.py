@@ -24,6 +24,7 @@ import abc
 import contextlib
 import threading
 import time
+import weakref
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, ContextManager, Iterator, Sequence, TypeVar
@@ -352,6 +353,9 @@ class Backend(abc.ABC):
         self.counters: Counter[str] = Counter()
         self._lock = threading.RLock()  # serialises every driver call
         self._granularity: int | None = None
+        #: page-locked host bytes of live buffers made by :meth:`pinned_empty`
+        self.pinned_bytes = 0
+        self._pinned_lock = threading.Lock()
 
     # ------------------------------------------------------------------ raw primitives
     # Implemented by each backend. Arguments are already validated.
@@ -757,7 +761,16 @@ class Backend(abc.ABC):
         """A page-locked host byte buffer of ``nbytes`` for asynchronous copies."""
         if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes <= 0:
             raise UsageError(f"pinned_empty: nbytes must be a positive int, got {nbytes!r}")
-        return self._pinned_empty(nbytes)
+        t = self._pinned_empty(nbytes)
+        # Counted while the buffer lives, so memory.report shows host buffers graphslot holds.
+        with self._pinned_lock:
+            self.pinned_bytes += nbytes
+        weakref.finalize(t, self._unpin, nbytes).atexit = False
+        return t
+
+    def _unpin(self, nbytes: int) -> None:
+        with self._pinned_lock:
+            self.pinned_bytes -= nbytes
 
     def copy_async(self, dst: torch.Tensor, src: torch.Tensor, stream: Any = None) -> None:
         """Queue ``dst.copy_(src)`` on ``stream`` (default: the current stream).

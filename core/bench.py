@@ -221,6 +221,7 @@ def run_bench(b: Backend, shape: BenchShape, *, steps: int = 10, warmup: int = 3
             bar.done += warmup + steps + 2
             continue
         stack: Any = None
+        fwd: Callable[[], torch.Tensor]
         if name == "torch_graphed":
             bar.update(f"{name}: capture", advance=False)
             _torch_graphed(b, layers, x)
@@ -240,7 +241,7 @@ def run_bench(b: Backend, shape: BenchShape, *, steps: int = 10, warmup: int = 3
             bar.update(f"{name}: capture", advance=False)
             stack = GraphedLayers(layers, x, mode=mode, backend=b, warmup_iters=2, **kw)
 
-            fwd: Callable[[], torch.Tensor] = functools.partial(stack, x)
+            fwd = functools.partial(stack, x)
         elif name == "save_on_cpu":
             fwd = functools.partial(_forward_saving_on_cpu, layers, x)
         elif name == "eager":

@@ -14,6 +14,9 @@ what it can see and blind to the rest:
     to graphslot's VMM pages, to other libraries' direct driver allocations, and to
     driver/graph metadata. ``None`` where the backend's allocator keeps no figures
     (host memory on the cpu backend).
+(d) **graphslot's pinned host buffers** (``host_pinned_bytes``): exact, the live buffers
+    made by ``Backend.pinned_empty`` (the offload engine's host side). Host memory, not
+    device memory; so a leak of offloaded activations shows here.
 (c) **the driver** (``driver_free_bytes``, ``driver_total_bytes``, ``driver_used_bytes``):
     sees everything on the device, this process's and others', including graph
     executables and library workspaces, so it is the ground truth for "did memory come
@@ -47,6 +50,7 @@ class MemoryReport:
     graph_pool_allocated_bytes: int | None
     driver_free_bytes: int
     driver_total_bytes: int
+    host_pinned_bytes: int = 0
 
     @property
     def driver_used_bytes(self) -> int:
@@ -85,6 +89,7 @@ def report(backend: Backend, samples: int = 3) -> MemoryReport:
         graph_pool_allocated_bytes=a["graph_pool_allocated_bytes"],
         driver_free_bytes=int(statistics.median(frees)),
         driver_total_bytes=total,
+        host_pinned_bytes=backend.pinned_bytes,
     )
 
 

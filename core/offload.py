@@ -96,6 +96,13 @@ TRANSITIONS: dict[tuple[State, str], State] = {
     (S.RESTORING, "wait_restored"): S.RESTORED,
     (S.RESTORED, "consumed"): S.DONE,
     (S.READY, "forget"): S.DONE,  # a forward with no backward (evaluation)
+    # A forward whose backward will never come (its autograd graph was dropped, or a step
+    # was abandoned part way): whatever it holds goes back.
+    (S.READY, "abandon"): S.DONE,
+    (S.RELEASED, "abandon"): S.DONE,
+    (S.RESIDENT_PENDING, "abandon"): S.DONE,
+    (S.RESTORING, "abandon"): S.DONE,
+    (S.RESTORED, "abandon"): S.DONE,
 }
 
 
@@ -159,6 +166,7 @@ class DriverWorker:
     def __init__(self, backend: Backend) -> None:
         self._backend = backend
         self._q: queue.SimpleQueue[tuple[Callable[[], Any], Future[Any]] | None] = queue.SimpleQueue()
+        self._closed = False
         self._thread = threading.Thread(target=self._run, name="graphslot-driver", daemon=True)
         self._thread.start()
 
@@ -176,6 +184,9 @@ class DriverWorker:
                 fut.set_exception(e)
 
     def submit(self, fn: Callable[[], Any]) -> Future[Any]:
+        if self._closed:
+            raise StateError("the driver worker was closed (its engine's close() ran); "
+                             "build a new engine")
         fut: Future[Any] = Future()
         self._q.put((fn, fut))
         return fut
@@ -189,6 +200,9 @@ class DriverWorker:
         self.submit(lambda: None).result()
 
     def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
         self._q.put(None)
         self._thread.join(timeout=10)
 
@@ -490,6 +504,7 @@ class OffloadEngine:
         self._fences = True  # tests switch the bank fences off to show they matter
         #: a :class:`graphslot.trace.Timeline` to record copy spans on, or None
         self.timeline: Any = None
+        self.closed = False
 
     def group(self, name: str, offload: bool = True) -> OffloadGroup:
         g = OffloadGroup(self, name, offload and self.mode is not Mode.OFF)
@@ -533,6 +548,7 @@ class OffloadEngine:
 
     def before_forward(self, g: OffloadGroup, microbatch: int) -> Ticket:
         """Make ``g``'s slot writable for a forward replay; returns that forward's ticket."""
+        self._check_open("forward")
         if g.state is not State.READY:
             _step(f"offload group {g.name}", g.state, "offload:forward")
         key = (g.index, microbatch)
@@ -598,7 +614,12 @@ class OffloadEngine:
 
     # -- backward ------------------------------------------------------------------------
 
+    def find(self, g: OffloadGroup, microbatch: int) -> Ticket | None:
+        """The ticket of ``g``'s forward for ``microbatch`` if it is still in flight."""
+        return self._pending.get((g.index, microbatch))
+
     def ticket(self, g: OffloadGroup, microbatch: int) -> Ticket:
+        self._check_open("backward")
         t = self._pending.get((g.index, microbatch))
         if t is None:
             raise StateError(f"offload group {g.name}: backward for microbatch {microbatch} "
@@ -607,6 +628,7 @@ class OffloadEngine:
 
     def restore(self, t: Ticket) -> None:
         """Start bringing ``t``'s activations back into the slot (may run ahead: look-ahead)."""
+        self._check_open("restore")
         if t.state is State.RESTORING or t.state is State.RESTORED:
             return
         t._go("restore")
@@ -731,13 +753,51 @@ class OffloadEngine:
 
     def settle(self) -> None:
         """Wait for queued driver work (remap) and copies; for tests and teardown."""
-        if self.worker is not None:
+        if self.worker is not None and not self.closed:
             self.worker.drain()
         self.backend.synchronize()
 
+    def abandon(self, t: Ticket) -> None:
+        """``t``'s backward will never run: give back its host buffer and slot, in any state.
+
+        Copies already queued finish first (their events order the reuse), so nothing is
+        freed under a copy or a replay.
+        """
+        prev = t.state
+        t._go("abandon")
+        g = t.group
+        del self._pending[(g.index, t.microbatch)]
+        if g.empty:
+            return
+        if t.restore_job is not None:
+            job, t.restore_job = t.restore_job, None
+            try:
+                job.result()
+            except BaseException:  # the mapping failed: nothing was mapped for it
+                prev = State.RELEASED
+        if t.stash is not None:
+            g._give_stash(t.stash, t.restore_done or t.d2h_done)
+            t.stash = None
+        if self.mode is Mode.RESIDENT:
+            if g.bank is not None and g.bank.restored_for is t:
+                self._free_slot(g)
+        elif prev in (State.READY, State.RESTORING, State.RESTORED):
+            self._free_slot(g)  # the slot is mapped for it: release the pages
+
+    def _check_open(self, what: str) -> None:
+        if self.closed:
+            raise StateError(f"offload engine: {what} after close(); the slots and buffers are "
+                             "gone, build a new engine (or GraphedLayers)")
+
     def close(self) -> None:
-        """Release every slot, bank and buffer this engine made (after :meth:`settle`)."""
+        """Release every slot, bank and buffer this engine made (after :meth:`settle`).
+
+        Safe to call again; any use afterwards is a StateError naming close().
+        """
+        if self.closed:
+            return
         self.settle()
+        self.closed = True
         if self.worker is not None:
             self.worker.close()
         b = self.backend
@@ -756,4 +816,6 @@ class OffloadEngine:
                 b.free(bank.reservation)
         self._banks.clear()
         self._pending.clear()
+        # Streams may own threads (the cpu backend's do): let them go with their last user.
+        self.d2h_stream = self.h2d_stream = None
 

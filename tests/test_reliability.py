@@ -1,0 +1,217 @@
+"""GraphedLayers used carelessly: forwards without a backward, close() in any order,
+stacks dropped without close(), failed constructions, abandoned steps."""
+
+from __future__ import annotations
+
+import copy
+import gc
+import os
+import threading
+import time
+
+import pytest
+import torch
+from torch import nn
+
+import graphslot
+from graphslot import memory
+from graphslot.adapters.torch import GraphedLayers
+from graphslot.errors import StateError, UsageError
+from graphslot.toy import GPTConfig, TinyGPT
+
+MODES = ["off", "resident", "remap"]
+_BASE_THREADS = threading.active_count()
+
+
+def small(b: graphslot.Backend, layers: int = 3) -> TinyGPT:
+    c = GPTConfig(hidden=32, heads=2, ffn=64, seq=16, batch=2, layers=layers, vocab=64)
+    torch.manual_seed(11)
+    return TinyGPT(c).to(b.device)
+
+
+def graphed(model: TinyGPT, b: graphslot.Backend, mode: str, **kw) -> GraphedLayers:
+    sample = model.hidden_in(model.batch(0, b.device)[0]).detach().requires_grad_()
+    stack = GraphedLayers(list(model.blocks), sample, mode=mode, backend=b, **kw)
+    model.stack = stack
+    return stack
+
+
+def _rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def resources(b: graphslot.Backend) -> tuple[int, int, int, int]:
+    gc.collect()
+    for _ in range(100):  # threads of collected streams exit on their own, soon after
+        if threading.active_count() <= _BASE_THREADS:
+            break
+        time.sleep(0.02)
+    fds = len(os.listdir("/proc/self/fd")) if os.path.isdir("/proc/self/fd") else 0
+    return (b.ledger.mapped_bytes, len(b.ledger.reservations), threading.active_count(), fds)
+
+
+@pytest.mark.parametrize("mode", ["resident", "remap"])
+def test_forwards_without_a_backward_hold_nothing_after_them(clean, mode):
+    b = clean
+    model = small(b)
+    with graphed(model, b, mode) as stack:
+        eng = stack.engine
+        for i in range(3):  # settle: host buffers for the training forwards exist
+            model(*model.batch(i, b.device)).backward()
+        eng.settle()
+        host0, pending0 = eng.host_bytes, len(eng.in_flight())
+        pinned0, rss0 = memory.report(b).host_pinned_bytes, _rss()
+        for i in range(1000 if mode == "resident" else 300):
+            tokens, targets = model.batch(i, b.device)
+            kind = i % 3
+            if kind == 0:
+                with torch.no_grad():
+                    model(tokens, targets)
+            elif kind == 1:
+                model(tokens, targets)  # the output is dropped: no backward will come
+            else:
+                model(tokens, targets).backward()
+        model(*model.batch(0, b.device)).backward()  # a forward reaps what was dropped
+        eng.settle()
+        assert len(eng.in_flight()) == pending0 == 0
+        assert eng.host_bytes <= host0 * 2, (eng.host_bytes, host0)
+        assert all(not r.pending for r in stack._runners)
+        assert memory.report(b).host_pinned_bytes <= max(2 * pinned0, pinned0 + (1 << 20))
+        assert _rss() - rss0 < 64 << 20, (rss0, _rss())
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_close_is_idempotent_and_any_use_after_it_names_close(clean, mode):
+    b = clean
+    model = small(b)
+    stack = graphed(model, b, mode)
+    loss = model(*model.batch(0, b.device))  # in flight when close() comes
+    stack.close()
+    stack.close()
+    with pytest.raises(StateError, match=r"close\(\)"):
+        model(*model.batch(1, b.device))
+    with pytest.raises(StateError, match=r"close\(\)"):
+        loss.backward()
+
+
+def test_close_waits_for_a_backward_under_way_in_another_thread(clean):
+    b = clean
+    model = small(b)
+    stack = graphed(model, b, "resident")
+    loss = model(*model.batch(0, b.device))
+    entered, release = threading.Event(), threading.Event()
+    real = stack._runners[1].bwd.replay
+
+    def slow_replay() -> None:
+        entered.set()
+        release.wait(10)
+        real()
+
+    stack._runners[1].bwd.replay = slow_replay  # type: ignore[method-assign]
+    errors: list[BaseException] = []
+
+    def run_backward() -> None:
+        try:
+            loss.backward()
+        except BaseException as e:  # pragma: no cover - reported below
+            errors.append(e)
+
+    t = threading.Thread(target=run_backward)
+    t.start()
+    assert entered.wait(10)
+    with pytest.raises(StateError, match="another thread"):
+        stack.close(timeout=0.2)  # refuses while the replay is under way
+    closer = threading.Thread(target=stack.close)
+    closer.start()
+    release.set()
+    t.join(20)
+    closer.join(20)
+    assert not errors and not closer.is_alive()
+    assert stack._closed
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_stacks_dropped_without_close_release_everything(clean, mode):
+    b = clean
+    model = small(b, 2)
+    before, rss0 = resources(b), _rss()
+    for _ in range(60 if mode == "resident" else 10):
+        stack = graphed(model, b, mode)
+        model(*model.batch(0, b.device)).backward()
+        model.stack = nn.Sequential(*model.blocks)
+        del stack
+    after = resources(b)
+    assert after[:3] == before[:3], (before, after)
+    assert after[3] <= before[3] + 2, (before, after)
+    assert _rss() - rss0 < 128 << 20, (rss0, _rss())
+
+
+class _ReturnsTuple(nn.Module):
+    def forward(self, x):
+        return x, x
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_failed_construction_releases_what_it_made(clean, mode):
+    b = clean
+    model = small(b, 2)
+    before = resources(b)
+    sample = model.hidden_in(model.batch(0, b.device)[0]).detach().requires_grad_()
+    for _ in range(30 if mode == "resident" else 8):
+        with pytest.raises(UsageError, match="one tensor"):
+            GraphedLayers([*model.blocks, _ReturnsTuple()], sample, mode=mode, backend=b)
+    after = resources(b)
+    assert after[:3] == before[:3], (before, after)
+
+
+@pytest.mark.parametrize("layers", [[0.5], [True], ["1"], [7]])
+def test_offload_layers_must_be_layer_indices(clean, layers):
+    b = clean
+    model = small(b, 2)
+    sample = model.hidden_in(model.batch(0, b.device)[0]).detach()
+    with pytest.raises(UsageError, match="not layer indices"):
+        GraphedLayers(list(model.blocks), sample, mode="resident", backend=b, offload_layers=layers)
+
+
+def train(model: TinyGPT, b: graphslot.Backend, steps: int, interrupt_at: int | None = None) -> list[torch.Tensor]:
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    out = []
+    for step in range(steps):
+        if step == interrupt_at:
+            # An abandoned step: a forward, then an error before its backward.
+            try:
+                model(*model.batch(999, b.device))
+                raise KeyboardInterrupt
+            except KeyboardInterrupt:
+                pass
+            opt.zero_grad(set_to_none=True)
+        loss = model(*model.batch(step, b.device))
+        loss.backward()
+        out.append(loss.detach())
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return out + [p.detach().clone() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("mode", ["resident", "remap", "off"])
+def test_an_abandoned_step_leaves_the_stack_usable(clean, mode):
+    b = clean
+    base = small(b)
+    want = train(copy.deepcopy(base), b, 4)
+    model = copy.deepcopy(base)
+    with graphed(model, b, mode) as stack:
+        got = train(model, b, 4, interrupt_at=2)
+        assert stack.engine.in_flight() == []
+    for i, (x, y) in enumerate(zip(got, want)):
+        assert torch.equal(x, y), i
+
+
+def test_backward_twice_says_so(clean):
+    b = clean
+    model = small(b, 2)
+    with graphed(model, b, "resident"):
+        loss = model(*model.batch(0, b.device))
+        loss.backward(retain_graph=True)
+        with pytest.raises(StateError, match="ran backward already"):
+            loss.backward()
