@@ -17,22 +17,14 @@ from torch import nn
 
 import graphslot
 from graphslot.adapters.torch import GraphedLayers
-from graphslot.toy import GPTConfig, TinyGPT
+from graphslot.toy import TinyGPT
+from stacks import graphed, small_gpt
 
 MODES = ["off", "resident", "remap"]
 
 
 def small(b: graphslot.Backend, layers: int = 3) -> TinyGPT:
-    c = GPTConfig(hidden=32, heads=2, ffn=64, seq=16, batch=2, layers=layers, vocab=64)
-    torch.manual_seed(7)
-    return TinyGPT(c).to(b.device)
-
-
-def graphed(model: TinyGPT, b: graphslot.Backend, mode: str, **kw) -> GraphedLayers:
-    sample = model.hidden_in(model.batch(0, b.device)[0]).detach().requires_grad_()
-    stack = GraphedLayers(list(model.blocks), sample, mode=mode, backend=b, **kw)
-    model.stack = stack
-    return stack
+    return small_gpt(b, layers, seed=7)
 
 
 def assert_bitwise(a: list[torch.Tensor], c: list[torch.Tensor]) -> None:

@@ -1,0 +1,23 @@
+"""Shared helpers of the GraphedLayers tests: a small GPT and its stack graphed in place."""
+
+from __future__ import annotations
+
+import torch
+
+import graphslot
+from graphslot.adapters.torch import GraphedLayers
+from graphslot.toy import GPTConfig, TinyGPT
+
+
+def small_gpt(b: graphslot.Backend, layers: int = 3, seed: int = 7) -> TinyGPT:
+    c = GPTConfig(hidden=32, heads=2, ffn=64, seq=16, batch=2, layers=layers, vocab=64)
+    torch.manual_seed(seed)
+    return TinyGPT(c).to(b.device)
+
+
+def graphed(model: TinyGPT, b: graphslot.Backend, mode: str, **kw) -> GraphedLayers:
+    """``model``'s blocks as a GraphedLayers stack, installed as ``model.stack``."""
+    sample = model.hidden_in(model.batch(0, b.device)[0]).detach().requires_grad_()
+    stack = GraphedLayers(list(model.blocks), sample, mode=mode, backend=b, **kw)
+    model.stack = stack
+    return stack
