@@ -769,15 +769,15 @@ _GOOD_ENOUGH = 1.01
 _REFINE_ROUNDS = 40
 _REFINE_BUMP = 0.7
 #: A refinement run stops after this many rounds in a row without a smaller arena.
-_REFINE_PATIENCE = 8
+_REFINE_PATIENCE = 16
 _REFINE_FRUITLESS = 3
 #: Step-tree placements allowed beyond the baselines and the first sweep: _EXTRA_WORK at
 #: no tensors, fewer as inputs grow, down to a _EXTRA_FLOOR share of the tensors. A
 #: step-tree placement costs about as much as there are tensors live at once, so small
 #: inputs get the extra orders and the refinement rounds (which is where they pay),
 #: while big ones are planned by the sweeps and the baselines, in time close to linear.
-_EXTRA_WORK = 40_000
-_EXTRA_SLOPE = 4
+_EXTRA_WORK = 80_000
+_EXTRA_SLOPE = 8
 _EXTRA_FLOOR = 0.125
 
 
