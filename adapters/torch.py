@@ -125,8 +125,9 @@ class _Runner:
         self.grads: list[_ParamGrad | None] = []
         self.fwd: DeviceGraph
         self.bwd: DeviceGraph | None = None
-        self.copy_in = True  # the stack's first layer copies its input into static_in
-        self.clone_grad_in = True  # the first layer hands its input gradient out as a copy
+        # The stack's first layer copies its input in and hands its input gradient out as a
+        # copy; the others read and write their neighbours' buffers themselves.
+        self.first = index == 0
 
     # -- build ---------------------------------------------------------------------------
 
@@ -280,7 +281,7 @@ class _Runner:
 
     def forward(self, x: torch.Tensor, mb: int, training: bool) -> torch.Tensor:
         stack = self.stack
-        if self.copy_in:
+        if self.first:
             self.check_input(x)
         if mb in self.pending:
             raise StateError(f"layer {self.index}: microbatch {mb} ran forward again before its backward")
@@ -382,7 +383,7 @@ class _Runner:
         if gin is not None:
             # The previous layer reads this buffer straight away, unless another of its
             # microbatches could run in between: then, and for the stack's input, a copy.
-            gin = gin.clone() if self.clone_grad_in or len(stack._runners[self.index - 1].pending) > 1 \
+            gin = gin.clone() if self.first or len(stack._runners[self.index - 1].pending) > 1 \
                 else gin.detach()
         return (gin, *out)
 
@@ -541,9 +542,6 @@ class GraphedLayers(nn.Module):
         for r in reversed(self._runners):
             r.build_backward(grad_out, shared)
             grad_out = r.grad_in
-        for r in self._runners[1:]:
-            r.copy_in = False
-            r.clone_grad_in = False
         self.backend.synchronize()
         gc.collect()
         for r in self._runners:
@@ -576,6 +574,16 @@ class GraphedLayers(nn.Module):
     @property
     def _tracing(self) -> bool:
         return self.engine.timeline is not None or self.probe is not None
+
+    @property
+    def gradient_buffers(self) -> list[torch.Tensor]:
+        """The backward graphs' parameter-gradient buffers (what ``.grad`` may alias)."""
+        return [pg.buf for r in self._runners for pg in r.grads if pg is not None]
+
+    @property
+    def pool_bytes(self) -> int | None:
+        """Bytes of the graphs' shared private pool, where the backend can tell."""
+        return None if self._pool_owner is None else self._pool_owner.pool_bytes
 
     def _span(self, name: str) -> Any:
         tl = self.engine.timeline

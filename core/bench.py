@@ -450,13 +450,12 @@ def memory_breakdown(b: Backend, layers: Sequence[torch.nn.Module], stack: Any =
     if segments is not None:
         in_pool = sum(n for ptr, n in grads.items() if any(a <= ptr < a + size for a, size in segments))
     elif stack is not None:  # the stack knows its gradient buffers
-        bufs = {pg.ptr for r in stack._runners for pg in r.grads if pg is not None}
+        bufs = {buf.data_ptr() for buf in stack.gradient_buffers}
         in_pool = sum(n for ptr, n in grads.items() if ptr in bufs)
     else:
         in_pool = 0
     if pool is None and stack is not None:
-        owner = stack._pool_owner
-        pool = owner.pool_bytes if owner is not None else 0
+        pool = stack.pool_bytes or 0
     slot = b.ledger.mapped_bytes
     host = stack.engine.host_bytes if stack is not None else 0
     graph_pool = None if pool is None else max(0, pool - in_pool)

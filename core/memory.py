@@ -14,14 +14,14 @@ what it can see and blind to the rest:
     to graphslot's VMM pages, to other libraries' direct driver allocations, and to
     driver/graph metadata. ``None`` where the backend's allocator keeps no figures
     (host memory on the cpu backend).
-(d) **graphslot's pinned host buffers** (``host_pinned_bytes``): exact, the live buffers
-    made by ``Backend.pinned_empty`` (the offload engine's host side). Host memory, not
-    device memory; so a leak of offloaded activations shows here.
 (c) **the driver** (``driver_free_bytes``, ``driver_total_bytes``, ``driver_used_bytes``):
     sees everything on the device, this process's and others', including graph
     executables and library workspaces, so it is the ground truth for "did memory come
     back", but it moves with unrelated activity. :func:`report` takes the median of
     several reads.
+(d) **graphslot's pinned host buffers** (``host_pinned_bytes``): exact, the live buffers
+    made by ``Backend.pinned_empty`` (the offload engine's host side). Host memory, not
+    device memory; so a leak of offloaded activations shows here.
 """
 
 from __future__ import annotations

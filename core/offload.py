@@ -98,7 +98,6 @@ TRANSITIONS: dict[tuple[State, str], State] = {
     (S.READY, "forget"): S.DONE,  # a forward with no backward (evaluation)
     # A forward whose backward will never come (its autograd graph was dropped, or a step
     # was abandoned part way): whatever it holds goes back.
-    (S.READY, "abandon"): S.DONE,
     (S.RELEASED, "abandon"): S.DONE,
     (S.RESIDENT_PENDING, "abandon"): S.DONE,
     (S.RESTORING, "abandon"): S.DONE,
@@ -374,7 +373,7 @@ class OffloadGroup:
         # original's address to a later tensor. A weak reference pins the identity (the
         # storage object's own memory) without keeping the original's bytes alive, so the
         # pool reuses them at once, as it does for an eager forward.
-        self._originals: list[Any] = []
+        self._identities: list[Any] = []
 
     def save_tensor(self, t: torch.Tensor) -> torch.Tensor:
         """Pack hook during capture: copy ``t`` into its slot place and return the slot view."""
@@ -400,7 +399,7 @@ class OffloadGroup:
             # Views share a region only if they share a storage now as they did at discovery.
             st = t.untyped_storage()
             ptr = st._cdata
-            self._originals.append(StorageWeakRef(st))
+            self._identities.append(StorageWeakRef(st))
             had = self._capture_storages.setdefault(spec.storage, ptr)
             other = self._capture_ptrs.setdefault(ptr, spec.storage)
             if had != ptr or other != spec.storage or t.storage_offset() * t.element_size() != spec.storage_offset:
@@ -417,10 +416,10 @@ class OffloadGroup:
 
     def forward_captured(self) -> None:
         """The forward capture is over: drop the storage identities it pinned."""
-        self._originals = []
+        self._identities = []
 
     def finish_capture(self) -> None:
-        self._originals = []
+        self._identities = []
         if self._captured != len(self.specs):
             raise CaptureMismatchError(
                 f"offload group {self.name}: capture saved {self._captured} tensors, discovery "
@@ -763,6 +762,9 @@ class OffloadEngine:
         Copies already queued finish first (their events order the reuse), so nothing is
         freed under a copy or a replay.
         """
+        if t.state is State.READY:  # a forward and nothing after it: exactly a forget
+            self.forget(t)
+            return
         prev = t.state
         t._go("abandon")
         g = t.group
@@ -781,7 +783,7 @@ class OffloadEngine:
         if self.mode is Mode.RESIDENT:
             if g.bank is not None and g.bank.restored_for is t:
                 self._free_slot(g)
-        elif prev in (State.READY, State.RESTORING, State.RESTORED):
+        elif prev in (State.RESTORING, State.RESTORED):
             self._free_slot(g)  # the slot is mapped for it: release the pages
 
     def _check_open(self, what: str) -> None:
