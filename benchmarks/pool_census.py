@@ -1,0 +1,115 @@
+"""What a GraphedLayers stack's graph pool holds, block by block, by owner (cuda only).
+
+    GRAPHSLOT_BACKEND=cuda python benchmarks/pool_census.py [--preset default] [--modes off remap]
+
+For each mode it builds the bench stack, runs two steps and sorts the private pool's
+blocks into: gradient buffers, static layer I/O, saved activations kept in the pool,
+other live blocks (with the frame that allocated them) and free bytes inside the pool's
+segments (fragments no later allocation could use). Not a test: it asserts nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import gc
+import json
+from typing import Any
+
+import torch
+
+import graphslot
+from graphslot.adapters.torch import GraphedLayers
+from graphslot.bench import BenchShape
+from graphslot.toy import Block, GPTConfig
+
+MiB = 1 << 20
+
+
+def _frame(block: dict[str, Any]) -> str:
+    for f in block.get("frames") or []:
+        name = f.get("filename", "")
+        if "graphslot" in name or "/core/" in name or "/adapters/" in name or "toy.py" in name:
+            return f"{name.rsplit('/', 1)[-1]}:{f.get('line')} {f.get('name')}"
+    fr = block.get("frames") or [{}]
+    return f"{fr[0].get('filename', '?').rsplit('/', 1)[-1]}:{fr[0].get('line')} {fr[0].get('name')}"
+
+
+def census(mode: str, shape: BenchShape, b: graphslot.Backend) -> dict[str, Any]:
+    dtype = getattr(torch, shape.dtype)
+    c = GPTConfig(hidden=shape.hidden, heads=shape.heads, ffn=shape.ffn, seq=shape.seq,
+                  batch=shape.batch, layers=shape.layers, attention=shape.attention)
+    torch.manual_seed(0)
+    layers = [Block(c).to(device=b.device, dtype=dtype) for _ in range(shape.layers)]
+    x = torch.randn(shape.batch, shape.seq, shape.hidden, device=b.device, dtype=dtype,
+                    requires_grad=True)
+    gy = torch.randn_like(x)
+    torch.cuda.memory._record_memory_history(max_entries=200000)
+    stack = GraphedLayers(layers, x, mode=mode, backend=b)
+    for _ in range(2):
+        stack(x).backward(gy)
+        for m in layers:
+            for p in m.parameters():
+                p.grad = None
+    b.synchronize()
+    gc.collect()
+    snap = torch.cuda.memory._snapshot()
+    torch.cuda.memory._record_memory_history(enabled=None)
+    owners: dict[int, str] = {}
+    for buf in stack.gradient_buffers:
+        owners[buf.untyped_storage().data_ptr()] = "grad_buffer"
+    for r in stack._runners:
+        for name in ("static_in", "static_out", "static_grad_out", "grad_in"):
+            t = getattr(r, name, None)
+            if isinstance(t, torch.Tensor):
+                owners.setdefault(t.untyped_storage().data_ptr(), "static_io")
+        for v in r.saved_views:
+            owners.setdefault(v.data_ptr(), "saved_in_pool")
+    sums: collections.Counter[str] = collections.Counter()
+    others: collections.Counter[str] = collections.Counter()
+    own_pool = tuple(stack._pool_owner.pool) if stack._pool_owner is not None else None
+    stacks: collections.Counter[str] = collections.Counter()
+    segs = 0
+    for seg in snap["segments"]:
+        if tuple(seg.get("segment_pool_id", (0, 0))) == (0, 0):
+            continue
+        segs += 1
+        foreign = tuple(seg["segment_pool_id"]) != own_pool
+        sums["reserved" if not foreign else "reserved_other_pools"] += seg["total_size"]
+        for blk in seg["blocks"]:
+            size = blk["size"]
+            if blk["state"] != "active_allocated":
+                sums["free"] += size
+                continue
+            kind = owners.get(blk["address"])
+            if kind is None:
+                kind = "other_pool_live" if foreign else "other"
+                others[_frame(blk)] += size
+                fr = [f"{f.get('filename', '?').rsplit('/', 1)[-1]}:{f.get('line')}:{f.get('name')}"
+                      for f in blk.get("frames") or [] if f.get("filename", "").endswith(".py")]
+                stacks[" < ".join(fr[:6])] += size
+            sums[kind] += size
+    out = {"mode": mode, "segments": segs, **{k: round(v / MiB, 1) for k, v in sums.items()},
+           "other_by_frame_mib": {k: round(v / MiB, 1) for k, v in others.most_common(12)},
+           "other_by_stack_mib": {k: round(v / MiB, 1) for k, v in stacks.most_common(6)},
+           "reserved_total_mib": round(torch.cuda.memory_reserved() / MiB, 1)}
+    stack.close()
+    del stack, layers, x, gy
+    gc.collect()
+    b.empty_cache()
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--preset", default="default")
+    ap.add_argument("--modes", nargs="+", default=["off", "resident", "remap"])
+    args = ap.parse_args()
+    b = graphslot.get_backend()
+    shape = BenchShape.preset(args.preset)
+    for mode in args.modes:
+        print(json.dumps(census(mode, shape, b)), flush=True)
+
+
+if __name__ == "__main__":
+    main()
