@@ -67,6 +67,10 @@ __all__ = ["GraphedLayers"]
 _use_count: Callable[[int], int] | None = getattr(torch._C, "_storage_Use_Count", None)
 
 
+def _never_unpacked(_packed: None) -> torch.Tensor:
+    raise AssertionError("graphslot: the discovery capture's autograd graph is never differentiated")
+
+
 def _storage_id(t: torch.Tensor) -> int:
     return int(t.untyped_storage()._cdata)
 
@@ -180,18 +184,23 @@ class _Runner:
             # offset as device tensors only under capture), so the slot is laid out from
             # a capture, which is then thrown away.
             g.restart_discovery()
+            # The probe's saved tensors are held here, not by its autograd graph: a pack hook
+            # that returns a node's own output (SDPA saves its result) makes a cycle through
+            # C++ that no garbage collection sees, and the probe's pool would stay allocated
+            # for the stack's life. Held until the capture ends, their storages keep distinct
+            # addresses, so discovery tells them apart as the real capture will.
+            held: list[torch.Tensor] = []
 
-            def discover(t: torch.Tensor) -> torch.Tensor:
+            def discover(t: torch.Tensor) -> None:
                 if not is_state(t):
                     g.discover(t)
-                return t
+                    held.append(t)
 
             probe_graph = b.new_graph()  # a pool of its own, gone with it
             with probe_graph.capture():
-                with torch.autograd.graph.saved_tensors_hooks(discover, lambda t: t):
+                with torch.autograd.graph.saved_tensors_hooks(discover, _never_unpacked):
                     out = call()
-            del out, probe_graph
-            gc.collect()
+            del out, held, probe_graph
             b.synchronize()
             b.empty_cache()
             g.allocate(bank_index=st.bank_index(self.index))
@@ -216,7 +225,7 @@ class _Runner:
                 if not is_state(t):
                     s = t.untyped_storage()
                     kept.setdefault(s.data_ptr(), (s.data_ptr(), s.nbytes()))
-                return t
+                return t.detach()  # the same memory, without a grad_fn: no cycle (see above)
 
             with fwd.capture():
                 with torch.autograd.graph.saved_tensors_hooks(note, lambda t: t):
