@@ -123,6 +123,7 @@ class _Runner:
         self.saved_views: list[torch.Tensor] = []
         self.parked: dict[int, list[torch.Tensor]] = {}
         self.static_in: torch.Tensor
+        self.wants_grad_in = False
         self.static_out: torch.Tensor
         self.static_grad_out: torch.Tensor
         self.grad_in: torch.Tensor | None = None
@@ -143,6 +144,7 @@ class _Runner:
         st, b, eng = self.stack, self.stack.backend, self.stack.engine
         state = self._state_storages()
         self.static_in = static_in
+        self.wants_grad_in = static_in.requires_grad
         aliases = [p.detach().requires_grad_() for p in self.params]
         inputs = ([static_in] if static_in.requires_grad else []) + aliases
         dev = b.device
@@ -243,7 +245,7 @@ class _Runner:
         if static_grad_out is None or static_grad_out.shape != out.shape:
             static_grad_out = torch.zeros_like(out)
         self.static_grad_out = static_grad_out
-        wants_grad_in = self.static_in.requires_grad
+        wants_grad_in = self.wants_grad_in
         differentiable = bool(inputs) and out.requires_grad
         try:
             if differentiable:
@@ -384,7 +386,9 @@ class _Runner:
             else:
                 graph.replay()
             out = self._grads_out()
-            stack._lent += [(self.index, pg) for pg in self.grads if pg is not None and not pg.copy]
+            lent = [pg for pg in self.grads if pg is not None and not pg.copy]
+            if lent:
+                stack._lent[self.index] = lent
         self.pending.discard(mb)
         if t is not None:
             eng.consumed(t)
@@ -515,7 +519,7 @@ class GraphedLayers(nn.Module):
         # keeps a workspace of tens of MiB for each stream it has run on).
         self._warmup_stream = self.backend.new_stream()
         #: gradient buffers handed out as .grad since the last replay that could overwrite them
-        self._lent: list[tuple[int, _ParamGrad]] = []
+        self._lent: dict[int, list[_ParamGrad]] = {}  # by layer
         self._lock = threading.Condition()
         self._users = 0  # forwards and backwards under way (close() waits for them)
         self._in_backward: set[int] = set()  # microbatches whose backward pass has begun
@@ -543,18 +547,38 @@ class GraphedLayers(nn.Module):
     def _build(self, sample: torch.Tensor) -> None:
         x = sample.detach().clone().requires_grad_(sample.requires_grad)
         shared = self._shared_params()
-        for r in self._runners:
+        runners = self._runners
+        for i, r in enumerate(runners):
             out = r.build_forward(x)
             # The next layer is captured reading this layer's output buffer itself.
             x = out.detach().requires_grad_(x.requires_grad or bool(r.params))
+            if i >= 1:
+                self._free_boundary(runners[i - 1], r)
         grad_out: torch.Tensor | None = None
-        for r in reversed(self._runners):
+        for i in reversed(range(len(runners))):
+            r = runners[i]
             r.build_backward(grad_out, shared)
+            if i + 1 < len(runners) and runners[i + 1].grad_in is r.static_grad_out:
+                # Layer i+1's input gradient is read by layer i's backward graph alone.
+                view = self.backend.return_to_pool(r.static_grad_out)
+                if view is not None:
+                    r.static_grad_out = runners[i + 1].grad_in = view
             grad_out = r.grad_in
         self.backend.synchronize()
         gc.collect()
         for r in self._runners:
             r.settle_refs()
+
+    def _free_boundary(self, a: _Runner, b: _Runner) -> None:
+        """Layer ``a``'s output buffer is layer ``b``'s input, read by ``b``'s forward graph
+        and by nothing after it when both layers offload every saved tensor (a saved input
+        is copied into ``b``'s slot): give its bytes back to the pool, so later captures
+        reuse them instead of each boundary holding an activation's worth for good."""
+        if a.group is None or b.group is None or a is self._runners[-1]:
+            return
+        view = self.backend.return_to_pool(a.static_out)
+        if view is not None:
+            a.static_out = b.static_in = view
 
     def _shared_params(self) -> set[int]:
         seen: dict[int, int] = {}
@@ -616,13 +640,12 @@ class GraphedLayers(nn.Module):
         replay those of layer ``j`` and below; in an ordinary backward pass nothing is lent
         below, and after ``zero_grad(set_to_none=True)`` nothing is held, so no copy is made.
         """
-        keep = []
-        for i, pg in self._lent:
-            if layer is None or i <= layer:
-                self._runners[i].give_back(pg)
-            else:
-                keep.append((i, pg))
-        self._lent = keep
+        # By layer, so a backward pass, which lends from layers above the one it replays
+        # next, looks at a few keys rather than at every buffer lent so far.
+        for i in [i for i in self._lent if layer is None or i <= layer]:
+            runner = self._runners[i]
+            for pg in self._lent.pop(i):
+                runner.give_back(pg)
 
     def _claim(self, mb: int) -> None:
         """Graphs are about to run for microbatch ``mb``: their memory may overwrite what

@@ -35,6 +35,53 @@ def _frame(block: dict[str, Any]) -> str:
     return f"{fr[0].get('filename', '?').rsplit('/', 1)[-1]}:{fr[0].get('line')} {fr[0].get('name')}"
 
 
+def _py_stack(frames: list[dict[str, Any]], depth: int = 4) -> str:
+    fr = [f"{f.get('filename', '?').rsplit('/', 1)[-1]}:{f.get('line')}:{f.get('name')}"
+          for f in frames or [] if f.get("filename", "").endswith(".py")]
+    return " < ".join(fr[:depth]) or "(no python frame)"
+
+
+def _step_peak(stack: GraphedLayers, layers: list[torch.nn.Module], x: torch.Tensor,
+               gy: torch.Tensor, b: graphslot.Backend) -> dict[str, Any]:
+    """Replay the allocator's events of one step: the most bytes allocated at once, and
+    what was allocated at that moment outside the graph pools, by allocating frame."""
+    b.synchronize()
+    snap0 = torch.cuda.memory._snapshot()
+    live: dict[int, tuple[int, str]] = {}
+    for seg in snap0["segments"]:
+        private = tuple(seg.get("segment_pool_id", (0, 0))) != (0, 0)
+        for blk in seg["blocks"]:
+            if blk["state"] == "active_allocated":
+                live[blk["address"]] = (blk["size"], "graph pool" if private else
+                                        "before step: " + _py_stack(blk.get("frames"), 3))
+    traces0 = snap0.get("device_traces") or [[]]
+    t0 = max((e.get("time_us", 0) for e in traces0[0]), default=0)
+    b.ledger.reset_peak()
+    stack(x).backward(gy)
+    for m in layers:
+        for p in m.parameters():
+            p.grad = None
+    b.synchronize()
+    snap1 = torch.cuda.memory._snapshot()
+    events = [e for e in (snap1.get("device_traces") or [[]])[0] if e.get("time_us", 0) > t0]
+    cur = sum(v[0] for v in live.values())
+    best, at_best = cur, dict(live)
+    for ev in events:
+        if ev["action"] == "alloc":
+            live[ev["addr"]] = (ev["size"], _py_stack(ev.get("frames")))
+            cur += ev["size"]
+            if cur > best:
+                best, at_best = cur, dict(live)
+        elif ev["action"] == "free_requested" and ev["addr"] in live:
+            cur -= live.pop(ev["addr"])[0]
+    by: collections.Counter[str] = collections.Counter()
+    for size, where in at_best.values():
+        by[where] += size
+    return {"allocated_peak_mib": round(best / MiB, 1), "events": len(events),
+            "slots_peak_mib": round(b.ledger.peak_mapped_bytes / MiB, 1),
+            "at_peak_mib": {k: round(v / MiB, 1) for k, v in by.most_common(10)}}
+
+
 def census(mode: str, shape: BenchShape, b: graphslot.Backend) -> dict[str, Any]:
     dtype = getattr(torch, shape.dtype)
     c = GPTConfig(hidden=shape.hidden, heads=shape.heads, ffn=shape.ffn, seq=shape.seq,
@@ -53,6 +100,7 @@ def census(mode: str, shape: BenchShape, b: graphslot.Backend) -> dict[str, Any]
                 p.grad = None
     b.synchronize()
     gc.collect()
+    peak = _step_peak(stack, layers, x, gy, b)
     snap = torch.cuda.memory._snapshot()
     torch.cuda.memory._record_memory_history(enabled=None)
     owners: dict[int, str] = {}
@@ -92,7 +140,7 @@ def census(mode: str, shape: BenchShape, b: graphslot.Backend) -> dict[str, Any]
     out = {"mode": mode, "segments": segs, **{k: round(v / MiB, 1) for k, v in sums.items()},
            "other_by_frame_mib": {k: round(v / MiB, 1) for k, v in others.most_common(12)},
            "other_by_stack_mib": {k: round(v / MiB, 1) for k, v in stacks.most_common(6)},
-           "reserved_total_mib": round(torch.cuda.memory_reserved() / MiB, 1)}
+           "reserved_total_mib": round(torch.cuda.memory_reserved() / MiB, 1), "step_peak": peak}
     stack.close()
     del stack, layers, x, gy
     gc.collect()

@@ -715,6 +715,19 @@ class Backend(abc.ABC):
         private pools, or ``None`` where this backend cannot tell."""
         return None
 
+    def return_to_pool(self, t: torch.Tensor) -> torch.Tensor | None:
+        """Give the bytes of ``t`` (allocated during a capture) back to its graph pool, so
+        that graphs captured later may reuse them, and return a non-owning view of the same
+        address, shape and stride. Only for a tensor the graphs read and write solely while
+        the graph that needs it runs (a buffer between two consecutive replays): later
+        captures may place their own data there. ``t`` and every tensor sharing its
+        storage keep their metadata but no bytes.
+
+        Returns ``None`` (and changes nothing) where the backend's graphs keep what they
+        captured for their whole life (the default).
+        """
+        return None
+
     # ------------------------------------------------------------------ public: tensors
 
     def tensor_at(self, va: int, shape: Sequence[int], dtype: torch.dtype,

@@ -105,11 +105,14 @@ TRANSITIONS: dict[tuple[State, str], State] = {
 }
 
 
-def _step(owner: str, state: State, call: str) -> State:
+def _step(owner: str | Callable[[], str], state: State, call: str) -> State:
+    """The state after ``call`` in ``state``, or a StateError naming ``owner`` (a string,
+    or a callable that makes it: the hot path formats nothing unless it fails)."""
     nxt = TRANSITIONS.get((state, call))
     if nxt is None:
         allowed = sorted(c for (s, c) in TRANSITIONS if s is state)
-        raise StateError(f"{owner}: cannot {call.split(':')[0]} in state {state.value} "
+        who = owner if isinstance(owner, str) else owner()
+        raise StateError(f"{who}: cannot {call.split(':')[0]} in state {state.value} "
                          f"(allowed here: {', '.join(allowed) or 'nothing'})")
     return nxt
 
@@ -244,7 +247,10 @@ class Ticket:
     checksums: list[int] = field(default_factory=list)
 
     def _go(self, call: str) -> None:
-        self.state = _step(f"{self.group.name} (microbatch {self.microbatch})", self.state, call)
+        self.state = _step(self._owner, self.state, call)
+
+    def _owner(self) -> str:
+        return f"{self.group.name} (microbatch {self.microbatch})"
 
 
 class OffloadGroup:
@@ -272,7 +278,10 @@ class OffloadGroup:
         return f"<OffloadGroup {self.name} {self.state.value} {len(self.specs)} tensors {self.nbytes} B>"
 
     def _go(self, call: str) -> None:
-        self.state = _step(f"offload group {self.name}", self.state, call)
+        self.state = _step(self._owner, self.state, call)
+
+    def _owner(self) -> str:
+        return f"offload group {self.name}"
 
     @property
     def empty(self) -> bool:
@@ -496,6 +505,7 @@ class OffloadEngine:
         self.h2d_stream = backend.new_stream()
         self.worker = DriverWorker(backend) if self.mode is Mode.REMAP else None
         self._banks: dict[int, list[Bank]] = {}
+        self._spare: dict[int, list[Allocation]] = {}  # remap: unmapped pages by size (worker only)
         self.stats: Counter[str] = Counter()
         self._pending: dict[tuple[int, int], Ticket] = {}  # (group index, microbatch) -> ticket
         #: seconds of busy work queued before every copy (tests use it to slow the copy streams)
@@ -543,7 +553,7 @@ class OffloadEngine:
         if self.mode is not Mode.REMAP or g.empty or g._mapped_for_forward is not None:
             return
         res, size = g.reservation, g.slot_bytes
-        g._mapped_for_forward = self.worker.submit(lambda: self.backend.map_new(res, 0, size))  # type: ignore[union-attr,arg-type]
+        g._mapped_for_forward = self.worker.submit(lambda: self._map_slot(res, size))  # type: ignore[union-attr,arg-type]
 
     def before_forward(self, g: OffloadGroup, microbatch: int) -> Ticket:
         """Make ``g``'s slot writable for a forward replay; returns that forward's ticket."""
@@ -609,7 +619,50 @@ class OffloadEngine:
 
     def _release_after(self, res: Reservation, event: Any) -> None:
         self.worker.wait_event(event)  # type: ignore[union-attr]
-        self.backend.unmap_release(res, 0)
+        self._unmap_slot(res)
+
+    # Remap's physical pages: a slot's pages go back to a free list when it is unmapped
+    # and the next slot of that size maps them again, so a step costs a map, an access
+    # grant and an unmap per slot and phase; creating and releasing backing (two more
+    # calls each time) happens only when the free list is empty, and when nothing is in
+    # flight the free list is released, so between steps remap holds no device memory.
+    # These run on the driver worker only, in submission order.
+
+    def _map_slot(self, res: Reservation, size: int) -> None:
+        spare = self._spare.get(size)
+        if not spare:
+            self.backend.map_new(res, 0, size)
+            return
+        alloc = spare.pop()
+        try:
+            self.backend.map(res, 0, alloc)
+        except BaseException:
+            spare.append(alloc)
+            raise
+        try:
+            self.backend.set_access(res, 0, size)
+        except BaseException:
+            self.backend.unmap(res, 0, size)
+            spare.append(alloc)
+            raise
+
+    def _unmap_slot(self, res: Reservation) -> None:
+        m = res.mapping_at(0)
+        if m is None:
+            raise StateError(f"offload engine: nothing is mapped at the slot 0x{res.va:x} to unmap")
+        self.backend.unmap(res, 0, m.size)
+        self._spare.setdefault(m.size, []).append(m.allocation)
+
+    def _release_spare(self) -> None:
+        for spare in self._spare.values():
+            while spare:
+                self.backend.release(spare.pop())
+
+    def _after_last(self) -> None:
+        """Nothing is in flight any more: remap gives its spare pages back (queued after
+        every release, so it runs once they are done)."""
+        if self.worker is not None and not self._pending:
+            self.worker.submit(self._release_spare)
 
     # -- backward ------------------------------------------------------------------------
 
@@ -652,7 +705,7 @@ class OffloadEngine:
             res, size = g.reservation, g.slot_bytes
 
             def job() -> None:
-                self.backend.map_new(res, 0, size)  # type: ignore[arg-type]
+                self._map_slot(res, size)  # type: ignore[arg-type]
                 self.stats["remaps"] += 1
                 b.wait_event(self.h2d_stream, t.d2h_done)
                 self._copy_in(t, self.h2d_stream)
@@ -735,6 +788,7 @@ class OffloadEngine:
         else:
             res = g.reservation
             self.worker.submit(lambda: self._release_after(res, done))  # type: ignore[union-attr,arg-type]
+            self._after_last()
 
     # -- inspection ----------------------------------------------------------------------
 
@@ -785,6 +839,8 @@ class OffloadEngine:
                 self._free_slot(g)
         elif prev in (State.RESTORING, State.RESTORED):
             self._free_slot(g)  # the slot is mapped for it: release the pages
+        else:
+            self._after_last()
 
     def _check_open(self, what: str) -> None:
         if self.closed:
@@ -802,6 +858,7 @@ class OffloadEngine:
         self.closed = True
         if self.worker is not None:
             self.worker.close()
+        self._release_spare()  # the worker is gone: nobody else touches the free list
         b = self.backend
         for g in self.groups:
             if g.reservation is not None and g.bank is None:

@@ -211,6 +211,35 @@ def test_remap_mode_releases_memory_and_runs_driver_calls_off_the_training_threa
         stack.close()
 
 
+def test_remap_reuses_its_pages_within_a_step_and_holds_none_between_steps(engine_clean):
+    b = engine_clean
+    layers = 4
+    model, _ = small(b, layers)
+    stack = graphed(model, b, "remap")
+    try:
+        def step() -> None:
+            model(*model.batch(0, b.device)).backward()
+            stack.engine.settle()
+
+        step()
+        before = dict(b.counters)
+        steps = 3
+        for _ in range(steps):
+            step()
+            # between steps: no pages mapped and none kept aside
+            assert b.ledger.mapped_bytes == 0 and b.ledger.allocated_bytes == 0
+        calls = {op: b.counters[op] - before.get(op, 0) for op in ("create", "map", "set_access", "unmap", "release")}
+        per_layer = {op: n / (steps * layers) for op, n in calls.items()}
+        # A map, an access grant and an unmap per slot and phase...
+        assert per_layer["map"] == per_layer["set_access"] == per_layer["unmap"] == 2, per_layer
+        # ...and backing made only for what is in flight at once (about three slots), not
+        # created and released for every slot and phase.
+        assert calls["create"] == calls["release"] <= 3 * steps, calls
+        assert sum(per_layer.values()) < 10, per_layer
+    finally:
+        stack.close()
+
+
 def test_resident_banks_hold_two_layers_at_the_boundary(engine_clean):
     b = engine_clean
     model, _ = small(b, 4)

@@ -16,7 +16,7 @@ import torch
 from cuda.bindings import driver as cu
 
 from graphslot.backend import Backend, DeviceGraph, TorchEventMixin, no_gc
-from graphslot.errors import BackendUnavailableError, DriverError
+from graphslot.errors import BackendUnavailableError, DriverError, UsageError
 
 
 def _err_name(err: Any) -> str:
@@ -162,6 +162,17 @@ class CudaBackend(TorchEventMixin, Backend):
 
     def make_graphed_callables(self, callables: tuple[Any, ...], sample_args: tuple[Any, ...]) -> Any:
         return torch.cuda.make_graphed_callables(callables, sample_args)
+
+    def return_to_pool(self, t: torch.Tensor) -> torch.Tensor | None:
+        if self._is_capturing():
+            raise UsageError("return_to_pool runs between captures, not inside one")
+        st = t.untyped_storage()
+        if st.nbytes() == 0:
+            return None
+        view = self.alias_bytes(st.data_ptr(), st.nbytes()).view(t.dtype)
+        view = view.as_strided(t.shape, t.stride(), t.storage_offset())
+        st.resize_(0)  # the caching allocator frees the block into the private pool it came from
+        return view
 
     def graph_pool_segments(self) -> list[tuple[int, int]] | None:
         return [(int(seg["address"]), int(seg["total_size"])) for seg in torch.cuda.memory_snapshot()
