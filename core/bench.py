@@ -260,6 +260,7 @@ def run_bench(b: Backend, shape: BenchShape, *, steps: int = 10, warmup: int = 3
         b.synchronize()
         times = []
         off0 = stack.engine.stats["offloaded_bytes"] if stack is not None else 0
+        calls0 = b.driver_calls()
         for i in range(steps):
             t0 = time.perf_counter()
             step()
@@ -267,6 +268,7 @@ def run_bench(b: Backend, shape: BenchShape, *, steps: int = 10, warmup: int = 3
             times.append((time.perf_counter() - t0) * 1e3)
             bar.update(f"{name}: step {i + 1}/{steps}")
         step_ms = statistics.median(times)
+        calls = (b.driver_calls() - calls0) / (steps * shape.layers)  # VMM calls per layer and step
         offloaded = ((stack.engine.stats["offloaded_bytes"] - off0) // steps) if stack is not None else 0
 
         # One step with a timeline: phase times and copy busy times.
@@ -313,7 +315,7 @@ def run_bench(b: Backend, shape: BenchShape, *, steps: int = 10, warmup: int = 3
             "step_ms": step_ms, "fwd_ms": fwd_ms, "bwd_ms": bwd_ms,
             "peak_device_bytes": peak, "activation_bytes_at_boundary": boundary,
             "offloaded_bytes": offloaded, "d2h_gbps": d2h, "h2d_gbps": h2d,
-            "memory_breakdown": breakdown,
+            "memory_breakdown": breakdown, "driver_calls_per_layer_step": calls,
         }
         if name == "graph_auto":
             out["configs"][name]["offload_layers"] = kw["offload_layers"]
