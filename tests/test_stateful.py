@@ -21,8 +21,8 @@ import graphslot
 from graphslot.adapters.torch import GraphedLayers
 from graphslot.toy import GPTConfig, TinyGPT
 
-# CI runs 25 sequences per mode; GRAPHSLOT_STATEFUL_EXAMPLES=N runs more (each builds a stack).
-_EXAMPLES = int(os.environ.get("GRAPHSLOT_STATEFUL_EXAMPLES", "25"))
+# CI runs 125 sequences per mode (250 in all); GRAPHSLOT_STATEFUL_EXAMPLES=N runs another number.
+_EXAMPLES = int(os.environ.get("GRAPHSLOT_STATEFUL_EXAMPLES", "125"))
 
 
 def _equal(a: torch.Tensor, c: torch.Tensor, what: str) -> None:
