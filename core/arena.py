@@ -46,7 +46,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Hashable, Iterable, Iterator, Sequence
 
 from .backend import Allocation, Backend, DeviceGraph, Reservation, align_up
-from .errors import StateError, UsageError
+from .errors import PoolFullError, StateError, UsageError
 from .planner import Plan, PlanError, TensorSpec, plan, verify
 
 if TYPE_CHECKING:
@@ -56,10 +56,6 @@ __all__ = ["PoolFullError", "SharedArena", "VariantGraphs", "IOTensor", "Step", 
            "IOArena", "ordinary_capture_kwargs", "warm_first_capture"]
 
 GiB = 1 << 30
-
-
-class PoolFullError(UsageError):
-    """A graph's capture needed more than its pool region holds."""
 
 
 def _positive_int(what: str, v: Any) -> int:

@@ -32,9 +32,8 @@ import torch
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from graphslot.arena import PoolFullError
 from graphslot.backend import DeviceGraph
-from graphslot.errors import StateError
+from graphslot.errors import PoolFullError, StateError
 
 from .backend import bytes_at
 

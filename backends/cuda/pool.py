@@ -43,8 +43,7 @@ import weakref
 from pathlib import Path
 from typing import Any, Iterator
 
-from graphslot.arena import PoolFullError
-from graphslot.errors import BackendUnavailableError, StateError, UsageError
+from graphslot.errors import BackendUnavailableError, PoolFullError, StateError, UsageError
 
 # RegionCudaGraph is importable too; it is built on first access (see __getattr__ below).
 __all__ = ["Shim", "shim", "shim_path", "capture_stream", "warm_up"]
