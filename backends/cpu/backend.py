@@ -53,6 +53,7 @@ import torch
 
 from graphslot.backend import Backend, DeviceGraph
 from graphslot.errors import DriverError, UsageError
+from graphslot.regions import RegionGraphBackend
 
 from . import streams as _s
 
@@ -223,7 +224,7 @@ class _Memfd:
         self.fd, self.size = fd, size
 
 
-class CpuBackend(Backend):
+class CpuBackend(Backend, RegionGraphBackend):
     """graphslot on host memory; see the module docstring for the mapping to Linux."""
 
     name = "cpu"
@@ -412,13 +413,13 @@ class CpuBackend(Backend):
 
     def new_graph(self, share_pool_with: DeviceGraph | None = None,
                   pool_region: tuple[int, int] | None = None) -> DeviceGraph:
-        from .graph import CpuGraph, RegionPool
+        from .graph import CpuGraph, RegionCpuGraph, RegionPool
 
         if pool_region is not None and share_pool_with is not None:
             raise UsageError("new_graph: pass share_pool_with or pool_region, not both")
         region = RegionPool(self, pool_region) if pool_region is not None else (
             share_pool_with._region if isinstance(share_pool_with, CpuGraph) else None)
-        g = CpuGraph(self, region)
+        g = CpuGraph(self) if region is None else RegionCpuGraph(self, region)
         self._graphs.add(g)
         return g
 

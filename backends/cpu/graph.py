@@ -34,6 +34,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from graphslot.backend import DeviceGraph
 from graphslot.errors import PoolFullError, StateError
+from graphslot.regions import RegionGraph
 
 from .backend import bytes_at
 
@@ -281,3 +282,18 @@ class CpuGraph(DeviceGraph):
     def pool_used_bytes(self) -> int:
         """Bytes of the pool in use: the region's high-water mark, else :attr:`pool_bytes`."""
         return self.pool_bytes if self._region is None else self._region.used
+
+
+class RegionCpuGraph(CpuGraph, RegionGraph):
+    """A :class:`CpuGraph` whose private pool is a :class:`RegionPool`: the
+    :class:`~graphslot.regions.RegionGraph` of the cpu backend. Its pool handle is the graph
+    itself (``backend.new_graph(share_pool_with=...)``), and captures into it draw from the
+    region with no routing, so :meth:`lend` is the interface's no-op."""
+
+    def __init__(self, backend: CpuBackend, region: RegionPool) -> None:
+        super().__init__(backend, region)
+
+    @property
+    def pool_region(self) -> tuple[int, int]:
+        assert self._region is not None
+        return (self._region.va, self._region.size)
