@@ -20,8 +20,8 @@ import torch
 
 import graphslot
 from graphslot.adapters.torch import GraphedLayers
-from graphslot.bench import BenchShape
-from graphslot.toy import Block, GPTConfig
+from graphslot.cli.bench import BenchShape
+from graphslot.cli.toy import Block, GPTConfig
 
 MiB = 1 << 20
 

@@ -9,7 +9,7 @@ import torch
 
 import graphslot
 from graphslot import cli
-from graphslot.bench import CONFIGS, BenchShape, auto_offload_layers, run_bench
+from graphslot.cli.bench import CONFIGS, BenchShape, auto_offload_layers, run_bench
 from graphslot.memory import measure, report
 
 MiB = 1 << 20
@@ -68,7 +68,7 @@ def test_auto_policy_offloads_what_compute_hides():
 
 def r_params(r: dict) -> list[torch.Tensor]:
     """The parameters of the bench's layers, rebuilt from its shape (same seed, same init)."""
-    from graphslot.toy import Block, GPTConfig
+    from graphslot.cli.toy import Block, GPTConfig
 
     sh = r["shape"]
     c = GPTConfig(hidden=sh["hidden"], heads=sh["heads"], ffn=sh["ffn"], seq=sh["seq"],

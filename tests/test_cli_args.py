@@ -15,7 +15,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import graphslot
-from graphslot import cli, demo, selection
+from graphslot import cli, selection
+from graphslot.cli import demo
 from graphslot.cli import int_range, one_line, positive_int
 
 

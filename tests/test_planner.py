@@ -19,7 +19,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from graphslot.errors import UsageError
-from graphslot.plan_cli import add_parser, run
+from graphslot.cli.plan import add_parser, run
 from graphslot.planner import (
     Plan,
     PlanError,

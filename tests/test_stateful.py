@@ -19,7 +19,7 @@ from hypothesis.stateful import RuleBasedStateMachine, precondition, rule
 
 import graphslot
 from graphslot.adapters.torch import GraphedLayers
-from graphslot.toy import GPTConfig, TinyGPT
+from graphslot.cli.toy import GPTConfig, TinyGPT
 
 # CI runs 25 sequences per mode; GRAPHSLOT_STATEFUL_EXAMPLES=N runs more (each builds a stack).
 _EXAMPLES = int(os.environ.get("GRAPHSLOT_STATEFUL_EXAMPLES", "25"))

@@ -26,7 +26,7 @@ import re
 import sys
 from typing import Any, NoReturn
 
-from .planner import Plan, PlanError, TensorSpec, baselines, plan
+from ..planner import Plan, PlanError, TensorSpec, baselines, plan
 
 __all__ = ["add_parser", "main", "run", "load_tensors", "MAX_FILE_BYTES", "MAX_DEPTH"]
 

@@ -35,10 +35,10 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from .backend import Backend
-from .memory import report, saved_activation_bytes
+from ..backend import Backend
+from ..memory import report, saved_activation_bytes
+from ..trace import Timeline
 from .toy import Block, GPTConfig
-from .trace import Timeline
 
 __all__ = ["BenchShape", "CONFIGS", "run_bench", "copy_bandwidth", "auto_offload_layers",
            "memory_breakdown", "add_parser"]
@@ -575,7 +575,7 @@ def check_args(args: argparse.Namespace) -> tuple[BenchShape, tuple[str, ...]]:
 
 
 def main(args: argparse.Namespace) -> int:
-    from .selection import get_backend
+    from ..selection import get_backend
 
     try:
         shape, configs = check_args(args)

@@ -15,7 +15,7 @@ import json
 import sys
 from typing import Callable, NoReturn
 
-from .errors import GraphslotError
+from ..errors import GraphslotError
 
 __all__ = ["main", "build_parser", "positive_int", "int_range", "one_line"]
 
@@ -75,7 +75,7 @@ def _human_bytes(n: int | None) -> str:
 
 
 def _info(args: argparse.Namespace) -> int:
-    from .selection import get_backend, selection_reason
+    from ..selection import get_backend, selection_reason
 
     b = get_backend(args.backend)
     info = {"backend": b.name, "reason": selection_reason(b), **b.info()}
@@ -104,9 +104,9 @@ def build_parser() -> argparse.ArgumentParser:
     info.add_argument("--json", action="store_true", help="print one JSON object")
     info.set_defaults(func=_info)
 
-    from . import bench, demo, plan_cli
+    from . import bench, demo, plan
 
-    for module in (demo, bench, plan_cli):
+    for module in (demo, bench, plan):
         module.add_parser(sub)
     return p
 
@@ -135,7 +135,3 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"{where}: interrupted", file=sys.stderr)
         return 130
-
-
-if __name__ == "__main__":  # pragma: no cover
-    sys.exit(main())

@@ -18,10 +18,10 @@ from typing import Any
 
 import torch
 
-from .backend import Backend
-from .cli import int_range
-from .errors import UsageError
-from .memory import saved_activation_bytes
+from ..backend import Backend
+from ..errors import UsageError
+from ..memory import saved_activation_bytes
+from . import int_range
 from .toy import GPTConfig, TinyGPT
 
 __all__ = ["run_demo", "add_parser", "MAX_STEPS", "MAX_LAYERS"]
@@ -141,7 +141,7 @@ def _print(r: dict[str, Any]) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    from .selection import get_backend
+    from ..selection import get_backend
 
     b = get_backend(args.backend)
     c = GPTConfig(layers=args.layers)
