@@ -178,12 +178,75 @@ def _forward_saving_on_cpu(layers: Sequence[torch.nn.Module], x: torch.Tensor) -
         return _forward(layers, x)
 
 
+@dataclass(eq=False)
+class _Inputs:
+    """What every configuration of one bench run shares: the layers, the data, the copy
+    ceiling, the step counts and the progress bar."""
+
+    b: Backend
+    shape: BenchShape
+    steps: int
+    warmup: int
+    layers: list[Block]
+    params: list[torch.nn.Parameter]
+    x: torch.Tensor
+    gy: torch.Tensor
+    saved: int
+    layer_bytes: int
+    ceiling: dict[str, float]
+    ceil_gbps: float
+    bar: _Progress
+
+    def zero_grads(self) -> None:
+        self.x.grad = None
+        for p in self.params:
+            p.grad = None
+
+
 def run_bench(b: Backend, shape: BenchShape, *, steps: int = 10, warmup: int = 3,
               configs: tuple[str, ...] = CONFIGS, trace_path: str | None = None,
               plot_path: str | None = None, progress: bool = True) -> dict[str, Any]:
     """Run the comparison on backend ``b``; returns the JSON-able report."""
-    from graphslot.adapters.torch import GraphedLayers
+    r = _prepare(b, shape, steps, warmup, len(configs), progress)
+    out: dict[str, Any] = {
+        "backend": b.name, "device": b.info()["device"], "shape": asdict(shape),
+        "steps": steps, "copy_ceiling_gbps": r.ceil_gbps, "copy": r.ceiling,
+        "saved_activation_bytes": r.saved, "configs": {},
+    }
+    bar = r.bar
+    timings: dict[str, dict[str, float]] = {}
+    traces: dict[str, Timeline] = {}
+    curves: dict[str, list[tuple[str, int]]] = {}
 
+    for name in configs:
+        reason = _unsupported(b, name)
+        if reason:
+            out["configs"][name] = {"reason": reason}
+            bar.done += warmup + steps + 2
+            continue
+        built = _build(r, name, timings)
+        if isinstance(built, str):
+            out["configs"][name] = {"reason": built}
+            continue
+        stack, fwd, kw = built
+        out["configs"][name], traces[name], curves[name] = _measure(r, name, stack, fwd, timings)
+        if name == "graph_auto":
+            out["configs"][name]["offload_layers"] = kw["offload_layers"]
+        _tear_down(r, name, stack)
+        del stack, fwd, built
+        gc.collect()
+        b.empty_cache()
+        if name == "save_on_cpu" and b.name != "cpu":
+            out["configs"][name]["d2h_gbps"] = out["configs"][name]["h2d_gbps"] = None
+            out["configs"][name]["copy_note"] = "copies issued by torch inside autograd; not timed"
+    bar.close()
+    _finish(out, r, timings, traces, curves, trace_path, plot_path)
+    return out
+
+
+def _prepare(b: Backend, shape: BenchShape, steps: int, warmup: int, n_configs: int,
+             progress: bool) -> _Inputs:
+    """The layers and data every configuration runs on, and the copy ceiling."""
     dtype = getattr(torch, shape.dtype)
     c = GPTConfig(hidden=shape.hidden, heads=shape.heads, ffn=shape.ffn, seq=shape.seq,
                   batch=shape.batch, layers=shape.layers, attention=shape.attention)
@@ -199,145 +262,155 @@ def run_bench(b: Backend, shape: BenchShape, *, steps: int = 10, warmup: int = 3
     copy_n = min(GiB, max(MiB, layer_bytes))
     ceiling = copy_bandwidth(b, copy_n)
     ceil_gbps = min(ceiling["d2h_gbps"], ceiling["h2d_gbps"])
-    out: dict[str, Any] = {
-        "backend": b.name, "device": b.info()["device"], "shape": asdict(shape),
-        "steps": steps, "copy_ceiling_gbps": ceil_gbps, "copy": ceiling,
-        "saved_activation_bytes": saved, "configs": {},
-    }
-    bar = _Progress(len(configs) * (warmup + steps + 2), progress)
-    timings: dict[str, dict[str, float]] = {}
-    traces: dict[str, Timeline] = {}
-    curves: dict[str, list[tuple[str, int]]] = {}
+    bar = _Progress(n_configs * (warmup + steps + 2), progress)
+    return _Inputs(b, shape, steps, warmup, layers, params, x, gy, saved, layer_bytes,
+                   ceiling, ceil_gbps, bar)
 
-    def zero_grads() -> None:
-        x.grad = None
-        for p in params:
-            p.grad = None
 
-    for name in configs:
-        reason = _unsupported(b, name)
-        if reason:
-            out["configs"][name] = {"reason": reason}
-            bar.done += warmup + steps + 2
-            continue
-        stack: Any = None
-        fwd: Callable[[], torch.Tensor]
-        if name == "torch_graphed":
-            bar.update(f"{name}: capture", advance=False)
-            _torch_graphed(b, layers, x)
-            fwd = functools.partial(_forward, layers, x)
-        elif name.startswith("graph"):
-            mode = {"graph": "off", "graph_resident": "resident", "graph_remap": "remap",
-                    "graph_auto": "resident"}[name]
-            kw: dict[str, Any] = {}
-            if name == "graph_auto":
-                t = timings.get("graph") or timings.get("eager")
-                if t is None:
-                    out["configs"][name] = {"reason": "needs the graph or eager config first "
-                                                      "to time compute"}
-                    continue
-                kw["offload_layers"] = auto_offload_layers(shape.layers, layer_bytes, t["fwd_ms"],
-                                                           t["bwd_ms"], ceil_gbps)
-            bar.update(f"{name}: capture", advance=False)
-            stack = GraphedLayers(layers, x, mode=mode, backend=b, warmup_iters=2, **kw)
+def _build(r: _Inputs, name: str, timings: dict[str, dict[str, float]]
+           ) -> tuple[Any, Callable[[], torch.Tensor], dict[str, Any]] | str:
+    """Configuration ``name``'s graphed stack (``None`` for the eager ones), its forward and
+    the stack's keyword arguments; or why it cannot run yet."""
+    from graphslot.adapters.torch import GraphedLayers
 
-            fwd = functools.partial(stack, x)
-        elif name == "save_on_cpu":
-            fwd = functools.partial(_forward_saving_on_cpu, layers, x)
-        elif name == "eager":
-            fwd = functools.partial(_forward, layers, x)
-        else:
-            raise AssertionError(name)
-
-        def step() -> None:
-            y = fwd()
-            y.backward(gy)
-            zero_grads()
-
-        for i in range(warmup):
-            step()
-            bar.update(f"{name}: warm-up {i + 1}/{warmup}")
-        b.synchronize()
-        times = []
-        off0 = stack.engine.stats["offloaded_bytes"] if stack is not None else 0
-        for i in range(steps):
-            t0 = time.perf_counter()
-            step()
-            b.synchronize()
-            times.append((time.perf_counter() - t0) * 1e3)
-            bar.update(f"{name}: step {i + 1}/{steps}")
-        step_ms = statistics.median(times)
-        offloaded = ((stack.engine.stats["offloaded_bytes"] - off0) // steps) if stack is not None else 0
-
-        # One step with a timeline: phase times and copy busy times.
-        tl = Timeline(b)
-        if stack is not None:
-            stack.timeline = tl
-        b.synchronize()
-        tl.start()
-        with tl.span("phase", "forward"):
-            y = fwd()
-        with tl.span("phase", "backward"):
-            y.backward(gy)
-        b.synchronize()
-        if stack is not None:
-            stack.engine.settle()
-            stack.timeline = None
-        zero_grads()
-        del y
-        spans = tl.spans()
-        fwd_ms = sum(s.dur_ms for s in spans if s.track == "phase" and s.name == "forward")
-        bwd_ms = sum(s.dur_ms for s in spans if s.track == "phase" and s.name == "backward")
-        timings[name] = {"step_ms": step_ms, "fwd_ms": fwd_ms, "bwd_ms": bwd_ms}
-        traces[name] = tl
-        bar.update(f"{name}: timeline")
-
-        # One step for memory: peaks from a known baseline, and the boundary.
-        curve: list[tuple[str, int]] = []
-        breakdown: dict[str, int | None] = {}
-        peak, boundary = _memory_step(b, fwd, gy, stack, layers,
-                                      saved if name in ("eager", "torch_graphed", "graph") else 0,
-                                      curve, zero_grads, breakdown)
-        curves[name] = curve
-        bar.update(f"{name}: memory")
-
-        d2h = h2d = None
-        if stack is not None:
-            ms, n = tl.busy("d2h")
-            d2h = n / ms / 1e6 if ms > 0 and n else None
-            ms, n = tl.busy("h2d")
-            h2d = n / ms / 1e6 if ms > 0 and n else None
-        elif name == "save_on_cpu":
-            offloaded = saved
-        out["configs"][name] = {
-            "step_ms": step_ms, "fwd_ms": fwd_ms, "bwd_ms": bwd_ms,
-            "peak_device_bytes": peak, "activation_bytes_at_boundary": boundary,
-            "offloaded_bytes": offloaded, "d2h_gbps": d2h, "h2d_gbps": h2d,
-            "memory_breakdown": breakdown,
-        }
+    b, layers, x, bar = r.b, r.layers, r.x, r.bar
+    stack: Any = None
+    fwd: Callable[[], torch.Tensor]
+    kw: dict[str, Any] = {}
+    if name == "torch_graphed":
+        bar.update(f"{name}: capture", advance=False)
+        _torch_graphed(b, layers, x)
+        fwd = functools.partial(_forward, layers, x)
+    elif name.startswith("graph"):
+        mode = {"graph": "off", "graph_resident": "resident", "graph_remap": "remap",
+                "graph_auto": "resident"}[name]
         if name == "graph_auto":
-            out["configs"][name]["offload_layers"] = kw["offload_layers"]
-        if stack is not None:
-            stack.close()
-        if name == "torch_graphed":
-            _ungraph(layers)
-        del stack, fwd, step
-        gc.collect()
-        b.empty_cache()
-        if name == "save_on_cpu" and b.name != "cpu":
-            out["configs"][name]["d2h_gbps"] = out["configs"][name]["h2d_gbps"] = None
-            out["configs"][name]["copy_note"] = "copies issued by torch inside autograd; not timed"
-    bar.close()
-    _derive(out, timings, ceil_gbps)
+            t = timings.get("graph") or timings.get("eager")
+            if t is None:
+                return "needs the graph or eager config first to time compute"
+            kw["offload_layers"] = auto_offload_layers(r.shape.layers, r.layer_bytes, t["fwd_ms"],
+                                                       t["bwd_ms"], r.ceil_gbps)
+        bar.update(f"{name}: capture", advance=False)
+        stack = GraphedLayers(layers, x, mode=mode, backend=b, warmup_iters=2, **kw)
+
+        fwd = functools.partial(stack, x)
+    elif name == "save_on_cpu":
+        fwd = functools.partial(_forward_saving_on_cpu, layers, x)
+    elif name == "eager":
+        fwd = functools.partial(_forward, layers, x)
+    else:
+        raise AssertionError(name)
+    return stack, fwd, kw
+
+
+def _measure(r: _Inputs, name: str, stack: Any, fwd: Callable[[], torch.Tensor],
+             timings: dict[str, dict[str, float]]
+             ) -> tuple[dict[str, Any], Timeline, list[tuple[str, int]]]:
+    """Time, trace and measure configuration ``name``: its report entry, its timeline and
+    its memory curve; records its phase times in ``timings``."""
+    b, gy, bar = r.b, r.gy, r.bar
+
+    def step() -> None:
+        y = fwd()
+        y.backward(gy)
+        r.zero_grads()
+
+    step_ms, offloaded = _timed_steps(r, name, stack, step)
+    tl, fwd_ms, bwd_ms = _timeline_step(r, stack, fwd)
+    timings[name] = {"step_ms": step_ms, "fwd_ms": fwd_ms, "bwd_ms": bwd_ms}
+    bar.update(f"{name}: timeline")
+
+    # One step for memory: peaks from a known baseline, and the boundary.
+    curve: list[tuple[str, int]] = []
+    breakdown: dict[str, int | None] = {}
+    peak, boundary = _memory_step(b, fwd, gy, stack, r.layers,
+                                  r.saved if name in ("eager", "torch_graphed", "graph") else 0,
+                                  curve, r.zero_grads, breakdown)
+    bar.update(f"{name}: memory")
+
+    d2h = h2d = None
+    if stack is not None:
+        ms, n = tl.busy("d2h")
+        d2h = n / ms / 1e6 if ms > 0 and n else None
+        ms, n = tl.busy("h2d")
+        h2d = n / ms / 1e6 if ms > 0 and n else None
+    elif name == "save_on_cpu":
+        offloaded = r.saved
+    result = {
+        "step_ms": step_ms, "fwd_ms": fwd_ms, "bwd_ms": bwd_ms,
+        "peak_device_bytes": peak, "activation_bytes_at_boundary": boundary,
+        "offloaded_bytes": offloaded, "d2h_gbps": d2h, "h2d_gbps": h2d,
+        "memory_breakdown": breakdown,
+    }
+    return result, tl, curve
+
+
+def _timed_steps(r: _Inputs, name: str, stack: Any, step: Callable[[], None]) -> tuple[float, int]:
+    """Warm-up steps, then timed ones: the median step in ms and the bytes offloaded per step."""
+    b, bar, warmup, steps = r.b, r.bar, r.warmup, r.steps
+    for i in range(warmup):
+        step()
+        bar.update(f"{name}: warm-up {i + 1}/{warmup}")
+    b.synchronize()
+    times = []
+    off0 = stack.engine.stats["offloaded_bytes"] if stack is not None else 0
+    for i in range(steps):
+        t0 = time.perf_counter()
+        step()
+        b.synchronize()
+        times.append((time.perf_counter() - t0) * 1e3)
+        bar.update(f"{name}: step {i + 1}/{steps}")
+    step_ms = statistics.median(times)
+    offloaded = ((stack.engine.stats["offloaded_bytes"] - off0) // steps) if stack is not None else 0
+    return step_ms, offloaded
+
+
+def _timeline_step(r: _Inputs, stack: Any, fwd: Callable[[], torch.Tensor]
+                   ) -> tuple[Timeline, float, float]:
+    """One step with a timeline: the timeline and the forward and backward phase times."""
+    b, gy = r.b, r.gy
+    tl = Timeline(b)
+    if stack is not None:
+        stack.timeline = tl
+    b.synchronize()
+    tl.start()
+    with tl.span("phase", "forward"):
+        y = fwd()
+    with tl.span("phase", "backward"):
+        y.backward(gy)
+    b.synchronize()
+    if stack is not None:
+        stack.engine.settle()
+        stack.timeline = None
+    r.zero_grads()
+    del y
+    spans = tl.spans()
+    fwd_ms = sum(s.dur_ms for s in spans if s.track == "phase" and s.name == "forward")
+    bwd_ms = sum(s.dur_ms for s in spans if s.track == "phase" and s.name == "backward")
+    return tl, fwd_ms, bwd_ms
+
+
+def _tear_down(r: _Inputs, name: str, stack: Any) -> None:
+    """Undo configuration ``name``: close its stack, or restore the layers' forwards."""
+    if stack is not None:
+        stack.close()
+    if name == "torch_graphed":
+        _ungraph(r.layers)
+
+
+def _finish(out: dict[str, Any], r: _Inputs, timings: dict[str, dict[str, float]],
+            traces: dict[str, Timeline], curves: dict[str, list[tuple[str, int]]],
+            trace_path: str | None, plot_path: str | None) -> None:
+    """Derived figures, the trace of one offloading configuration and the memory plot."""
+    _derive(out, timings, r.ceil_gbps)
     if trace_path:
         pick = next((n for n in ("graph_auto", "graph_resident", "graph_remap") if n in traces), None)
         if pick:
             traces[pick].write(trace_path)
             out["trace"] = {"config": pick, "path": trace_path}
     if plot_path:
-        _plot(curves, plot_path, b.name)
+        _plot(curves, plot_path, r.b.name)
         out["plot"] = plot_path
-    return out
 
 
 def _unsupported(b: Backend, name: str) -> str | None:
