@@ -21,7 +21,7 @@ import torch
 import graphslot
 from graphslot.adapters.torch import GraphedLayers
 from graphslot.cli.bench import BenchShape
-from graphslot.cli.toy import Block, GPTConfig
+from graphslot.cli.toy import Block
 
 MiB = 1 << 20
 
@@ -36,11 +36,9 @@ def _frame(block: dict[str, Any]) -> str:
 
 
 def census(mode: str, shape: BenchShape, b: graphslot.Backend) -> dict[str, Any]:
-    dtype = getattr(torch, shape.dtype)
-    c = GPTConfig(hidden=shape.hidden, heads=shape.heads, ffn=shape.ffn, seq=shape.seq,
-                  batch=shape.batch, layers=shape.layers, attention=shape.attention)
+    dtype = shape.dtype
     torch.manual_seed(0)
-    layers = [Block(c).to(device=b.device, dtype=dtype) for _ in range(shape.layers)]
+    layers = [Block(shape).to(device=b.device, dtype=dtype) for _ in range(shape.layers)]
     x = torch.randn(shape.batch, shape.seq, shape.hidden, device=b.device, dtype=dtype,
                     requires_grad=True)
     gy = torch.randn_like(x)

@@ -31,7 +31,7 @@ import statistics
 import sys
 import time
 from dataclasses import asdict, dataclass
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, ClassVar, Sequence
 
 import torch
 
@@ -48,27 +48,38 @@ CONFIGS = ("eager", "save_on_cpu", "torch_graphed", "graph", "graph_resident", "
 GiB, MiB = 1 << 30, 1 << 20
 
 
-@dataclass
-class BenchShape:
-    hidden: int = 4096
-    heads: int = 32
-    ffn: int = 16384
-    seq: int = 4096
-    batch: int = 1
-    layers: int = 8
-    dtype: str = "bfloat16"
-    attention: str = "sdpa"
+class BenchShape(GPTConfig):
+    """The bench's layer stack: a :class:`~graphslot.cli.toy.GPTConfig` (the layers run
+    in its ``dtype``; ``vocab`` is unused), made from a preset by :meth:`preset`."""
+
+    #: Preset name -> the fields that differ from GPTConfig's defaults.
+    PRESETS: ClassVar[dict[str, dict[str, Any]]] = {
+        "default": dict(hidden=4096, heads=32, ffn=16384, seq=4096, batch=1, layers=8,
+                        dtype=torch.bfloat16, attention="sdpa"),
+        # small layers, many of them: launch-bound, where graphs pay
+        "launch": dict(hidden=256, heads=4, ffn=1024, seq=128, batch=4, layers=32,
+                       dtype=torch.bfloat16, attention="sdpa"),
+        # CI size
+        "tiny": dict(hidden=64, heads=4, ffn=128, seq=32, batch=2, layers=3,
+                     dtype=torch.float32, attention="math"),
+    }
 
     @staticmethod
     def preset(name: str) -> BenchShape:
-        if name == "default":
-            return BenchShape()
-        if name == "launch":  # small layers, many of them: launch-bound, where graphs pay
-            return BenchShape(hidden=256, heads=4, ffn=1024, seq=128, batch=4, layers=32)
-        if name == "tiny":  # CI size
-            return BenchShape(hidden=64, heads=4, ffn=128, seq=32, batch=2, layers=3,
-                              dtype="float32", attention="math")
-        raise ValueError(f"unknown preset {name!r}; choose default, launch or tiny")
+        """The shape of preset ``name``.
+
+        Raises:
+            ValueError: ``name`` is not default, launch or tiny.
+        """
+        if name not in BenchShape.PRESETS:
+            raise ValueError(f"unknown preset {name!r}; choose default, launch or tiny")
+        return BenchShape(**BenchShape.PRESETS[name])
+
+    def as_dict(self) -> dict[str, Any]:
+        """The shape as the report gives it: every field but ``vocab``, the dtype by name."""
+        d = {k: v for k, v in asdict(self).items() if k != "vocab"}
+        d["dtype"] = str(self.dtype).removeprefix("torch.")
+        return d
 
 
 def copy_bandwidth(b: Backend, nbytes: int, reps: int = 5) -> dict[str, float]:
@@ -209,7 +220,7 @@ def run_bench(b: Backend, shape: BenchShape, *, steps: int = 10, warmup: int = 3
     """Run the comparison on backend ``b``; returns the JSON-able report."""
     r = _prepare(b, shape, steps, warmup, len(configs), progress)
     out: dict[str, Any] = {
-        "backend": b.name, "device": b.info()["device"], "shape": asdict(shape),
+        "backend": b.name, "device": b.info()["device"], "shape": shape.as_dict(),
         "steps": steps, "copy_ceiling_gbps": r.ceil_gbps, "copy": r.ceiling,
         "saved_activation_bytes": r.saved, "configs": {},
     }
@@ -247,11 +258,9 @@ def run_bench(b: Backend, shape: BenchShape, *, steps: int = 10, warmup: int = 3
 def _prepare(b: Backend, shape: BenchShape, steps: int, warmup: int, n_configs: int,
              progress: bool) -> _Inputs:
     """The layers and data every configuration runs on, and the copy ceiling."""
-    dtype = getattr(torch, shape.dtype)
-    c = GPTConfig(hidden=shape.hidden, heads=shape.heads, ffn=shape.ffn, seq=shape.seq,
-                  batch=shape.batch, layers=shape.layers, attention=shape.attention)
+    dtype = shape.dtype
     torch.manual_seed(0)
-    layers = [Block(c).to(device=b.device, dtype=dtype) for _ in range(shape.layers)]
+    layers = [Block(shape).to(device=b.device, dtype=dtype) for _ in range(shape.layers)]
     params = [p for m in layers for p in m.parameters()]
     g = torch.Generator().manual_seed(0)  # host generator: the same data on every backend
     x = torch.randn(shape.batch, shape.seq, shape.hidden, generator=g).to(b.device, dtype)
@@ -628,7 +637,7 @@ def check_args(args: argparse.Namespace) -> tuple[BenchShape, tuple[str, ...]]:
     for k in ("hidden", "heads", "ffn", "seq", "batch", "layers", "dtype", "attention"):
         v = getattr(args, k)
         if v is not None:
-            setattr(shape, k, v)
+            setattr(shape, k, getattr(torch, v) if k == "dtype" else v)
     for k in ("hidden", "heads", "ffn", "seq", "batch", "layers"):
         if getattr(shape, k) < 1:
             raise ValueError(f"--{k} must be at least 1, got {getattr(shape, k)}")
@@ -662,7 +671,7 @@ def main(args: argparse.Namespace) -> int:
     except (RuntimeError, MemoryError) as e:
         if not _is_oom(e):
             raise
-        print(f"graphslot bench: error: shape {asdict(shape)} does not fit on {b.device}: "
+        print(f"graphslot bench: error: shape {shape.as_dict()} does not fit on {b.device}: "
               f"{str(e).splitlines()[0]}", file=sys.stderr)
         return 2
     if args.json:
