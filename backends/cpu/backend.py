@@ -54,6 +54,7 @@ import torch
 from graphslot.backend import Backend, DeviceGraph
 from graphslot.errors import DriverError, UsageError
 from graphslot.regions import RegionGraphBackend
+from graphslot.sizes import format_bytes
 
 from . import streams as _s
 
@@ -83,13 +84,6 @@ def _os_error(call: str, err: int | None = None, detail: str = "") -> DriverErro
     err = ctypes.get_errno() if err is None else err
     return DriverError("", call, errno.errorcode.get(err, "EUNKNOWN"), err,
                        detail or os.strerror(err))
-
-
-def _human(n: int) -> str:
-    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if n >= scale:
-            return f"{n / scale:.1f} {unit}"
-    return f"{n} B"
 
 
 def _out_of_memory(call: str, detail: str) -> DriverError:
@@ -297,7 +291,7 @@ class CpuBackend(Backend, RegionGraphBackend):
         if size > headroom:
             raise _out_of_memory("posix_fallocate", f"refused before committing any page, "
                                  f"{size} bytes asked and this host can commit "
-                                 f"{_human(headroom)} more")
+                                 f"{format_bytes(headroom, digits=1)} more")
         try:
             fd = os.memfd_create("graphslot", os.MFD_CLOEXEC)
         except OSError as e:

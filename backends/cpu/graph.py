@@ -35,6 +35,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from graphslot.backend import DeviceGraph
 from graphslot.errors import PoolFullError, StateError
 from graphslot.regions import RegionGraph
+from graphslot.sizes import view_extent
 
 from .backend import bytes_at
 
@@ -58,8 +59,8 @@ class _Ref:
 
     @staticmethod
     def of(t: torch.Tensor) -> _Ref:
-        span = (1 + sum((s - 1) * st for s, st in zip(t.shape, t.stride()))) if t.numel() else 0
-        return _Ref(t.data_ptr(), tuple(t.shape), tuple(t.stride()), t.dtype, span * t.element_size())
+        nbytes = view_extent(t.shape, t.stride(), t.element_size())
+        return _Ref(t.data_ptr(), tuple(t.shape), tuple(t.stride()), t.dtype, nbytes)
 
     def view(self) -> torch.Tensor:
         if self.nbytes == 0:

@@ -16,6 +16,7 @@ import sys
 from typing import Callable, NoReturn
 
 from ..errors import GraphslotError
+from ..sizes import format_bytes
 
 __all__ = ["main", "build_parser", "positive_int", "int_range", "one_line"]
 
@@ -64,16 +65,6 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {one_line(message)} (see {self.prog} --help)\n")
 
 
-def _human_bytes(n: int | None) -> str:
-    if n is None:
-        return "-"
-    for unit in ("GiB", "MiB", "KiB"):
-        scale = {"GiB": 1 << 30, "MiB": 1 << 20, "KiB": 1 << 10}[unit]
-        if abs(n) >= scale:
-            return f"{n / scale:.2f} {unit}"
-    return f"{n} B"
-
-
 def _info(args: argparse.Namespace) -> int:
     from ..selection import get_backend, selection_reason
 
@@ -86,8 +77,8 @@ def _info(args: argparse.Namespace) -> int:
     print(f"backend        {info['backend']}  ({info['reason']})")
     print(f"device         {info['device']}")
     print(f"VMM supported  {info['vmm_supported']}")
-    print(f"granularity    {_human_bytes(info['granularity'])}")
-    print(f"driver memory  {_human_bytes(info['free_bytes'])} free of {_human_bytes(info['total_bytes'])}")
+    print(f"granularity    {format_bytes(info['granularity'])}")
+    print(f"driver memory  {format_bytes(info['free_bytes'])} free of {format_bytes(info['total_bytes'])}")
     for k, v in info["versions"].items():
         print(f"{k:<14} {v}")
     return 0
