@@ -37,7 +37,9 @@ import torch
 
 from ..backend import Backend
 from ..memory import report, saved_activation_bytes
+from ..sizes import format_bytes
 from ..trace import Timeline
+from .output import Progress, missing, table
 from .toy import Block, GPTConfig
 
 __all__ = ["BenchShape", "CONFIGS", "run_bench", "copy_bandwidth", "auto_offload_layers",
@@ -138,30 +140,6 @@ def auto_offload_layers(layers: int, layer_bytes: int, fwd_ms: float, bwd_ms: fl
     return sorted({min(layers - 2, round(i * (layers - 1) / n)) for i in range(n)})
 
 
-class _Progress:
-    def __init__(self, total: int, enabled: bool) -> None:
-        self.total, self.done, self.enabled = total, 0, enabled
-        self.tty = enabled and sys.stderr.isatty()
-
-    def update(self, label: str, advance: bool = True) -> None:
-        if not self.enabled:
-            return
-        if advance:
-            self.done += 1
-        width = 24
-        filled = int(width * self.done / max(self.total, 1))
-        line = f"[{'#' * filled}{'.' * (width - filled)}] {self.done}/{self.total} {label}"
-        if self.tty:
-            sys.stderr.write("\r" + line.ljust(78))
-        else:
-            sys.stderr.write(line + "\n")
-        sys.stderr.flush()
-
-    def close(self) -> None:
-        if self.tty:
-            sys.stderr.write("\n")
-
-
 def _forward(layers: Sequence[torch.nn.Module], x: torch.Tensor) -> torch.Tensor:
     h = x
     for m in layers:
@@ -206,7 +184,7 @@ class _Inputs:
     layer_bytes: int
     ceiling: dict[str, float]
     ceil_gbps: float
-    bar: _Progress
+    bar: Progress
 
     def zero_grads(self) -> None:
         self.x.grad = None
@@ -233,7 +211,7 @@ def run_bench(b: Backend, shape: BenchShape, *, steps: int = 10, warmup: int = 3
         reason = _unsupported(b, name)
         if reason:
             out["configs"][name] = {"reason": reason}
-            bar.done += warmup + steps + 2
+            bar.skip(warmup + steps + 2)
             continue
         built = _build(r, name, timings)
         if isinstance(built, str):
@@ -271,7 +249,7 @@ def _prepare(b: Backend, shape: BenchShape, steps: int, warmup: int, n_configs: 
     copy_n = min(GiB, max(MiB, layer_bytes))
     ceiling = copy_bandwidth(b, copy_n)
     ceil_gbps = min(ceiling["d2h_gbps"], ceiling["h2d_gbps"])
-    bar = _Progress(n_configs * (warmup + steps + 2), progress)
+    bar = Progress(n_configs * (warmup + steps + 2), progress)
     return _Inputs(b, shape, steps, warmup, layers, params, x, gy, saved, layer_bytes,
                    ceiling, ceil_gbps, bar)
 
@@ -600,29 +578,25 @@ def _plot(curves: dict[str, list[tuple[str, int]]], path: str, backend: str) -> 
 
 
 def _table(r: dict[str, Any]) -> str:
-    lines = [f"graphslot bench on {r['backend']} ({r['device']}); shape {r['shape']}",
-             f"copy ceiling {r['copy_ceiling_gbps']:.1f} GB/s; saved activations "
-             f"{r['saved_activation_bytes'] / MiB:.1f} MiB per step",
-             f"{'config':<15}{'step ms':>9}{'peak dev':>11}{'act@bound':>11}{'offload':>10}"
-             f"{'D2H GB/s':>10}{'H2D GB/s':>10}{'exposed':>9}{'eff':>6}"]
-
-    def mb(v: int | None) -> str:
-        if v is None:
-            return "-"
-        return f"{v / GiB:.2f}G" if abs(v) >= GiB else f"{v / MiB:.1f}M"
+    head = [f"graphslot bench on {r['backend']} ({r['device']}); shape {r['shape']}",
+            f"copy ceiling {r['copy_ceiling_gbps']:.1f} GB/s; saved activations "
+            f"{format_bytes(r['saved_activation_bytes'])} per step"]
 
     def f(v: float | None, fmt: str = ".1f") -> str:
         return "-" if v is None else format(v, fmt)
 
+    rows, skipped = [], []
     for name, c in r["configs"].items():
         if "reason" in c:
-            lines.append(f"{name:<15} skipped: {c['reason']}")
+            skipped.append(f"{name} skipped: {c['reason']}")
             continue
-        lines.append(f"{name:<15}{c['step_ms']:9.2f}{mb(c['peak_device_bytes']):>11}"
-                     f"{mb(c['activation_bytes_at_boundary']):>11}{mb(c['offloaded_bytes']):>10}"
-                     f"{f(c['d2h_gbps']):>10}{f(c['h2d_gbps']):>10}{f(c.get('exposed_copy_ms')):>9}"
-                     f"{f(c.get('efficiency'), '.2f'):>6}")
-    return "\n".join(lines)
+        rows.append([name, f(c["step_ms"], ".2f"), format_bytes(c["peak_device_bytes"]),
+                     format_bytes(c["activation_bytes_at_boundary"]), format_bytes(c["offloaded_bytes"]),
+                     f(c["d2h_gbps"]), f(c["h2d_gbps"]), f(c.get("exposed_copy_ms")),
+                     f(c.get("efficiency"), ".2f")])
+    body = table(rows, ("config", "step ms", "peak dev", "act@bound", "offload", "D2H GB/s",
+                        "H2D GB/s", "exposed", "eff"), "lrrrrrrrr")
+    return "\n".join([*head, body, *skipped])
 
 
 def _is_oom(e: BaseException) -> bool:
@@ -664,6 +638,11 @@ def main(args: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"graphslot bench: error: {e}", file=sys.stderr)
         return 2
+    for needed in ((None if args.json else missing("tabulate", "the bench table", "--json")),
+                   (None if args.quiet else missing("tqdm", "the progress bar", "--quiet"))):
+        if needed:  # before the run, not after it
+            print(f"graphslot bench: error: {needed}", file=sys.stderr)
+            return 1
     b = get_backend(args.backend)
     try:
         r = run_bench(b, shape, steps=args.steps, warmup=args.warmup, configs=configs,

@@ -28,6 +28,7 @@ from typing import Any, NoReturn
 
 from ..planner import Plan, PlanError, TensorSpec, baselines, plan
 from ..sizes import format_bytes
+from .output import missing, table
 
 __all__ = ["add_parser", "main", "run", "load_tensors", "MAX_FILE_BYTES", "MAX_DEPTH"]
 
@@ -202,16 +203,11 @@ def load_tensors(doc: Any, source: str = "input") -> tuple[list[TensorSpec], lis
 
 
 def _print_table(p: Plan, base: dict[str, int]) -> None:
-    rows = [(_line(t.name), str(p.offsets[t.name]), str(t.size), str(p.offsets[t.name] + t.size),
+    rows = [(_line(t.name), p.offsets[t.name], t.size, p.offsets[t.name] + t.size,
              f"[{t.start}, {t.end})", "-" if t.branch is None else _line(str(t.branch)),
              "-" if t.alias_group is None else _line(f"{t.alias_group}+{t.alias_offset}"))
             for t in sorted(p.tensors, key=lambda t: (p.offsets[t.name], t.start, t.name))]
-    head = ("name", "offset", "size", "end", "steps", "branch", "alias")
-    widths = [max([len(h)] + [len(r[i]) for r in rows]) for i, h in enumerate(head)]
-    right = {1, 2, 3}
-    for r in [head] + rows:
-        print("  ".join(c.rjust(w) if i in right else c.ljust(w)
-                        for i, (c, w) in enumerate(zip(r, widths))).rstrip())
+    print(table(rows, ("name", "offset", "size", "end", "steps", "branch", "alias"), "lrrrlll"))
     print()
     print(f"arena         {p.arena_bytes} bytes ({format_bytes(p.arena_bytes)})")
     print(f"lower bound   {p.lower_bound_bytes} bytes ({format_bytes(p.lower_bound_bytes)})")
@@ -328,6 +324,10 @@ def run(args: argparse.Namespace) -> int:
         problem = _png_problem(args.png)
         if problem:
             return _fail(problem)
+    needed = None if args.json else missing("tabulate", "the plan table", "--json")
+    if needed:
+        print(f"graphslot plan: error: {needed}", file=sys.stderr)
+        return 1
     source = "<stdin>" if args.file == "-" else args.file
     try:
         text = _read(args.file)
