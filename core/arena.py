@@ -300,11 +300,25 @@ class VariantGraphs:
                 stream: Any = None, **kwargs: Any) -> Any:
         """Capture ``fn(*args, **kwargs)`` as graph ``part`` of variant ``name``.
 
-        Returns what ``fn`` returned (tensors in the variant's pool, or static tensors it
-        wrote to). Raises :class:`PoolFullError` if the variant's pool does not fit the
-        arena. After a failed capture the arena's physical memory is as before; a new
-        variant's region is freed at once, or, while the exception's traceback still
-        references tensors in it, by a later :meth:`capture` or :meth:`close`.
+        After a failed capture the arena's physical memory is as before; a new variant's
+        region is freed at once, or, while the exception's traceback still references
+        tensors in it, by a later :meth:`capture` or :meth:`close`.
+
+        Args:
+            name: the variant (a new one gets its own region).
+            fn: the work to capture, called once with ``*args`` and ``**kwargs``.
+            part: the graph's name within the variant (forward, backward, ...).
+            stream: the capture stream (default: the backend's choice).
+
+        Returns:
+            What ``fn`` returned (tensors in the variant's pool, or static tensors it
+            wrote to).
+
+        Raises:
+            PoolFullError: the variant's pool does not fit the arena.
+            UsageError: the variant already has a graph ``part``, or this backend's graphs
+                cannot draw their pool from a region.
+            StateError: the arena was closed.
         """
         widen = lambda g: not isinstance(g, RegionGraph) or g.executes_during_capture  # noqa: E731
         with self._new_graph("capture", name, part, widen) as (v, g):
@@ -367,14 +381,25 @@ class VariantGraphs:
         for ``torch.cuda.graph(pool=...)``; elsewhere the graph, for
         ``backend.new_graph(share_pool_with=graph)``) and run it under ``graph.lend()``,
         which routes the pool's allocations into the region. The graph holds the pool for
-        the variant's life and reports its
-        high-water mark, so :meth:`stats`, sizing and :meth:`close` count what the other
-        captures used; it cannot be replayed (the other code replays its own graphs).
+        the variant's life and reports its high-water mark, so :meth:`stats`, sizing and
+        :meth:`close` count what the other captures used; it cannot be replayed (the other
+        code replays its own graphs).
 
         An auto-sized arena is widened to ``capacity`` for the block, since the other code
         may also run eager work on pool memory between its captures, and fitted to the
         largest pool afterwards. If the block raises, the part is dropped as after a
         failed :meth:`capture`.
+
+        Args:
+            name: the variant.
+            part: the name under which the lent pool's graph is registered.
+
+        Returns:
+            A context manager yielding the :class:`~graphslot.regions.RegionGraph`.
+
+        Raises:
+            PoolFullError: the other code's captures did not fit the arena.
+            UsageError: as for :meth:`capture`.
         """
         with self._new_graph("lend_pool", name, part, lambda g: True) as (v, g):
             yield _region_graph(g)

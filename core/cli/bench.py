@@ -195,7 +195,25 @@ class _Inputs:
 def run_bench(b: Backend, shape: BenchShape, *, steps: int = 10, warmup: int = 3,
               configs: tuple[str, ...] = CONFIGS, trace_path: str | None = None,
               plot_path: str | None = None, progress: bool = True) -> dict[str, Any]:
-    """Run the comparison on backend ``b``; returns the JSON-able report."""
+    """Run the comparison on backend ``b`` (see the module docstring).
+
+    Args:
+        b: the backend.
+        shape: the layer stack.
+        steps: timed steps per configuration (after ``warmup`` untimed ones).
+        warmup: untimed steps first.
+        configs: the configurations, from :data:`CONFIGS`, in order.
+        trace_path: where to write a Chrome/Perfetto trace of one offloading step.
+        plot_path: where to write a PNG of device memory over one step (needs matplotlib).
+        progress: show a progress bar on stderr (needs tqdm, the ``cli`` extra).
+
+    Returns:
+        The JSON-able report: ``backend``, ``device``, ``shape``, ``copy_ceiling_gbps``,
+        ``configs`` (per configuration its figures, or a ``reason`` it was skipped), ...
+
+    Raises:
+        UsageError: ``progress`` and tqdm is not installed.
+    """
     r = _prepare(b, shape, steps, warmup, len(configs), progress)
     out: dict[str, Any] = {
         "backend": b.name, "device": b.info()["device"], "shape": shape.as_dict(),
