@@ -36,12 +36,14 @@ exclusive at replay time. Run one variant's graphed callables (forward and backw
 consume their outputs before another variant's run, on one stream. To close the arena,
 drop the graphed callables first (their graphs hold the pool).
 
-On cuda the pool handle is the variant's ``torch.cuda.MemPool`` id (graphslot's allocator
-over the region); TE's captures are routed into the region while TE runs, and graphslot
-warms up torch's default capture stream first so per-stream library workspaces stay out of
-the shared pages (see :mod:`graphslot.backends.cuda.pool`). On other backends the handle is
-the variant's pool graph itself, which a ``make_graphed_callables``-compatible function
-passes to ``backend.new_graph(share_pool_with=...)``.
+The pool handle and the routing come from the region-graph interface
+(:class:`~graphslot.regions.RegionGraph`: ``pool_handle`` and ``lend()``). On cuda the
+handle is the variant's ``torch.cuda.MemPool`` id (graphslot's allocator over the region);
+TE's captures are routed into the region while TE runs, and the backend warms up torch's
+default capture stream first so per-stream library workspaces stay out of the shared pages.
+On other backends the handle is the variant's pool graph itself, which a
+``make_graphed_callables``-compatible function passes to
+``backend.new_graph(share_pool_with=...)``.
 """
 
 from __future__ import annotations
@@ -52,12 +54,13 @@ import importlib.metadata
 import inspect
 import sys
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Hashable, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Hashable
 
 from graphslot.arena import VariantGraphs
 from graphslot.backend import Backend, DeviceGraph, no_gc
 from graphslot.errors import BackendUnavailableError, StateError, UsageError
 from graphslot.planner import Plan, PlanError, branch_table
+from graphslot.regions import RegionGraph
 
 if TYPE_CHECKING:
     from graphslot.offload import OffloadEngine
@@ -244,33 +247,20 @@ def check_te(fn: Callable[..., Any] | None = None, *, require: tuple[str, ...] =
 def pool_handle(graph: DeviceGraph) -> Any:
     r"""The pool handle to give TE for captures into ``graph``'s pool.
 
-    ``graph.pool`` where the backend has one (cuda: the ``MemPool`` id that
-    ``torch.cuda.graph(pool=...)`` takes), else the graph itself, which a
-    ``make_graphed_callables``-compatible function passes to
-    ``backend.new_graph(share_pool_with=...)``.
+    Args:
+        graph: a graph whose pool TE should capture into.
+
+    Returns:
+        For a :class:`~graphslot.regions.RegionGraph`, its ``pool_handle``; for another
+        graph, ``graph.pool`` where the backend has one (cuda: the ``MemPool`` id that
+        ``torch.cuda.graph(pool=...)`` takes), else the graph itself, which a
+        ``make_graphed_callables``-compatible function passes to
+        ``backend.new_graph(share_pool_with=...)``.
     """
+    if isinstance(graph, RegionGraph):
+        return graph.pool_handle
     pool = getattr(graph, "pool", None)
     return graph if pool is None else pool
-
-
-@contextlib.contextmanager
-def _cuda_routing(backend: Backend, graph: DeviceGraph) -> Iterator[None]:
-    """On cuda, route the pool's allocations into the graph's region while TE captures.
-
-    A region graph activates its region only around its own capture; TE captures its own
-    graphs into the same ``MemPool``, so the region is active for the whole TE call
-    (allocations outside that pool never reach graphslot's allocator). The capture stream
-    TE uses (torch's default) is warmed up first, outside the region.
-    """
-    routing = getattr(graph, "routing", None)  # cuda region graphs (backends/cuda/pool.py)
-    if backend.name != "cuda" or routing is None:
-        yield
-        return
-    import torch
-
-    torch.cuda.graph(torch.cuda.CUDAGraph())  # creates torch's default capture stream, if new
-    with routing(torch.cuda.graph.default_capture_stream):
-        yield
 
 
 class _Hooks:
@@ -423,8 +413,12 @@ def _call(fn: Callable[..., Any], feats: TEFeatures, backend: Backend, graph: De
     hooks = _Hooks(backend)
     try:
         with contextlib.ExitStack() as stack:
-            if graph is not None:
-                stack.enter_context(_cuda_routing(backend, graph))
+            if isinstance(graph, RegionGraph):
+                # A region graph routes allocations into its region only around its own
+                # capture; TE captures its own graphs into the same pool, so the region
+                # is routed for the whole TE call (lend(): on cuda, torch's default
+                # capture stream is warmed up first, outside the region).
+                stack.enter_context(graph.lend())
             if feats.warmup_hooks:
                 kwargs["pre_warmup_hook"] = hooks.compose(hooks.pre_warmup, user_pre)
                 kwargs["post_warmup_hook"] = hooks.compose(hooks.post_warmup, user_post)

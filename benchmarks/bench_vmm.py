@@ -16,7 +16,7 @@ from typing import Any
 
 
 import graphslot
-from graphslot.bench import copy_bandwidth
+from graphslot.cli.bench import copy_bandwidth
 
 MiB = 1 << 20
 OPS = ("create", "map", "set_access", "unmap", "release")

@@ -20,8 +20,8 @@ import torch
 
 import graphslot
 from graphslot.adapters.torch import GraphedLayers
-from graphslot.bench import BenchShape
-from graphslot.toy import Block, GPTConfig
+from graphslot.cli.bench import BenchShape
+from graphslot.cli.toy import Block
 
 MiB = 1 << 20
 
@@ -83,11 +83,9 @@ def _step_peak(stack: GraphedLayers, layers: list[torch.nn.Module], x: torch.Ten
 
 
 def census(mode: str, shape: BenchShape, b: graphslot.Backend) -> dict[str, Any]:
-    dtype = getattr(torch, shape.dtype)
-    c = GPTConfig(hidden=shape.hidden, heads=shape.heads, ffn=shape.ffn, seq=shape.seq,
-                  batch=shape.batch, layers=shape.layers, attention=shape.attention)
+    dtype = shape.dtype
     torch.manual_seed(0)
-    layers = [Block(c).to(device=b.device, dtype=dtype) for _ in range(shape.layers)]
+    layers = [Block(shape).to(device=b.device, dtype=dtype) for _ in range(shape.layers)]
     x = torch.randn(shape.batch, shape.seq, shape.hidden, device=b.device, dtype=dtype,
                     requires_grad=True)
     gy = torch.randn_like(x)

@@ -23,7 +23,7 @@ import torch
 import graphslot
 from graphslot import memory
 from graphslot.adapters.torch import GraphedLayers
-from graphslot.toy import GPTConfig, TinyGPT
+from graphslot.cli.toy import GPTConfig, TinyGPT
 
 
 def _rss() -> int:

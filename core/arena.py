@@ -34,8 +34,8 @@ host-filled input, to its last reader) and :class:`IOArena` places every tensor 
 overlap share bytes: a buffer is in effect released as soon as its last consumer ran.
 
 Device neutral: this module uses only the checked :class:`~graphslot.backend.Backend`
-methods and duck-typed graph attributes (``pool_used_bytes``, ``executes_during_capture``,
-``release_pool``) that the backends' region graphs provide.
+methods and the region-graph interface (:class:`~graphslot.regions.RegionGraph`) that the
+backends' region graphs implement.
 """
 
 from __future__ import annotations
@@ -46,8 +46,9 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Hashable, Iterable, Iterator, Sequence
 
 from .backend import Allocation, Backend, DeviceGraph, Reservation, align_up
-from .errors import StateError, UsageError
+from .errors import PoolFullError, StateError, UsageError
 from .planner import Plan, PlanError, TensorSpec, plan, verify
+from .regions import RegionGraph, ordinary_capture_kwargs
 
 if TYPE_CHECKING:
     import torch
@@ -56,10 +57,6 @@ __all__ = ["PoolFullError", "SharedArena", "VariantGraphs", "IOTensor", "Step", 
            "IOArena", "ordinary_capture_kwargs", "warm_first_capture"]
 
 GiB = 1 << 30
-
-
-class PoolFullError(UsageError):
-    """A graph's capture needed more than its pool region holds."""
 
 
 def _positive_int(what: str, v: Any) -> int:
@@ -243,12 +240,20 @@ class _Variant:
         return max((_used(g) for g in self.graphs.values()), default=0)
 
 
-def _used(g: DeviceGraph) -> int:
-    used = getattr(g, "pool_used_bytes", None)
-    if used is None:
+def _region_graph(g: DeviceGraph) -> RegionGraph:
+    if not isinstance(g, RegionGraph):
         raise UsageError(f"{type(g).__name__} has no pool_used_bytes: this backend's graphs "
                          "cannot draw their pool from a region")
-    return int(used)
+    return g
+
+
+def _used(g: DeviceGraph) -> int:
+    return int(_region_graph(g).pool_used_bytes)
+
+
+def _release(g: DeviceGraph) -> int:
+    """Release a variant graph's pool; the bytes live tensors still hold in its region."""
+    return g.release_pool() if isinstance(g, RegionGraph) else 0
 
 
 class VariantGraphs:
@@ -295,13 +300,27 @@ class VariantGraphs:
                 stream: Any = None, **kwargs: Any) -> Any:
         """Capture ``fn(*args, **kwargs)`` as graph ``part`` of variant ``name``.
 
-        Returns what ``fn`` returned (tensors in the variant's pool, or static tensors it
-        wrote to). Raises :class:`PoolFullError` if the variant's pool does not fit the
-        arena. After a failed capture the arena's physical memory is as before; a new
-        variant's region is freed at once, or, while the exception's traceback still
-        references tensors in it, by a later :meth:`capture` or :meth:`close`.
+        After a failed capture the arena's physical memory is as before; a new variant's
+        region is freed at once, or, while the exception's traceback still references
+        tensors in it, by a later :meth:`capture` or :meth:`close`.
+
+        Args:
+            name: the variant (a new one gets its own region).
+            fn: the work to capture, called once with ``*args`` and ``**kwargs``.
+            part: the graph's name within the variant (forward, backward, ...).
+            stream: the capture stream (default: the backend's choice).
+
+        Returns:
+            What ``fn`` returned (tensors in the variant's pool, or static tensors it
+            wrote to).
+
+        Raises:
+            PoolFullError: the variant's pool does not fit the arena.
+            UsageError: the variant already has a graph ``part``, or this backend's graphs
+                cannot draw their pool from a region.
+            StateError: the arena was closed.
         """
-        widen = lambda g: getattr(g, "executes_during_capture", True)  # noqa: E731
+        widen = lambda g: not isinstance(g, RegionGraph) or g.executes_during_capture  # noqa: E731
         with self._new_graph("capture", name, part, widen) as (v, g):
             with g.capture(stream):
                 out = fn(*args, **kwargs)
@@ -351,26 +370,39 @@ class VariantGraphs:
         self._fit()
 
     @contextlib.contextmanager
-    def lend_pool(self, name: Hashable, part: Hashable = "main") -> Iterator[DeviceGraph]:
+    def lend_pool(self, name: Hashable, part: Hashable = "main") -> Iterator[RegionGraph]:
         """Lend variant ``name``'s pool to graphs that other code captures in the block.
 
         For libraries that capture their own graphs into a pool handle they are given
         (TransformerEngine's ``make_graphed_callables(pool=...)``; see
-        :mod:`graphslot.adapters.te`). Yields an uncaptured graph over the variant's
-        region, registered as graph ``part``: ``graph.pool`` is the pool handle where the
-        backend has one (cuda: the ``MemPool`` id for ``torch.cuda.graph(pool=...)``), and
-        ``backend.new_graph(share_pool_with=graph)`` draws from the same pool on any
-        backend. The graph holds the pool for the variant's life and reports its
-        high-water mark, so :meth:`stats`, sizing and :meth:`close` count what the other
-        captures used; it cannot be replayed (the other code replays its own graphs).
+        :mod:`graphslot.adapters.te`). Yields an uncaptured
+        :class:`~graphslot.regions.RegionGraph` over the variant's region, registered as
+        graph ``part``: give the other code ``graph.pool_handle`` (cuda: the ``MemPool`` id
+        for ``torch.cuda.graph(pool=...)``; elsewhere the graph, for
+        ``backend.new_graph(share_pool_with=graph)``) and run it under ``graph.lend()``,
+        which routes the pool's allocations into the region. The graph holds the pool for
+        the variant's life and reports its high-water mark, so :meth:`stats`, sizing and
+        :meth:`close` count what the other captures used; it cannot be replayed (the other
+        code replays its own graphs).
 
         An auto-sized arena is widened to ``capacity`` for the block, since the other code
         may also run eager work on pool memory between its captures, and fitted to the
         largest pool afterwards. If the block raises, the part is dropped as after a
         failed :meth:`capture`.
+
+        Args:
+            name: the variant.
+            part: the name under which the lent pool's graph is registered.
+
+        Returns:
+            A context manager yielding the :class:`~graphslot.regions.RegionGraph`.
+
+        Raises:
+            PoolFullError: the other code's captures did not fit the arena.
+            UsageError: as for :meth:`capture`.
         """
         with self._new_graph("lend_pool", name, part, lambda g: True) as (v, g):
-            yield g
+            yield _region_graph(g)
             v.graphs[part] = g
             v.outputs[part] = None
 
@@ -388,8 +420,7 @@ class VariantGraphs:
             self.arena.resize(need, keep=need)
 
     def _drop_failed(self, v: _Variant, g: DeviceGraph, new_variant: bool) -> None:
-        release = getattr(g, "release_pool", None)
-        live = release() if release is not None else 0
+        live = _release(g)
         if not new_variant:
             return
         del self._variants[v.name]
@@ -401,8 +432,7 @@ class VariantGraphs:
     def _reap(self) -> None:
         """Free the regions of failed captures that nothing references any more."""
         for name, g in list(self._parked.items()):
-            release = getattr(g, "release_pool", None)
-            if not (release() if release is not None else 0):
+            if not _release(g):
                 del self._parked[name]
                 self.arena.remove_region(name)
 
@@ -487,8 +517,7 @@ class VariantGraphs:
         for name, graphs in [*groups, *((n, [g]) for n, g in self._parked.items())]:
             live = 0
             for g in graphs:  # the pool is shared: the last release reports what is left
-                release = getattr(g, "release_pool", None)
-                live = release() if release is not None else 0
+                live = _release(g)
             if live:
                 held[name] = live
         if held:
@@ -655,23 +684,6 @@ class IOArena:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
-
-
-def ordinary_capture_kwargs(backend: Backend) -> dict[str, Any]:
-    """``capture()`` arguments under which an ordinary graph captures as region graphs do.
-
-    On cuda, region graphs capture on graphslot's warmed stream (so per-stream library
-    workspaces stay out of shared pages); a baseline captured on that stream too makes
-    memory comparisons attribute those workspaces alike. Other backends need nothing.
-    """
-    if backend.name != "cuda":
-        return {}
-    import importlib
-
-    pool = importlib.import_module("graphslot.backends.cuda.pool")
-    s = pool.capture_stream(backend)
-    pool.warm_up(backend, s)
-    return {"stream": s}
 
 
 def warm_first_capture(backend: Backend) -> None:

@@ -14,6 +14,7 @@ __all__ = [
     "InjectedFault",
     "UsageError",
     "IncompatibleError",
+    "PoolFullError",
     "StateError",
     "CaptureMismatchError",
     "StreamError",
@@ -60,6 +61,10 @@ class UsageError(GraphslotError, ValueError):
 
 class IncompatibleError(UsageError):
     """A framework version or configuration an adapter cannot serve; the message names what."""
+
+
+class PoolFullError(UsageError):
+    """A graph's capture needed more than its pool region holds."""
 
 
 class StateError(GraphslotError):

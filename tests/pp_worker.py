@@ -26,7 +26,7 @@ import torch.distributed as dist
 import graphslot
 from graphslot.adapters.torch import GraphedLayers
 from graphslot.memory import report
-from graphslot.toy import GPTConfig, TinyGPT
+from graphslot.cli.toy import GPTConfig, TinyGPT
 
 STEPS, MICRO = 3, 3
 

@@ -6,7 +6,7 @@ import torch
 
 import graphslot
 from graphslot.adapters.torch import GraphedLayers
-from graphslot.toy import GPTConfig, TinyGPT
+from graphslot.cli.toy import GPTConfig, TinyGPT
 
 
 def small_gpt(b: graphslot.Backend, layers: int = 3, seed: int = 7) -> TinyGPT:

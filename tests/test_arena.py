@@ -475,3 +475,24 @@ def test_io_of_exclusive_variants_shares_bytes_across_branches(clean):
         assert rep["arena_bytes"] == 2 * 64 * 3 * 128 * 4  # the largest variant's in + out
         assert rep["naive_bytes"] == 2 * 64 * 6 * 128 * 4
         assert io["in_1"].data_ptr() == io.reservation.va or io["out_1"].data_ptr() == io.reservation.va
+
+
+def test_region_graphs_implement_the_declared_interface(regions):
+    """Region graphs are :class:`graphslot.regions.RegionGraph` (what the arena and the TE
+    adapter use), ordinary graphs are not, and the backend declares the interface."""
+    from graphslot.regions import RegionGraph, RegionGraphBackend
+
+    b = regions
+    assert isinstance(b, RegionGraphBackend)
+    assert not isinstance(b.new_graph(), RegionGraph)
+    with VariantGraphs(b, capacity=64 * MiB) as vg:
+        with vg.lend_pool("v") as g:
+            assert isinstance(g, RegionGraph)
+            assert g.pool_region[0] == vg.arena.regions["v"].va
+            assert isinstance(g.pool_used_bytes, int)
+            with g.lend():
+                pass
+            shared = b.new_graph(share_pool_with=g)
+            assert isinstance(shared, RegionGraph) and shared.pool_region == g.pool_region
+            assert isinstance(shared.release_pool(), int)  # g still holds the pool
+    assert isinstance(ordinary_capture_kwargs(b), dict)

@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import json
+import re
+import sys
 
 import pytest
 import torch
 
 import graphslot
 from graphslot import cli
-from graphslot.bench import CONFIGS, BenchShape, auto_offload_layers, run_bench
+from graphslot.cli.bench import CONFIGS, BenchShape, auto_offload_layers, run_bench
 from graphslot.memory import measure, report
 
 MiB = 1 << 20
@@ -68,7 +70,7 @@ def test_auto_policy_offloads_what_compute_hides():
 
 def r_params(r: dict) -> list[torch.Tensor]:
     """The parameters of the bench's layers, rebuilt from its shape (same seed, same init)."""
-    from graphslot.toy import Block, GPTConfig
+    from graphslot.cli.toy import Block, GPTConfig
 
     sh = r["shape"]
     c = GPTConfig(hidden=sh["hidden"], heads=sh["heads"], ffn=sh["ffn"], seq=sh["seq"],
@@ -134,3 +136,26 @@ def test_bench_refuses_bad_arguments_with_exit_2(backend, capsys, argv, needle):
     rc = cli.main(["bench", "--preset", "tiny", "--quiet", *argv])
     err = capsys.readouterr().err.strip()
     assert rc == 2 and needle in err and "Traceback" not in err and len(err.splitlines()) == 1, err
+
+
+def test_bench_command_prints_a_table(backend, capsys):
+    pytest.importorskip("tabulate")
+    rc = cli.main(["bench", "--preset", "tiny", "--steps", "1", "--warmup", "0", "--quiet",
+                   "--configs", "eager,graph"])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    assert re.search(r"^config\s+step ms\s+peak dev\s+act@bound\s+offload\s+D2H GB/s\s+H2D GB/s"
+                     r"\s+exposed\s+eff$", out, re.M), out
+    assert re.search(r"^eager\s+\d+\.\d\d\s", out, re.M) and re.search(r"^graph\s", out, re.M), out
+
+
+@pytest.mark.parametrize("module,flag", [("tabulate", "--quiet"), ("tqdm", "--json")])
+def test_bench_without_its_output_libraries_is_a_clear_error(backend, capsys, monkeypatch, module, flag):
+    """The table needs tabulate and the progress bar tqdm (the cli extra); without one the
+    command says so before running anything, and names the option that does without it."""
+    monkeypatch.setitem(sys.modules, module, None)  # import now raises ImportError
+    rc = cli.main(["bench", "--preset", "tiny", "--steps", "1", flag])
+    cap = capsys.readouterr()
+    other = "--json" if module == "tabulate" else "--quiet"
+    assert rc == 1 and cap.out == "", cap
+    assert f"needs {module}" in cap.err and "graphslot[cli]" in cap.err and other in cap.err, cap.err

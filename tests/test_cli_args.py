@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 from typing import Any
@@ -15,7 +16,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import graphslot
-from graphslot import cli, demo, selection
+from graphslot import cli, selection
+from graphslot.cli import demo
 from graphslot.cli import int_range, one_line, positive_int
 
 
@@ -49,6 +51,21 @@ def _fake_report(b: Any, config: Any, steps: int = 6) -> dict[str, Any]:
 @pytest.fixture
 def no_training(monkeypatch):
     monkeypatch.setattr(demo, "run_demo", _fake_report)
+
+
+def test_demo_prints_a_table(capsys, no_training):
+    pytest.importorskip("tabulate")
+    rc, out, err = run_main(["demo", "--steps", "1"], capsys)
+    assert rc == 0, err
+    assert re.search(r"^run\s+matches eager\s+max \|diff\|\s+step ms", out, re.M), out
+    assert re.search(r"^resident\s+yes \(bitwise\)\s", out, re.M), out
+
+
+def test_demo_table_without_tabulate_is_a_clear_error(capsys, no_training, monkeypatch):
+    monkeypatch.setitem(sys.modules, "tabulate", None)  # import now raises ImportError
+    rc, out, err = run_main(["demo"], capsys)
+    assert rc == 1 and out == "" and "needs tabulate" in err and "--json" in err, err
+    assert run_main(["demo", "--json"], capsys)[0] == 0
 
 
 # --------------------------------------------------------------------------- the type functions

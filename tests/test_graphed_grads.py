@@ -17,7 +17,7 @@ from torch import nn
 
 import graphslot
 from graphslot.adapters.torch import GraphedLayers
-from graphslot.toy import TinyGPT
+from graphslot.cli.toy import TinyGPT
 from stacks import graphed, small_gpt
 
 MODES = ["off", "resident", "remap"]

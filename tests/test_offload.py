@@ -13,7 +13,7 @@ import graphslot
 from graphslot.adapters.torch import GraphedLayers
 from graphslot.errors import CaptureMismatchError, InjectedFault, StateError
 from graphslot.offload import TRANSITIONS, Mode, OffloadEngine, State
-from graphslot.toy import GPTConfig, TinyGPT
+from graphslot.cli.toy import GPTConfig, TinyGPT
 
 
 def small(b: graphslot.Backend, layers: int) -> tuple[TinyGPT, GPTConfig]:

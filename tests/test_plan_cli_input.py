@@ -12,8 +12,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from graphslot import plan_cli
-from graphslot.plan_cli import MAX_DEPTH, main
+from graphslot.cli import plan as plan_cli
+from graphslot.cli.plan import MAX_DEPTH, main
 
 GOOD = {"tensors": [{"name": "a", "size": 1024, "start": 0, "end": 4, "branch": "x"},
                     {"name": "b", "size": 512, "start": 2, "end": 6}]}

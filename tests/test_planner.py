@@ -19,7 +19,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from graphslot.errors import UsageError
-from graphslot.plan_cli import add_parser, run
+from graphslot.cli.plan import add_parser, run
 from graphslot.planner import (
     Plan,
     PlanError,
@@ -605,6 +605,15 @@ def test_cli_png_without_matplotlib_is_a_clear_error(tmp_path, capsys, monkeypat
     cap = capsys.readouterr()
     assert "--png needs matplotlib" in cap.err and "graphslot[plot]" in cap.err
     assert cap.out == "" and not png.exists()
+
+
+def test_cli_table_without_tabulate_is_a_clear_error(tmp_path, capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "tabulate", None)  # import now raises ImportError
+    assert _cli(["plan", _write(tmp_path, DOC)]) == 1
+    cap = capsys.readouterr()
+    assert "the plan table needs tabulate" in cap.err and "graphslot[cli]" in cap.err
+    assert "--json" in cap.err and cap.out == ""
+    assert _cli(["plan", _write(tmp_path, DOC), "--json"]) == 0  # JSON needs nothing more
 
 
 def test_graphslot_main_dispatches_plan(tmp_path, capsys):

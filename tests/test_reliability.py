@@ -17,7 +17,7 @@ import graphslot
 from graphslot import memory
 from graphslot.adapters.torch import GraphedLayers
 from graphslot.errors import StateError, UsageError
-from graphslot.toy import TinyGPT
+from graphslot.cli.toy import TinyGPT
 from stacks import graphed, small_gpt
 
 MODES = ["off", "resident", "remap"]

@@ -61,6 +61,16 @@ def test_importing_graphslot_loads_no_vendor_module():
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
 
+def test_importing_graphslot_loads_no_command_adapter_or_backend():
+    """``import graphslot`` is the library: the commands (graphslot.cli, their output
+    libraries), the adapters and the backends are loaded only when asked for."""
+    code = ("import sys, graphslot; bad=sorted(m for m in sys.modules if m.startswith("
+            "('graphslot.cli', 'graphslot.adapters', 'graphslot.backends.')) or "
+            "m.split('.')[0] in ('tqdm', 'tabulate')); print(bad); sys.exit(1 if bad else 0)")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
 def test_unknown_backend_name_lists_the_valid_ones(monkeypatch):
     monkeypatch.setenv("GRAPHSLOT_BACKEND", "rocm")
     with pytest.raises(UsageError) as e:

@@ -19,7 +19,7 @@ from hypothesis.stateful import RuleBasedStateMachine, precondition, rule
 
 import graphslot
 from graphslot.adapters.torch import GraphedLayers
-from graphslot.toy import GPTConfig, TinyGPT
+from graphslot.cli.toy import GPTConfig, TinyGPT
 
 # CI runs 125 sequences per mode (250 in all); GRAPHSLOT_STATEFUL_EXAMPLES=N runs another number.
 _EXAMPLES = int(os.environ.get("GRAPHSLOT_STATEFUL_EXAMPLES", "125"))

@@ -53,6 +53,8 @@ import torch
 
 from graphslot.backend import Backend, DeviceGraph
 from graphslot.errors import DriverError, UsageError
+from graphslot.regions import RegionGraphBackend
+from graphslot.sizes import format_bytes
 
 from . import streams as _s
 
@@ -82,13 +84,6 @@ def _os_error(call: str, err: int | None = None, detail: str = "") -> DriverErro
     err = ctypes.get_errno() if err is None else err
     return DriverError("", call, errno.errorcode.get(err, "EUNKNOWN"), err,
                        detail or os.strerror(err))
-
-
-def _human(n: int) -> str:
-    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if n >= scale:
-            return f"{n / scale:.1f} {unit}"
-    return f"{n} B"
 
 
 def _out_of_memory(call: str, detail: str) -> DriverError:
@@ -223,7 +218,7 @@ class _Memfd:
         self.fd, self.size = fd, size
 
 
-class CpuBackend(Backend):
+class CpuBackend(Backend, RegionGraphBackend):
     """graphslot on host memory; see the module docstring for the mapping to Linux."""
 
     name = "cpu"
@@ -296,7 +291,7 @@ class CpuBackend(Backend):
         if size > headroom:
             raise _out_of_memory("posix_fallocate", f"refused before committing any page, "
                                  f"{size} bytes asked and this host can commit "
-                                 f"{_human(headroom)} more")
+                                 f"{format_bytes(headroom, digits=1)} more")
         try:
             fd = os.memfd_create("graphslot", os.MFD_CLOEXEC)
         except OSError as e:
@@ -412,13 +407,13 @@ class CpuBackend(Backend):
 
     def new_graph(self, share_pool_with: DeviceGraph | None = None,
                   pool_region: tuple[int, int] | None = None) -> DeviceGraph:
-        from .graph import CpuGraph, RegionPool
+        from .graph import CpuGraph, RegionCpuGraph, RegionPool
 
         if pool_region is not None and share_pool_with is not None:
             raise UsageError("new_graph: pass share_pool_with or pool_region, not both")
         region = RegionPool(self, pool_region) if pool_region is not None else (
             share_pool_with._region if isinstance(share_pool_with, CpuGraph) else None)
-        g = CpuGraph(self, region)
+        g = CpuGraph(self) if region is None else RegionCpuGraph(self, region)
         self._graphs.add(g)
         return g
 

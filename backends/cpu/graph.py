@@ -32,9 +32,10 @@ import torch
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from graphslot.arena import PoolFullError
 from graphslot.backend import DeviceGraph
-from graphslot.errors import StateError
+from graphslot.errors import PoolFullError, StateError
+from graphslot.regions import RegionGraph
+from graphslot.sizes import view_extent
 
 from .backend import bytes_at
 
@@ -58,8 +59,8 @@ class _Ref:
 
     @staticmethod
     def of(t: torch.Tensor) -> _Ref:
-        span = (1 + sum((s - 1) * st for s, st in zip(t.shape, t.stride()))) if t.numel() else 0
-        return _Ref(t.data_ptr(), tuple(t.shape), tuple(t.stride()), t.dtype, span * t.element_size())
+        nbytes = view_extent(t.shape, t.stride(), t.element_size())
+        return _Ref(t.data_ptr(), tuple(t.shape), tuple(t.stride()), t.dtype, nbytes)
 
     def view(self) -> torch.Tensor:
         if self.nbytes == 0:
@@ -282,3 +283,18 @@ class CpuGraph(DeviceGraph):
     def pool_used_bytes(self) -> int:
         """Bytes of the pool in use: the region's high-water mark, else :attr:`pool_bytes`."""
         return self.pool_bytes if self._region is None else self._region.used
+
+
+class RegionCpuGraph(CpuGraph, RegionGraph):
+    """A :class:`CpuGraph` whose private pool is a :class:`RegionPool`: the
+    :class:`~graphslot.regions.RegionGraph` of the cpu backend. Its pool handle is the graph
+    itself (``backend.new_graph(share_pool_with=...)``), and captures into it draw from the
+    region with no routing, so :meth:`lend` is the interface's no-op."""
+
+    def __init__(self, backend: CpuBackend, region: RegionPool) -> None:
+        super().__init__(backend, region)
+
+    @property
+    def pool_region(self) -> tuple[int, int]:
+        assert self._region is not None
+        return (self._region.va, self._region.size)

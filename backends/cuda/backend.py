@@ -17,6 +17,7 @@ from cuda.bindings import driver as cu
 
 from graphslot.backend import Backend, DeviceGraph, TorchEventMixin, no_gc
 from graphslot.errors import BackendUnavailableError, DriverError, UsageError
+from graphslot.regions import RegionGraph, RegionGraphBackend
 
 
 def _err_name(err: Any) -> str:
@@ -51,7 +52,7 @@ class _CudaArray:
         }
 
 
-class CudaBackend(TorchEventMixin, Backend):
+class CudaBackend(TorchEventMixin, Backend, RegionGraphBackend):
     """graphslot on an NVIDIA GPU."""
 
     name = "cuda"
@@ -223,12 +224,22 @@ class CudaBackend(TorchEventMixin, Backend):
 
     def new_graph(self, share_pool_with: DeviceGraph | None = None,
                   pool_region: tuple[int, int] | None = None) -> DeviceGraph:
-        if pool_region is not None or getattr(share_pool_with, "pool_region", None) is not None:
+        if pool_region is not None or isinstance(share_pool_with, RegionGraph):
             from .pool import RegionCudaGraph  # a MemPool over the region (pluggable allocator)
 
             return RegionCudaGraph.make(self, pool_region, share_pool_with)
         pool = share_pool_with.pool if isinstance(share_pool_with, CudaGraph) else None
         return CudaGraph(self, pool if pool is not None else torch.cuda.graph_pool_handle())
+
+    def ordinary_capture_kwargs(self) -> dict[str, Any]:
+        """Region graphs capture on graphslot's warmed capture stream
+        (:func:`graphslot.backends.cuda.pool.capture_stream`): so does an ordinary graph
+        captured with these arguments, so per-stream library workspaces count alike."""
+        from .pool import capture_stream, warm_up
+
+        s = capture_stream(self)
+        warm_up(self, s)
+        return {"stream": s}
 
     # -- info -------------------------------------------------------------------
 

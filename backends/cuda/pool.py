@@ -43,8 +43,8 @@ import weakref
 from pathlib import Path
 from typing import Any, Iterator
 
-from graphslot.arena import PoolFullError
-from graphslot.errors import BackendUnavailableError, StateError, UsageError
+from graphslot.errors import BackendUnavailableError, PoolFullError, StateError, UsageError
+from graphslot.regions import RegionGraph
 
 # RegionCudaGraph is importable too; it is built on first access (see __getattr__ below).
 __all__ = ["Shim", "shim", "shim_path", "capture_stream", "warm_up"]
@@ -282,8 +282,9 @@ class _Region:
 def _define() -> type:
     from .backend import CudaGraph
 
-    class _RegionCudaGraph(CudaGraph):
-        """A :class:`CudaGraph` whose private pool is a MemPool over a graphslot region."""
+    class _RegionCudaGraph(CudaGraph, RegionGraph):
+        """A :class:`CudaGraph` whose private pool is a MemPool over a graphslot region:
+        the :class:`~graphslot.regions.RegionGraph` of the cuda backend."""
 
         #: capture launches nothing, so the region need only be mapped before replay.
         executes_during_capture = False
@@ -329,6 +330,22 @@ def _define() -> type:
                 raise
             finally:
                 r.shim.deactivate()
+
+        @property
+        def pool_handle(self) -> Any:
+            """The ``MemPool`` id, for ``torch.cuda.graph(pool=...)``."""
+            return self.pool
+
+        @contextlib.contextmanager
+        def lend(self) -> Iterator[None]:
+            """Route this pool's allocations into the region while other code captures
+            into :attr:`pool_handle` on torch's default capture stream, which is made (if
+            new) and warmed up first, outside the region."""
+            import torch
+
+            torch.cuda.graph(torch.cuda.CUDAGraph())  # creates torch's default capture stream, if new
+            with self.routing(torch.cuda.graph.default_capture_stream):
+                yield
 
         @contextlib.contextmanager
         def capture(self, stream: Any = None) -> Iterator[None]:

@@ -15,7 +15,8 @@ import json
 import sys
 from typing import Callable, NoReturn
 
-from .errors import GraphslotError
+from ..errors import GraphslotError
+from ..sizes import format_bytes
 
 __all__ = ["main", "build_parser", "positive_int", "int_range", "one_line"]
 
@@ -64,18 +65,8 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {one_line(message)} (see {self.prog} --help)\n")
 
 
-def _human_bytes(n: int | None) -> str:
-    if n is None:
-        return "-"
-    for unit in ("GiB", "MiB", "KiB"):
-        scale = {"GiB": 1 << 30, "MiB": 1 << 20, "KiB": 1 << 10}[unit]
-        if abs(n) >= scale:
-            return f"{n / scale:.2f} {unit}"
-    return f"{n} B"
-
-
 def _info(args: argparse.Namespace) -> int:
-    from .selection import get_backend, selection_reason
+    from ..selection import get_backend, selection_reason
 
     b = get_backend(args.backend)
     info = {"backend": b.name, "reason": selection_reason(b), **b.info()}
@@ -86,8 +77,8 @@ def _info(args: argparse.Namespace) -> int:
     print(f"backend        {info['backend']}  ({info['reason']})")
     print(f"device         {info['device']}")
     print(f"VMM supported  {info['vmm_supported']}")
-    print(f"granularity    {_human_bytes(info['granularity'])}")
-    print(f"driver memory  {_human_bytes(info['free_bytes'])} free of {_human_bytes(info['total_bytes'])}")
+    print(f"granularity    {format_bytes(info['granularity'])}")
+    print(f"driver memory  {format_bytes(info['free_bytes'])} free of {format_bytes(info['total_bytes'])}")
     for k, v in info["versions"].items():
         print(f"{k:<14} {v}")
     return 0
@@ -104,9 +95,9 @@ def build_parser() -> argparse.ArgumentParser:
     info.add_argument("--json", action="store_true", help="print one JSON object")
     info.set_defaults(func=_info)
 
-    from . import bench, demo, plan_cli
+    from . import bench, demo, plan
 
-    for module in (demo, bench, plan_cli):
+    for module in (demo, bench, plan):
         module.add_parser(sub)
     return p
 
@@ -135,7 +126,3 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"{where}: interrupted", file=sys.stderr)
         return 130
-
-
-if __name__ == "__main__":  # pragma: no cover
-    sys.exit(main())

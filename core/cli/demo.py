@@ -13,15 +13,18 @@ import argparse
 import copy
 import json
 import statistics
+import sys
 import time
 from typing import Any
 
 import torch
 
-from .backend import Backend
-from .cli import int_range
-from .errors import UsageError
-from .memory import saved_activation_bytes
+from ..backend import Backend
+from ..errors import UsageError
+from ..memory import saved_activation_bytes
+from ..sizes import format_bytes
+from . import int_range
+from .output import missing, table
 from .toy import GPTConfig, TinyGPT
 
 __all__ = ["run_demo", "add_parser", "MAX_STEPS", "MAX_LAYERS"]
@@ -123,26 +126,29 @@ def run_demo(b: Backend, config: GPTConfig | None = None, steps: int = 6) -> dic
 
 
 def _print(r: dict[str, Any]) -> None:
-    mib = 1 << 20
     print(f"graphslot demo on {r['backend']} ({r['device']}), {r['steps']} training steps, "
           f"{r['config']['layers']} layers")
-    print(f"saved activations per step: {r['saved_activation_bytes'] / mib:.2f} MiB")
-    print(f"{'run':<10} {'matches eager':>13} {'max |diff|':>11} {'step ms':>9} "
-          f"{'on device at boundary':>22} {'offloaded/step':>15} {'driver calls':>13} {'host syncs':>11}")
+    print(f"saved activations per step: {format_bytes(r['saved_activation_bytes'])}")
     e = r["eager"]
-    print(f"{'eager':<10} {'-':>13} {'-':>11} {e['step_ms']:9.2f} "
-          f"{e['device_activation_bytes_at_boundary'] / mib:18.2f} MiB {'-':>15} {'-':>13} {'-':>11}")
+    rows = [["eager", "-", "-", f"{e['step_ms']:.2f}",
+             format_bytes(e["device_activation_bytes_at_boundary"]), "-", "-", "-"]]
     for name, m in r["modes"].items():
-        print(f"{name:<10} {'yes (bitwise)' if m['matches_eager'] else 'NO':>13} {m['max_abs_diff']:11.3g} "
-              f"{m['step_ms']:9.2f} {m['device_activation_bytes_at_boundary'] / mib:18.2f} MiB "
-              f"{m['offloaded_bytes_per_step'] / mib:11.2f} MiB {m['driver_calls_per_step']:13.1f} "
-              f"{m['host_syncs_per_step']:11.1f}")
+        rows.append([name, "yes (bitwise)" if m["matches_eager"] else "NO", f"{m['max_abs_diff']:.3g}",
+                     f"{m['step_ms']:.2f}", format_bytes(m["device_activation_bytes_at_boundary"]),
+                     format_bytes(m["offloaded_bytes_per_step"]), f"{m['driver_calls_per_step']:.1f}",
+                     f"{m['host_syncs_per_step']:.1f}"])
+    print(table(rows, ("run", "matches eager", "max |diff|", "step ms", "on device at boundary",
+                       "offloaded/step", "driver calls", "host syncs"), "lrrrrrrr"))
     print("host syncs count graphslot's own; the training loop's float(loss) is not counted.")
 
 
 def main(args: argparse.Namespace) -> int:
-    from .selection import get_backend
+    from ..selection import get_backend
 
+    needed = None if args.json else missing("tabulate", "the demo table", "--json")
+    if needed:  # before training, not after it
+        print(f"graphslot demo: error: {needed}", file=sys.stderr)
+        return 1
     b = get_backend(args.backend)
     c = GPTConfig(layers=args.layers)
     r = run_demo(b, c, steps=args.steps)

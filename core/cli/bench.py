@@ -31,14 +31,16 @@ import statistics
 import sys
 import time
 from dataclasses import asdict, dataclass
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, ClassVar, Sequence
 
 import torch
 
-from .backend import Backend
-from .memory import report, saved_activation_bytes
+from ..backend import Backend
+from ..memory import report, saved_activation_bytes
+from ..sizes import format_bytes
+from ..trace import Timeline
+from .output import Progress, missing, table
 from .toy import Block, GPTConfig
-from .trace import Timeline
 
 __all__ = ["BenchShape", "CONFIGS", "run_bench", "copy_bandwidth", "auto_offload_layers",
            "memory_breakdown", "add_parser"]
@@ -48,27 +50,38 @@ CONFIGS = ("eager", "save_on_cpu", "torch_graphed", "graph", "graph_resident", "
 GiB, MiB = 1 << 30, 1 << 20
 
 
-@dataclass
-class BenchShape:
-    hidden: int = 4096
-    heads: int = 32
-    ffn: int = 16384
-    seq: int = 4096
-    batch: int = 1
-    layers: int = 8
-    dtype: str = "bfloat16"
-    attention: str = "sdpa"
+class BenchShape(GPTConfig):
+    """The bench's layer stack: a :class:`~graphslot.cli.toy.GPTConfig` (the layers run
+    in its ``dtype``; ``vocab`` is unused), made from a preset by :meth:`preset`."""
+
+    #: Preset name -> the fields that differ from GPTConfig's defaults.
+    PRESETS: ClassVar[dict[str, dict[str, Any]]] = {
+        "default": dict(hidden=4096, heads=32, ffn=16384, seq=4096, batch=1, layers=8,
+                        dtype=torch.bfloat16, attention="sdpa"),
+        # small layers, many of them: launch-bound, where graphs pay
+        "launch": dict(hidden=256, heads=4, ffn=1024, seq=128, batch=4, layers=32,
+                       dtype=torch.bfloat16, attention="sdpa"),
+        # CI size
+        "tiny": dict(hidden=64, heads=4, ffn=128, seq=32, batch=2, layers=3,
+                     dtype=torch.float32, attention="math"),
+    }
 
     @staticmethod
     def preset(name: str) -> BenchShape:
-        if name == "default":
-            return BenchShape()
-        if name == "launch":  # small layers, many of them: launch-bound, where graphs pay
-            return BenchShape(hidden=256, heads=4, ffn=1024, seq=128, batch=4, layers=32)
-        if name == "tiny":  # CI size
-            return BenchShape(hidden=64, heads=4, ffn=128, seq=32, batch=2, layers=3,
-                              dtype="float32", attention="math")
-        raise ValueError(f"unknown preset {name!r}; choose default, launch or tiny")
+        """The shape of preset ``name``.
+
+        Raises:
+            ValueError: ``name`` is not default, launch or tiny.
+        """
+        if name not in BenchShape.PRESETS:
+            raise ValueError(f"unknown preset {name!r}; choose default, launch or tiny")
+        return BenchShape(**BenchShape.PRESETS[name])
+
+    def as_dict(self) -> dict[str, Any]:
+        """The shape as the report gives it: every field but ``vocab``, the dtype by name."""
+        d = {k: v for k, v in asdict(self).items() if k != "vocab"}
+        d["dtype"] = str(self.dtype).removeprefix("torch.")
+        return d
 
 
 def copy_bandwidth(b: Backend, nbytes: int, reps: int = 5) -> dict[str, float]:
@@ -127,30 +140,6 @@ def auto_offload_layers(layers: int, layer_bytes: int, fwd_ms: float, bwd_ms: fl
     return sorted({min(layers - 2, round(i * (layers - 1) / n)) for i in range(n)})
 
 
-class _Progress:
-    def __init__(self, total: int, enabled: bool) -> None:
-        self.total, self.done, self.enabled = total, 0, enabled
-        self.tty = enabled and sys.stderr.isatty()
-
-    def update(self, label: str, advance: bool = True) -> None:
-        if not self.enabled:
-            return
-        if advance:
-            self.done += 1
-        width = 24
-        filled = int(width * self.done / max(self.total, 1))
-        line = f"[{'#' * filled}{'.' * (width - filled)}] {self.done}/{self.total} {label}"
-        if self.tty:
-            sys.stderr.write("\r" + line.ljust(78))
-        else:
-            sys.stderr.write(line + "\n")
-        sys.stderr.flush()
-
-    def close(self) -> None:
-        if self.tty:
-            sys.stderr.write("\n")
-
-
 def _forward(layers: Sequence[torch.nn.Module], x: torch.Tensor) -> torch.Tensor:
     h = x
     for m in layers:
@@ -178,17 +167,96 @@ def _forward_saving_on_cpu(layers: Sequence[torch.nn.Module], x: torch.Tensor) -
         return _forward(layers, x)
 
 
+@dataclass(eq=False)
+class _Inputs:
+    """What every configuration of one bench run shares: the layers, the data, the copy
+    ceiling, the step counts and the progress bar."""
+
+    b: Backend
+    shape: BenchShape
+    steps: int
+    warmup: int
+    layers: list[Block]
+    params: list[torch.nn.Parameter]
+    x: torch.Tensor
+    gy: torch.Tensor
+    saved: int
+    layer_bytes: int
+    ceiling: dict[str, float]
+    ceil_gbps: float
+    bar: Progress
+
+    def zero_grads(self) -> None:
+        self.x.grad = None
+        for p in self.params:
+            p.grad = None
+
+
 def run_bench(b: Backend, shape: BenchShape, *, steps: int = 10, warmup: int = 3,
               configs: tuple[str, ...] = CONFIGS, trace_path: str | None = None,
               plot_path: str | None = None, progress: bool = True) -> dict[str, Any]:
-    """Run the comparison on backend ``b``; returns the JSON-able report."""
-    from graphslot.adapters.torch import GraphedLayers
+    """Run the comparison on backend ``b`` (see the module docstring).
 
-    dtype = getattr(torch, shape.dtype)
-    c = GPTConfig(hidden=shape.hidden, heads=shape.heads, ffn=shape.ffn, seq=shape.seq,
-                  batch=shape.batch, layers=shape.layers, attention=shape.attention)
+    Args:
+        b: the backend.
+        shape: the layer stack.
+        steps: timed steps per configuration (after ``warmup`` untimed ones).
+        warmup: untimed steps first.
+        configs: the configurations, from :data:`CONFIGS`, in order.
+        trace_path: where to write a Chrome/Perfetto trace of one offloading step.
+        plot_path: where to write a PNG of device memory over one step (needs matplotlib).
+        progress: show a progress bar on stderr (needs tqdm, the ``cli`` extra).
+
+    Returns:
+        The JSON-able report: ``backend``, ``device``, ``shape``, ``copy_ceiling_gbps``,
+        ``configs`` (per configuration its figures, or a ``reason`` it was skipped), ...
+
+    Raises:
+        UsageError: ``progress`` and tqdm is not installed.
+    """
+    r = _prepare(b, shape, steps, warmup, len(configs), progress)
+    out: dict[str, Any] = {
+        "backend": b.name, "device": b.info()["device"], "shape": shape.as_dict(),
+        "steps": steps, "copy_ceiling_gbps": r.ceil_gbps, "copy": r.ceiling,
+        "saved_activation_bytes": r.saved, "configs": {},
+    }
+    bar = r.bar
+    timings: dict[str, dict[str, float]] = {}
+    traces: dict[str, Timeline] = {}
+    curves: dict[str, list[tuple[str, int]]] = {}
+
+    for name in configs:
+        reason = _unsupported(b, name)
+        if reason:
+            out["configs"][name] = {"reason": reason}
+            bar.skip(warmup + steps + 2)
+            continue
+        built = _build(r, name, timings)
+        if isinstance(built, str):
+            out["configs"][name] = {"reason": built}
+            continue
+        stack, fwd, kw = built
+        out["configs"][name], traces[name], curves[name] = _measure(r, name, stack, fwd, timings)
+        if name == "graph_auto":
+            out["configs"][name]["offload_layers"] = kw["offload_layers"]
+        _tear_down(r, name, stack)
+        del stack, fwd, built
+        gc.collect()
+        b.empty_cache()
+        if name == "save_on_cpu" and b.name != "cpu":
+            out["configs"][name]["d2h_gbps"] = out["configs"][name]["h2d_gbps"] = None
+            out["configs"][name]["copy_note"] = "copies issued by torch inside autograd; not timed"
+    bar.close()
+    _finish(out, r, timings, traces, curves, trace_path, plot_path)
+    return out
+
+
+def _prepare(b: Backend, shape: BenchShape, steps: int, warmup: int, n_configs: int,
+             progress: bool) -> _Inputs:
+    """The layers and data every configuration runs on, and the copy ceiling."""
+    dtype = shape.dtype
     torch.manual_seed(0)
-    layers = [Block(c).to(device=b.device, dtype=dtype) for _ in range(shape.layers)]
+    layers = [Block(shape).to(device=b.device, dtype=dtype) for _ in range(shape.layers)]
     params = [p for m in layers for p in m.parameters()]
     g = torch.Generator().manual_seed(0)  # host generator: the same data on every backend
     x = torch.randn(shape.batch, shape.seq, shape.hidden, generator=g).to(b.device, dtype)
@@ -199,147 +267,158 @@ def run_bench(b: Backend, shape: BenchShape, *, steps: int = 10, warmup: int = 3
     copy_n = min(GiB, max(MiB, layer_bytes))
     ceiling = copy_bandwidth(b, copy_n)
     ceil_gbps = min(ceiling["d2h_gbps"], ceiling["h2d_gbps"])
-    out: dict[str, Any] = {
-        "backend": b.name, "device": b.info()["device"], "shape": asdict(shape),
-        "steps": steps, "copy_ceiling_gbps": ceil_gbps, "copy": ceiling,
-        "saved_activation_bytes": saved, "configs": {},
-    }
-    bar = _Progress(len(configs) * (warmup + steps + 2), progress)
-    timings: dict[str, dict[str, float]] = {}
-    traces: dict[str, Timeline] = {}
-    curves: dict[str, list[tuple[str, int]]] = {}
+    bar = Progress(n_configs * (warmup + steps + 2), progress)
+    return _Inputs(b, shape, steps, warmup, layers, params, x, gy, saved, layer_bytes,
+                   ceiling, ceil_gbps, bar)
 
-    def zero_grads() -> None:
-        x.grad = None
-        for p in params:
-            p.grad = None
 
-    for name in configs:
-        reason = _unsupported(b, name)
-        if reason:
-            out["configs"][name] = {"reason": reason}
-            bar.done += warmup + steps + 2
-            continue
-        stack: Any = None
-        fwd: Callable[[], torch.Tensor]
-        if name == "torch_graphed":
-            bar.update(f"{name}: capture", advance=False)
-            _torch_graphed(b, layers, x)
-            fwd = functools.partial(_forward, layers, x)
-        elif name.startswith("graph"):
-            mode = {"graph": "off", "graph_resident": "resident", "graph_remap": "remap",
-                    "graph_auto": "resident"}[name]
-            kw: dict[str, Any] = {}
-            if name == "graph_auto":
-                t = timings.get("graph") or timings.get("eager")
-                if t is None:
-                    out["configs"][name] = {"reason": "needs the graph or eager config first "
-                                                      "to time compute"}
-                    continue
-                kw["offload_layers"] = auto_offload_layers(shape.layers, layer_bytes, t["fwd_ms"],
-                                                           t["bwd_ms"], ceil_gbps)
-            bar.update(f"{name}: capture", advance=False)
-            stack = GraphedLayers(layers, x, mode=mode, backend=b, warmup_iters=2, **kw)
+def _build(r: _Inputs, name: str, timings: dict[str, dict[str, float]]
+           ) -> tuple[Any, Callable[[], torch.Tensor], dict[str, Any]] | str:
+    """Configuration ``name``'s graphed stack (``None`` for the eager ones), its forward and
+    the stack's keyword arguments; or why it cannot run yet."""
+    from graphslot.adapters.torch import GraphedLayers
 
-            fwd = functools.partial(stack, x)
-        elif name == "save_on_cpu":
-            fwd = functools.partial(_forward_saving_on_cpu, layers, x)
-        elif name == "eager":
-            fwd = functools.partial(_forward, layers, x)
-        else:
-            raise AssertionError(name)
-
-        def step() -> None:
-            y = fwd()
-            y.backward(gy)
-            zero_grads()
-
-        for i in range(warmup):
-            step()
-            bar.update(f"{name}: warm-up {i + 1}/{warmup}")
-        b.synchronize()
-        times = []
-        off0 = stack.engine.stats["offloaded_bytes"] if stack is not None else 0
-        calls0 = b.driver_calls()
-        for i in range(steps):
-            t0 = time.perf_counter()
-            step()
-            b.synchronize()
-            times.append((time.perf_counter() - t0) * 1e3)
-            bar.update(f"{name}: step {i + 1}/{steps}")
-        step_ms = statistics.median(times)
-        calls = (b.driver_calls() - calls0) / (steps * shape.layers)  # VMM calls per layer and step
-        offloaded = ((stack.engine.stats["offloaded_bytes"] - off0) // steps) if stack is not None else 0
-
-        # One step with a timeline: phase times and copy busy times.
-        tl = Timeline(b)
-        if stack is not None:
-            stack.timeline = tl
-        b.synchronize()
-        tl.start()
-        with tl.span("phase", "forward"):
-            y = fwd()
-        with tl.span("phase", "backward"):
-            y.backward(gy)
-        b.synchronize()
-        if stack is not None:
-            stack.engine.settle()
-            stack.timeline = None
-        zero_grads()
-        del y
-        spans = tl.spans()
-        fwd_ms = sum(s.dur_ms for s in spans if s.track == "phase" and s.name == "forward")
-        bwd_ms = sum(s.dur_ms for s in spans if s.track == "phase" and s.name == "backward")
-        timings[name] = {"step_ms": step_ms, "fwd_ms": fwd_ms, "bwd_ms": bwd_ms}
-        traces[name] = tl
-        bar.update(f"{name}: timeline")
-
-        # One step for memory: peaks from a known baseline, and the boundary.
-        curve: list[tuple[str, int]] = []
-        breakdown: dict[str, int | None] = {}
-        peak, boundary = _memory_step(b, fwd, gy, stack, layers,
-                                      saved if name in ("eager", "torch_graphed", "graph") else 0,
-                                      curve, zero_grads, breakdown)
-        curves[name] = curve
-        bar.update(f"{name}: memory")
-
-        d2h = h2d = None
-        if stack is not None:
-            ms, n = tl.busy("d2h")
-            d2h = n / ms / 1e6 if ms > 0 and n else None
-            ms, n = tl.busy("h2d")
-            h2d = n / ms / 1e6 if ms > 0 and n else None
-        elif name == "save_on_cpu":
-            offloaded = saved
-        out["configs"][name] = {
-            "step_ms": step_ms, "fwd_ms": fwd_ms, "bwd_ms": bwd_ms,
-            "peak_device_bytes": peak, "activation_bytes_at_boundary": boundary,
-            "offloaded_bytes": offloaded, "d2h_gbps": d2h, "h2d_gbps": h2d,
-            "memory_breakdown": breakdown, "driver_calls_per_layer_step": calls,
-        }
+    b, layers, x, bar = r.b, r.layers, r.x, r.bar
+    stack: Any = None
+    fwd: Callable[[], torch.Tensor]
+    kw: dict[str, Any] = {}
+    if name == "torch_graphed":
+        bar.update(f"{name}: capture", advance=False)
+        _torch_graphed(b, layers, x)
+        fwd = functools.partial(_forward, layers, x)
+    elif name.startswith("graph"):
+        mode = {"graph": "off", "graph_resident": "resident", "graph_remap": "remap",
+                "graph_auto": "resident"}[name]
         if name == "graph_auto":
-            out["configs"][name]["offload_layers"] = kw["offload_layers"]
-        if stack is not None:
-            stack.close()
-        if name == "torch_graphed":
-            _ungraph(layers)
-        del stack, fwd, step
-        gc.collect()
-        b.empty_cache()
-        if name == "save_on_cpu" and b.name != "cpu":
-            out["configs"][name]["d2h_gbps"] = out["configs"][name]["h2d_gbps"] = None
-            out["configs"][name]["copy_note"] = "copies issued by torch inside autograd; not timed"
-    bar.close()
-    _derive(out, timings, ceil_gbps)
+            t = timings.get("graph") or timings.get("eager")
+            if t is None:
+                return "needs the graph or eager config first to time compute"
+            kw["offload_layers"] = auto_offload_layers(r.shape.layers, r.layer_bytes, t["fwd_ms"],
+                                                       t["bwd_ms"], r.ceil_gbps)
+        bar.update(f"{name}: capture", advance=False)
+        stack = GraphedLayers(layers, x, mode=mode, backend=b, warmup_iters=2, **kw)
+
+        fwd = functools.partial(stack, x)
+    elif name == "save_on_cpu":
+        fwd = functools.partial(_forward_saving_on_cpu, layers, x)
+    elif name == "eager":
+        fwd = functools.partial(_forward, layers, x)
+    else:
+        raise AssertionError(name)
+    return stack, fwd, kw
+
+
+def _measure(r: _Inputs, name: str, stack: Any, fwd: Callable[[], torch.Tensor],
+             timings: dict[str, dict[str, float]]
+             ) -> tuple[dict[str, Any], Timeline, list[tuple[str, int]]]:
+    """Time, trace and measure configuration ``name``: its report entry, its timeline and
+    its memory curve; records its phase times in ``timings``."""
+    b, gy, bar = r.b, r.gy, r.bar
+
+    def step() -> None:
+        y = fwd()
+        y.backward(gy)
+        r.zero_grads()
+
+    step_ms, offloaded, calls = _timed_steps(r, name, stack, step)
+    tl, fwd_ms, bwd_ms = _timeline_step(r, stack, fwd)
+    timings[name] = {"step_ms": step_ms, "fwd_ms": fwd_ms, "bwd_ms": bwd_ms}
+    bar.update(f"{name}: timeline")
+
+    # One step for memory: peaks from a known baseline, and the boundary.
+    curve: list[tuple[str, int]] = []
+    breakdown: dict[str, int | None] = {}
+    peak, boundary = _memory_step(b, fwd, gy, stack, r.layers,
+                                  r.saved if name in ("eager", "torch_graphed", "graph") else 0,
+                                  curve, r.zero_grads, breakdown)
+    bar.update(f"{name}: memory")
+
+    d2h = h2d = None
+    if stack is not None:
+        ms, n = tl.busy("d2h")
+        d2h = n / ms / 1e6 if ms > 0 and n else None
+        ms, n = tl.busy("h2d")
+        h2d = n / ms / 1e6 if ms > 0 and n else None
+    elif name == "save_on_cpu":
+        offloaded = r.saved
+    result = {
+        "step_ms": step_ms, "fwd_ms": fwd_ms, "bwd_ms": bwd_ms,
+        "peak_device_bytes": peak, "activation_bytes_at_boundary": boundary,
+        "offloaded_bytes": offloaded, "d2h_gbps": d2h, "h2d_gbps": h2d,
+        "memory_breakdown": breakdown, "driver_calls_per_layer_step": calls,
+    }
+    return result, tl, curve
+
+
+def _timed_steps(r: _Inputs, name: str, stack: Any, step: Callable[[], None]) -> tuple[float, int, float]:
+    """Warm-up steps, then timed ones: the median step in ms, the bytes offloaded per step
+    and the VMM driver calls per layer and step."""
+    b, bar, warmup, steps = r.b, r.bar, r.warmup, r.steps
+    for i in range(warmup):
+        step()
+        bar.update(f"{name}: warm-up {i + 1}/{warmup}")
+    b.synchronize()
+    times = []
+    off0 = stack.engine.stats["offloaded_bytes"] if stack is not None else 0
+    calls0 = b.driver_calls()
+    for i in range(steps):
+        t0 = time.perf_counter()
+        step()
+        b.synchronize()
+        times.append((time.perf_counter() - t0) * 1e3)
+        bar.update(f"{name}: step {i + 1}/{steps}")
+    step_ms = statistics.median(times)
+    calls = (b.driver_calls() - calls0) / (steps * r.shape.layers)
+    offloaded = ((stack.engine.stats["offloaded_bytes"] - off0) // steps) if stack is not None else 0
+    return step_ms, offloaded, calls
+
+
+def _timeline_step(r: _Inputs, stack: Any, fwd: Callable[[], torch.Tensor]
+                   ) -> tuple[Timeline, float, float]:
+    """One step with a timeline: the timeline and the forward and backward phase times."""
+    b, gy = r.b, r.gy
+    tl = Timeline(b)
+    if stack is not None:
+        stack.timeline = tl
+    b.synchronize()
+    tl.start()
+    with tl.span("phase", "forward"):
+        y = fwd()
+    with tl.span("phase", "backward"):
+        y.backward(gy)
+    b.synchronize()
+    if stack is not None:
+        stack.engine.settle()
+        stack.timeline = None
+    r.zero_grads()
+    del y
+    spans = tl.spans()
+    fwd_ms = sum(s.dur_ms for s in spans if s.track == "phase" and s.name == "forward")
+    bwd_ms = sum(s.dur_ms for s in spans if s.track == "phase" and s.name == "backward")
+    return tl, fwd_ms, bwd_ms
+
+
+def _tear_down(r: _Inputs, name: str, stack: Any) -> None:
+    """Undo configuration ``name``: close its stack, or restore the layers' forwards."""
+    if stack is not None:
+        stack.close()
+    if name == "torch_graphed":
+        _ungraph(r.layers)
+
+
+def _finish(out: dict[str, Any], r: _Inputs, timings: dict[str, dict[str, float]],
+            traces: dict[str, Timeline], curves: dict[str, list[tuple[str, int]]],
+            trace_path: str | None, plot_path: str | None) -> None:
+    """Derived figures, the trace of one offloading configuration and the memory plot."""
+    _derive(out, timings, r.ceil_gbps)
     if trace_path:
         pick = next((n for n in ("graph_auto", "graph_resident", "graph_remap") if n in traces), None)
         if pick:
             traces[pick].write(trace_path)
             out["trace"] = {"config": pick, "path": trace_path}
     if plot_path:
-        _plot(curves, plot_path, b.name)
+        _plot(curves, plot_path, r.b.name)
         out["plot"] = plot_path
-    return out
 
 
 def _unsupported(b: Backend, name: str) -> str | None:
@@ -520,29 +599,25 @@ def _plot(curves: dict[str, list[tuple[str, int]]], path: str, backend: str) -> 
 
 
 def _table(r: dict[str, Any]) -> str:
-    lines = [f"graphslot bench on {r['backend']} ({r['device']}); shape {r['shape']}",
-             f"copy ceiling {r['copy_ceiling_gbps']:.1f} GB/s; saved activations "
-             f"{r['saved_activation_bytes'] / MiB:.1f} MiB per step",
-             f"{'config':<15}{'step ms':>9}{'peak dev':>11}{'act@bound':>11}{'offload':>10}"
-             f"{'D2H GB/s':>10}{'H2D GB/s':>10}{'exposed':>9}{'eff':>6}"]
-
-    def mb(v: int | None) -> str:
-        if v is None:
-            return "-"
-        return f"{v / GiB:.2f}G" if abs(v) >= GiB else f"{v / MiB:.1f}M"
+    head = [f"graphslot bench on {r['backend']} ({r['device']}); shape {r['shape']}",
+            f"copy ceiling {r['copy_ceiling_gbps']:.1f} GB/s; saved activations "
+            f"{format_bytes(r['saved_activation_bytes'])} per step"]
 
     def f(v: float | None, fmt: str = ".1f") -> str:
         return "-" if v is None else format(v, fmt)
 
+    rows, skipped = [], []
     for name, c in r["configs"].items():
         if "reason" in c:
-            lines.append(f"{name:<15} skipped: {c['reason']}")
+            skipped.append(f"{name} skipped: {c['reason']}")
             continue
-        lines.append(f"{name:<15}{c['step_ms']:9.2f}{mb(c['peak_device_bytes']):>11}"
-                     f"{mb(c['activation_bytes_at_boundary']):>11}{mb(c['offloaded_bytes']):>10}"
-                     f"{f(c['d2h_gbps']):>10}{f(c['h2d_gbps']):>10}{f(c.get('exposed_copy_ms')):>9}"
-                     f"{f(c.get('efficiency'), '.2f'):>6}")
-    return "\n".join(lines)
+        rows.append([name, f(c["step_ms"], ".2f"), format_bytes(c["peak_device_bytes"]),
+                     format_bytes(c["activation_bytes_at_boundary"]), format_bytes(c["offloaded_bytes"]),
+                     f(c["d2h_gbps"]), f(c["h2d_gbps"]), f(c.get("exposed_copy_ms")),
+                     f(c.get("efficiency"), ".2f")])
+    body = table(rows, ("config", "step ms", "peak dev", "act@bound", "offload", "D2H GB/s",
+                        "H2D GB/s", "exposed", "eff"), "lrrrrrrrr")
+    return "\n".join([*head, body, *skipped])
 
 
 def _is_oom(e: BaseException) -> bool:
@@ -557,7 +632,7 @@ def check_args(args: argparse.Namespace) -> tuple[BenchShape, tuple[str, ...]]:
     for k in ("hidden", "heads", "ffn", "seq", "batch", "layers", "dtype", "attention"):
         v = getattr(args, k)
         if v is not None:
-            setattr(shape, k, v)
+            setattr(shape, k, getattr(torch, v) if k == "dtype" else v)
     for k in ("hidden", "heads", "ffn", "seq", "batch", "layers"):
         if getattr(shape, k) < 1:
             raise ValueError(f"--{k} must be at least 1, got {getattr(shape, k)}")
@@ -577,13 +652,18 @@ def check_args(args: argparse.Namespace) -> tuple[BenchShape, tuple[str, ...]]:
 
 
 def main(args: argparse.Namespace) -> int:
-    from .selection import get_backend
+    from ..selection import get_backend
 
     try:
         shape, configs = check_args(args)
     except ValueError as e:
         print(f"graphslot bench: error: {e}", file=sys.stderr)
         return 2
+    for needed in ((None if args.json else missing("tabulate", "the bench table", "--json")),
+                   (None if args.quiet else missing("tqdm", "the progress bar", "--quiet"))):
+        if needed:  # before the run, not after it
+            print(f"graphslot bench: error: {needed}", file=sys.stderr)
+            return 1
     b = get_backend(args.backend)
     try:
         r = run_bench(b, shape, steps=args.steps, warmup=args.warmup, configs=configs,
@@ -591,7 +671,7 @@ def main(args: argparse.Namespace) -> int:
     except (RuntimeError, MemoryError) as e:
         if not _is_oom(e):
             raise
-        print(f"graphslot bench: error: shape {asdict(shape)} does not fit on {b.device}: "
+        print(f"graphslot bench: error: shape {shape.as_dict()} does not fit on {b.device}: "
               f"{str(e).splitlines()[0]}", file=sys.stderr)
         return 2
     if args.json:

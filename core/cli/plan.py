@@ -26,7 +26,9 @@ import re
 import sys
 from typing import Any, NoReturn
 
-from .planner import Plan, PlanError, TensorSpec, baselines, plan
+from ..planner import Plan, PlanError, TensorSpec, baselines, plan
+from ..sizes import format_bytes
+from .output import missing, table
 
 __all__ = ["add_parser", "main", "run", "load_tensors", "MAX_FILE_BYTES", "MAX_DEPTH"]
 
@@ -200,32 +202,20 @@ def load_tensors(doc: Any, source: str = "input") -> tuple[list[TensorSpec], lis
     return out, branches
 
 
-def _human(n: int) -> str:
-    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if n >= scale:
-            return f"{n / scale:.2f} {unit}"
-    return f"{n} B"
-
-
 def _print_table(p: Plan, base: dict[str, int]) -> None:
-    rows = [(_line(t.name), str(p.offsets[t.name]), str(t.size), str(p.offsets[t.name] + t.size),
+    rows = [(_line(t.name), p.offsets[t.name], t.size, p.offsets[t.name] + t.size,
              f"[{t.start}, {t.end})", "-" if t.branch is None else _line(str(t.branch)),
              "-" if t.alias_group is None else _line(f"{t.alias_group}+{t.alias_offset}"))
             for t in sorted(p.tensors, key=lambda t: (p.offsets[t.name], t.start, t.name))]
-    head = ("name", "offset", "size", "end", "steps", "branch", "alias")
-    widths = [max([len(h)] + [len(r[i]) for r in rows]) for i, h in enumerate(head)]
-    right = {1, 2, 3}
-    for r in [head] + rows:
-        print("  ".join(c.rjust(w) if i in right else c.ljust(w)
-                        for i, (c, w) in enumerate(zip(r, widths))).rstrip())
+    print(table(rows, ("name", "offset", "size", "end", "steps", "branch", "alias"), "lrrrlll"))
     print()
-    print(f"arena         {p.arena_bytes} bytes ({_human(p.arena_bytes)})")
-    print(f"lower bound   {p.lower_bound_bytes} bytes ({_human(p.lower_bound_bytes)})")
+    print(f"arena         {p.arena_bytes} bytes ({format_bytes(p.arena_bytes)})")
+    print(f"lower bound   {p.lower_bound_bytes} bytes ({format_bytes(p.lower_bound_bytes)})")
     print(f"efficiency    {p.efficiency:.4f}")
     print("textbook planners, for comparison:")
     for name, arena in base.items():
         ratio = f", {arena / p.lower_bound_bytes:.4f} x the lower bound" if p.lower_bound_bytes else ""
-        print(f"{name:<15} {arena} bytes ({_human(arena)}){ratio}")
+        print(f"{name:<15} {arena} bytes ({format_bytes(arena)}){ratio}")
 
 
 def _draw(p: Plan, path: str) -> None:
@@ -263,10 +253,10 @@ def _draw(p: Plan, path: str) -> None:
                 max((t.end for t in p.tensors), default=1))
     ax.set_ylim(0, max(p.arena_bytes / scale, 1e-9))
     handles.append(ax.axhline(p.lower_bound_bytes / scale, color="red", linestyle="--",
-                              linewidth=1, label=f"lower bound ({_human(p.lower_bound_bytes)})"))
+                              linewidth=1, label=f"lower bound ({format_bytes(p.lower_bound_bytes)})"))
     ax.set_xlabel("schedule step")
     ax.set_ylabel(f"arena offset ({unit})")
-    ax.set_title(f"arena {_human(p.arena_bytes)}, efficiency {p.efficiency:.3f}")
+    ax.set_title(f"arena {format_bytes(p.arena_bytes)}, efficiency {p.efficiency:.3f}")
     ax.legend(handles=handles, loc="upper right", fontsize="small")
     fig.savefig(path, dpi=120)
 
@@ -334,6 +324,10 @@ def run(args: argparse.Namespace) -> int:
         problem = _png_problem(args.png)
         if problem:
             return _fail(problem)
+    needed = None if args.json else missing("tabulate", "the plan table", "--json")
+    if needed:
+        print(f"graphslot plan: error: {needed}", file=sys.stderr)
+        return 1
     source = "<stdin>" if args.file == "-" else args.file
     try:
         text = _read(args.file)

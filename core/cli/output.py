@@ -1,0 +1,99 @@
+"""What the commands print through: tables (``tabulate``) and the progress bar (``tqdm``).
+
+Both come from the ``cli`` extra (``pip install 'graphslot[cli]'``) and are imported only
+when a command prints a table or a bar. A command checks :func:`missing` before it does
+any work, so a missing library is one clear line, never a traceback after a long run.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from typing import Any, Sequence
+
+from ..errors import UsageError
+
+__all__ = ["EXTRA", "missing", "table", "Progress"]
+
+#: The extra that brings the commands' output libraries.
+EXTRA = "graphslot[cli]"
+
+
+def missing(module: str, what: str, instead: str | None = None) -> str | None:
+    """Why ``what`` cannot be printed here, or ``None`` when ``module`` imports.
+
+    Args:
+        module: the library, ``"tabulate"`` or ``"tqdm"``.
+        what: what needs it, for the message (``"the plan table"``).
+        instead: the option that does without it (``"--json"``), for the message.
+
+    Returns:
+        ``None``, or one line naming the library and how to install it.
+    """
+    try:
+        importlib.import_module(module)
+    except ImportError:
+        msg = f"{what} needs {module}, which is not installed; install it with: pip install '{EXTRA}'"
+        return msg + (f", or pass {instead}" if instead else "")
+    return None
+
+
+def _load(module: str, what: str) -> Any:
+    why = missing(module, what)
+    if why is not None:
+        raise UsageError(why)
+    return importlib.import_module(module)
+
+
+def table(rows: Sequence[Sequence[Any]], headers: Sequence[str], align: str) -> str:
+    """``rows`` under ``headers`` as plain text: columns two spaces apart, no trailing blanks.
+
+    Args:
+        rows: the cells (written with ``str``; numbers are not reformatted).
+        headers: one per column.
+        align: one letter per column, ``l`` (left) or ``r`` (right).
+
+    Returns:
+        The table, one line per row after the header line.
+
+    Raises:
+        UsageError: ``tabulate`` is not installed.
+    """
+    tabulate = _load("tabulate", "a table")
+    cols = tuple({"l": "left", "r": "right"}[a] for a in align)
+    text = tabulate.tabulate([[str(c) for c in r] for r in rows], headers=list(headers),
+                             tablefmt="plain", disable_numparse=True, colalign=cols)
+    return "\n".join(line.rstrip() for line in text.splitlines())
+
+
+class Progress:
+    """A progress bar on stderr (``tqdm``) of ``total`` steps, labelled with the step that
+    runs; with ``enabled=False`` it prints nothing and needs nothing.
+
+    Raises:
+        UsageError: ``enabled`` and ``tqdm`` is not installed.
+    """
+
+    def __init__(self, total: int, enabled: bool) -> None:
+        self._bar: Any = None
+        if enabled:
+            tqdm = _load("tqdm", "the progress bar")
+            self._bar = tqdm.tqdm(total=total, file=sys.stderr, leave=False, dynamic_ncols=True,
+                                  bar_format="{bar:24} {n_fmt}/{total_fmt} {desc}")
+
+    def update(self, label: str, advance: bool = True) -> None:
+        """Show ``label``; count one step done unless ``advance`` is false."""
+        if self._bar is None:
+            return
+        self._bar.set_description_str(label, refresh=not advance)
+        if advance:
+            self._bar.update(1)
+
+    def skip(self, steps: int) -> None:
+        """Count ``steps`` as done without running them (a configuration skipped)."""
+        if self._bar is not None:
+            self._bar.update(steps)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()

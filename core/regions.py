@@ -1,0 +1,116 @@
+"""The region-graph interface: device graphs whose private pool is a graphslot VA region.
+
+A backend that can draw a graph's private pool from a range of a graphslot reservation
+is a :class:`RegionGraphBackend`; its ``new_graph(pool_region=(va, size))`` (and
+``new_graph(share_pool_with=g)`` for such a ``g``) returns a :class:`RegionGraph`.
+:mod:`graphslot.arena` and :mod:`graphslot.adapters.te` use region graphs only through
+this interface, so neither asks a backend its name:
+
+* :attr:`RegionGraph.pool_region`, :attr:`RegionGraph.pool_used_bytes` and
+  :meth:`RegionGraph.release_pool`: where the pool lies, its high-water mark and its end;
+* :attr:`RegionGraph.executes_during_capture`: whether the region must be mapped while
+  capturing (the cpu backend runs the work as it records it; cuda launches nothing);
+* :attr:`RegionGraph.pool_handle` and :meth:`RegionGraph.lend`: what other code that
+  captures its own graphs into the pool (TransformerEngine) is given, and the routing of
+  the pool's allocations into the region while that code runs;
+* :meth:`RegionGraphBackend.ordinary_capture_kwargs`: the ``capture()`` arguments under
+  which an ordinary graph captures as region graphs do, for fair comparisons.
+
+This module belongs to the interface layer: it imports only :mod:`graphslot.backend`.
+"""
+
+from __future__ import annotations
+
+import abc
+import contextlib
+from typing import Any, ContextManager
+
+from .backend import Backend, DeviceGraph
+
+__all__ = ["RegionGraph", "RegionGraphBackend", "ordinary_capture_kwargs"]
+
+
+class RegionGraph(DeviceGraph):
+    """A device graph whose private pool is ``[va, va + size)`` of a graphslot reservation.
+
+    The caller reserves the region and maps physical memory behind it (see
+    :class:`graphslot.arena.SharedArena`); graphs made with ``share_pool_with`` share it.
+    """
+
+    #: Whether capture runs the work, so the region must be mapped while capturing.
+    executes_during_capture: bool = True
+
+    @property
+    @abc.abstractmethod
+    def pool_region(self) -> tuple[int, int]:
+        """``(va, size)`` of the region the pool is drawn from."""
+
+    @property
+    @abc.abstractmethod
+    def pool_used_bytes(self) -> int:
+        """The pool's high-water mark in bytes: the physical memory its graphs need."""
+
+    @abc.abstractmethod
+    def release_pool(self) -> int:
+        """Drop this graph; the pool's last graph lets its memory go.
+
+        Replay is refused afterwards; safe to call again.
+
+        Returns:
+            The region bytes that live tensors still reference (0: the region may be
+            unmapped and freed).
+        """
+
+    @property
+    def pool_handle(self) -> Any:
+        """What to give code that captures its own graphs into this pool.
+
+        Returns:
+            The framework's pool handle where it has one (cuda: the ``MemPool`` id that
+            ``torch.cuda.graph(pool=...)`` takes), else the graph itself, which a caller
+            passes to ``backend.new_graph(share_pool_with=...)``.
+        """
+        return self
+
+    def lend(self) -> ContextManager[None]:
+        """Context manager: route the pool's allocations into the region while other code
+        captures its own graphs into :attr:`pool_handle` (with the framework's default
+        capture stream). A no-op where captures into the handle already draw from the
+        region.
+
+        Raises:
+            StateError: the pool was released.
+        """
+        return contextlib.nullcontext()
+
+
+class RegionGraphBackend(abc.ABC):
+    """A backend whose ``new_graph`` takes ``pool_region=(va, size)`` and returns a
+    :class:`RegionGraph`; backends mix it in next to :class:`~graphslot.backend.Backend`."""
+
+    def ordinary_capture_kwargs(self) -> dict[str, Any]:
+        """``capture()`` arguments under which an ordinary graph captures as region graphs do.
+
+        Returns:
+            Keyword arguments for :meth:`DeviceGraph.capture` (default: none).
+        """
+        return {}
+
+
+def ordinary_capture_kwargs(backend: Backend) -> dict[str, Any]:
+    """``capture()`` arguments under which an ordinary graph of ``backend`` captures as its
+    region graphs do.
+
+    On cuda, region graphs capture on graphslot's warmed stream (so per-stream library
+    workspaces stay out of shared pages); a baseline captured on that stream too makes
+    memory comparisons attribute those workspaces alike.
+
+    Args:
+        backend: any backend.
+
+    Returns:
+        The arguments (none on a backend without region graphs).
+    """
+    if isinstance(backend, RegionGraphBackend):
+        return backend.ordinary_capture_kwargs()
+    return {}

@@ -1,0 +1,55 @@
+"""Byte sizes, one rule each: how a byte count is written, and how far a strided view reaches.
+
+Dependency-free, like :mod:`graphslot.errors`: every layer may import it (the backends
+included).
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+__all__ = ["format_bytes", "view_extent"]
+
+_UNITS = (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10))
+
+
+def format_bytes(n: int | None, *, digits: int = 2, exact: bool = False) -> str:
+    """``n`` bytes in the largest binary unit it reaches.
+
+    Args:
+        n: a byte count (negative counts are written with their sign); ``None`` for a
+            figure that is not known.
+        digits: decimals after the point (``1536`` -> ``"1.50 KiB"``).
+        exact: use only a unit that divides ``n`` and write it without decimals
+            (``2 << 20`` -> ``"2 MiB"``, ``3000`` -> ``"3000 B"``), for sizes that must be
+            read back exactly (granularities, mappings).
+
+    Returns:
+        The text, e.g. ``"1.50 GiB"``, ``"512 B"``, or ``"-"`` for ``None``.
+    """
+    if n is None:
+        return "-"
+    for unit, scale in _UNITS:
+        if exact:
+            if n >= scale and n % scale == 0:
+                return f"{n // scale} {unit}"
+        elif abs(n) >= scale:
+            return f"{n / scale:.{digits}f} {unit}"
+    return f"{n} B"
+
+
+def view_extent(shape: Sequence[int], stride: Sequence[int], itemsize: int) -> int:
+    """Bytes from a strided view's first element to just past its last.
+
+    Args:
+        shape: the view's sizes.
+        stride: its strides in elements (non-negative), one per dimension.
+        itemsize: bytes per element.
+
+    Returns:
+        ``(1 + sum((size - 1) * stride)) * itemsize``, or 0 for a view with no elements
+        (a 0-d view spans one element).
+    """
+    if not all(shape):
+        return 0
+    return (1 + sum((int(s) - 1) * int(st) for s, st in zip(shape, stride))) * itemsize
