@@ -40,6 +40,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 import re
+import sys
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable
 
@@ -50,7 +51,7 @@ from graphslot.errors import IncompatibleError, StateError, UsageError
 from graphslot.offload import Mode, OffloadEngine, OffloadGroup, SavedTensorSpec, State, Ticket
 from graphslot.selection import get_backend
 
-__all__ = ["MIN_VERSION", "MegatronOffload", "check_megatron", "check_config", "enable", "disable", "active"]
+__all__ = ["MIN_VERSION", "FP8_RECIPES_SERVED", "MegatronOffload", "check_megatron", "check_config", "enable", "disable", "active"]
 
 #: The first Megatron-Core release with the local-graph record and fine-grained offload this
 #: adapter is written against.
@@ -123,6 +124,61 @@ def _names(v: Any) -> set[str]:
     return {str(getattr(x, "name", x)) for x in vals if x not in (None, "")}
 
 
+#: fp8 recipes (``TransformerConfig.fp8_recipe``) served with ``fp8`` set; see
+#: :func:`_low_precision_problems` for why fp8 can be served and what is refused.
+FP8_RECIPES_SERVED: tuple[str, ...] = ("delayed", "tensorwise")
+
+
+def _low_precision_problems(config: Any) -> list[str]:
+    """What of ``fp8``/``fp4`` graphslot refuses, and why.
+
+    TransformerEngine (2.x) saves a quantized GEMM input for backward through
+    ``prepare_for_saving``: a ``*TensorStorage`` is taken apart into plain tensors (the fp8
+    bytes, a transpose, a per-tensor ``scale_inv``) that go through ``save_for_backward``, so
+    through graphslot's pack hook, into a slot, like any activation. The scaling state
+    (quantizers' ``scale``/``amax``, ``fp8_meta``'s amax history) and the cached fp8 weight
+    workspaces live in the modules and are reached from ``ctx`` by reference (TE dedups the
+    cached weight out of the saved tensors), outside the saved activations; offload never
+    moves them. So fp8 with high-precision parameters is served. Refused:
+
+    * ``fp8_param``/``fp4_param``: parameters are TE quantized tensors (``torch.Tensor``
+      subclasses whose bytes live in inner tensors);
+    * ``fp8_dot_product_attention``/``fp8_multi_head_attention``: fused attention saves its
+      fp8 q/k/v/output as ``Float8Tensor`` objects, which a plain slot copy would dequantize;
+    * fp8 recipes outside :data:`FP8_RECIPES_SERVED` and ``fp4``: their saved tensors are
+      plain by the same construction, but no run has checked them with graphslot (mxfp8 and
+      NVFP4 need Blackwell; this project's runs are on Hopper).
+
+    Any other tensor subclass a layer saves is refused when Megatron's first step records it.
+    """
+    problems: list[str] = []
+    fp8, fp4 = getattr(config, "fp8", None), getattr(config, "fp4", None)
+    if fp8:
+        recipe = str(getattr(config, "fp8_recipe", None) or "delayed")
+        recipe = str(getattr(recipe, "value", recipe))
+        if recipe not in FP8_RECIPES_SERVED:
+            served = ", ".join(repr(r) for r in FP8_RECIPES_SERVED) or "none"
+            problems.append(f"fp8_recipe is {recipe!r}: not verified with graphslot slots (its saved "
+                            f"tensors should be plain like the others', but no run has checked it); "
+                            f"served fp8 recipes: {served}")
+    for name in ("fp8_param", "fp4_param"):
+        if getattr(config, name, False):
+            problems.append(f"{name} is True: parameters are then TransformerEngine quantized tensors "
+                            "(torch.Tensor subclasses whose bytes live in inner tensors), which "
+                            "graphslot's slots do not hold; keep parameters in bf16/fp16/fp32 "
+                            "(fp8 compute is served)")
+    for name in ("fp8_dot_product_attention", "fp8_multi_head_attention"):
+        if getattr(config, name, False):
+            problems.append(f"{name} is True: TransformerEngine's fp8 attention saves its q/k/v and "
+                            "output for backward as Float8Tensor objects, which a slot (plain bytes "
+                            "at a fixed address) cannot hold; set it False")
+    if fp4:
+        problems.append("fp4 is set: NVFP4 needs Blackwell GPUs and has not been run with graphslot "
+                        "slots; train in fp8 (recipes " + ", ".join(FP8_RECIPES_SERVED) + ") or "
+                        "bf16/fp16/fp32")
+    return problems
+
+
 def check_config(config: Any) -> None:
     """Check a ``TransformerConfig`` against what the adapter serves.
 
@@ -147,9 +203,11 @@ def check_config(config: Any) -> None:
     if getattr(config, "recompute_granularity", None) is not None:
         problems.append(f"recompute_granularity is {config.recompute_granularity!r}: recomputation "
                         "inside graphed layers is not supported with offload; set it None")
-    if getattr(config, "fp8", None) or getattr(config, "fp4", None):
-        problems.append("fp8/fp4 is set: low-precision saved tensors have not been verified in "
-                        "graphslot slots; train in bf16/fp16/fp32")
+    problems += _low_precision_problems(config)
+    if getattr(config, "delay_wgrad_compute", False):
+        problems.append("delay_wgrad_compute is True: TransformerEngine then computes weight "
+                        "gradients after the backward graph (backward_dw), from saved inputs that "
+                        "graphslot has already handed to the next layer's slot; set it False")
     if int(getattr(config, "gtp_weight_remat_size", 1) or 1) > 1:
         problems.append("gtp_weight_remat_size > 1: runners on their own streams are not supported")
     if problems:
@@ -172,6 +230,7 @@ class _Layer:
         self._ctx: Any = None
         self._state: set[int] = set()
         self._storages: dict[int, int] = {}
+        self._failed = False
         self.handles: list[Any] = []
 
     def is_state(self, t: torch.Tensor) -> bool:
@@ -180,8 +239,31 @@ class _Layer:
         return (t.device.type != self.device_type or t.numel() == 0
                 or t.untyped_storage().data_ptr() in self._state)
 
+    def keeps(self, t: torch.Tensor) -> bool:
+        """True when the saved tensor ``t`` stays where it is (state, see :meth:`is_state`);
+        False when it goes into the slot. Refuses a tensor subclass that is not state (a
+        TransformerEngine quantized tensor, say): a slot holds plain bytes, and copying such
+        a tensor into one would not keep what it is."""
+        if type(t) is torch.Tensor or isinstance(t, torch.nn.Parameter):
+            return self.is_state(t)
+        with contextlib.suppress(Exception):  # a wrapper subclass may have no storage to ask
+            if self.is_state(t):
+                return True
+        kind = f"{type(t).__module__}.{type(t).__qualname__}"
+        raise IncompatibleError(
+            f"layer {self.number} saves a {kind} for backward: graphslot slots hold plain tensors, "
+            "and this tensor subclass keeps its data elsewhere (TransformerEngine's quantized "
+            "tensors come from fp8 attention or fp8/fp4 parameters: set fp8_dot_product_attention, "
+            "fp8_multi_head_attention, fp8_param and fp4_param False), or leave this layer out "
+            "of enable(layers=...)")
+
     def _record(self, t: torch.Tensor) -> torch.Tensor:
-        if not self.is_state(t):
+        try:
+            keep = self.keeps(t)
+        except IncompatibleError:
+            self._failed = True
+            raise
+        if not keep:
             self._seen.append(SavedTensorSpec.of(t, self._storages))
         return t
 
@@ -190,6 +272,7 @@ class _Layer:
                        for t in [*self.module.parameters(), *self.module.buffers()]}
         self._seen = []
         self._storages = {}
+        self._failed = False
         self._ctx = torch.autograd.graph.saved_tensors_hooks(self._record, lambda t: t)
         self._ctx.__enter__()
 
@@ -198,6 +281,9 @@ class _Layer:
             return
         self._ctx.__exit__(None, None, None)
         self._ctx = None
+        if self._failed:  # the forward raised what _record refused; nothing to compare
+            self._seen = []
+            return
         seen = self._seen
         if self.specs is not None and list(map(_key, seen)) != list(map(_key, self.specs)):
             raise StateError(f"layer {self.number} saved different tensors in two forward passes "
@@ -415,7 +501,7 @@ class MegatronOffload:
         g, L, b = r.group, r.layer, self.backend
 
         def pack(t: torch.Tensor) -> torch.Tensor:
-            return t if L.is_state(t) else g.save_tensor(t)
+            return t if L.keeps(t) else g.save_tensor(t)
 
         def run(*args: Any, **kwargs: Any) -> Any:
             if not b.is_capturing():  # Megatron's warm-up before the capture
@@ -515,8 +601,10 @@ class MegatronOffload:
 
     def report(self) -> dict[str, Any]:
         """Slots, banks and byte counts, as plain data (JSON-ready)."""
+        te = sys.modules.get("transformer_engine")
         return {
             "megatron_core": self.megatron_version,
+            "transformer_engine": getattr(te, "__version__", None) if te is not None else None,
             "backend": self.backend.name,
             "mode": self.mode.value,
             "layers": sorted(L.number for L in self.layers.values()),

@@ -91,6 +91,67 @@ def test_partial_layer_graphs_are_refused():
         gsm.check_config(c)
 
 
+@pytest.mark.parametrize("recipe", gsm.FP8_RECIPES_SERVED)
+def test_fp8_compute_with_a_served_recipe_is_served(recipe):
+    c = _config(cuda_graph_impl="local")
+    c.fp8, c.fp8_recipe = "hybrid", recipe
+    gsm.check_config(c)
+
+
+@pytest.mark.parametrize("setting,value,says", [
+    ("fp8_param", True, r"fp8_param is True: parameters are then TransformerEngine quantized tensors"),
+    ("fp4_param", True, r"fp4_param is True: parameters are then TransformerEngine quantized tensors"),
+    ("fp8_dot_product_attention", True, r"fp8_dot_product_attention is True: .*Float8Tensor objects"),
+    ("fp8_multi_head_attention", True, r"fp8_multi_head_attention is True: .*Float8Tensor objects"),
+    ("fp8_recipe", "mxfp8", r"fp8_recipe is 'mxfp8': not verified .*served fp8 recipes: 'delayed', 'tensorwise'"),
+    ("fp8_recipe", "blockwise", r"fp8_recipe is 'blockwise': not verified"),
+    ("fp4", "e2m1", r"fp4 is set: NVFP4 needs Blackwell"),
+    ("delay_wgrad_compute", True, r"delay_wgrad_compute is True: .*backward_dw"),
+])
+def test_what_the_te_spec_cannot_serve_is_refused_by_name(setting, value, says):
+    c = _config(cuda_graph_impl="local")
+    c.fp8 = "hybrid" if setting.startswith("fp8") else None
+    setattr(c, setting, value)
+    with pytest.raises(IncompatibleError, match=says):
+        gsm.check_config(c)
+
+
+class _Quantized(torch.Tensor):
+    """A stand-in for TransformerEngine's quantized tensor classes (torch.Tensor subclasses)."""
+
+
+class _SavesSubclass(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x.detach().as_subclass(_Quantized))
+        return x * 2
+
+    @staticmethod
+    def backward(ctx, g):
+        return g * 2
+
+
+def test_a_saved_tensor_subclass_is_refused_when_first_seen():
+    from graphslot.adapters.megatron import _Layer
+
+    m = torch.nn.Linear(4, 4)
+    L = _Layer(m, "cpu")
+    x = torch.ones(2, 4, requires_grad=True)
+    # Plain activations and the module's own parameters are fine; parameters stay (state).
+    L.begin()
+    m(x).sum()
+    L.end()
+    assert L.specs is not None and len(L.specs) == 1  # the input; the weight is state
+    L.begin()
+    with pytest.raises(IncompatibleError, match=r"layer 0 saves a .*_Quantized for backward: graphslot "
+                                                r"slots hold plain tensors.*fp8_dot_product_attention"):
+        _SavesSubclass.apply(m(x))
+    L.end()  # no second complaint about a different set of saved tensors
+    assert L.keeps(m.weight) and not L.keeps(x)
+    with pytest.raises(IncompatibleError, match="_Quantized"):  # the capture's pack hook asks the same
+        L.keeps(x.detach().as_subclass(_Quantized))
+
+
 # --------------------------------------------------------------------------- hooks
 
 
@@ -179,6 +240,16 @@ def test_bad_arguments_are_named(local_gpt, host):
     with pytest.raises(UsageError, match="mode 'off' offloads nothing"):
         gsm.enable(local_gpt, mode="off", backend=host)
     assert gsm.active() is None
+
+
+def test_enable_refuses_fp8_parameters_by_name(local_gpt, host, monkeypatch):
+    monkeypatch.setattr(local_gpt.config, "fp8", "hybrid")
+    monkeypatch.setattr(local_gpt.config, "fp8_param", True, raising=False)
+    with pytest.raises(IncompatibleError, match="fp8_param is True"):
+        gsm.enable(local_gpt, backend=host)
+    assert gsm.active() is None
+    monkeypatch.setattr(local_gpt.config, "fp8_param", False)
+    gsm.enable(local_gpt, backend=host).disable()  # fp8 compute with bf16 parameters is served
 
 
 def test_a_backend_on_another_device_type_is_refused(local_gpt, backend):
