@@ -33,6 +33,12 @@ What it touches, all restored by :meth:`MegatronOffload.disable`:
 ``disable()`` after the graphs exist calls Megatron's ``delete_cuda_graphs()`` first
 (those graphs read graphslot's slots), so the next step records and captures them again
 without graphslot.
+
+Layers from Megatron's local spec and from its TransformerEngine spec are served, in
+fp32/bf16/fp16 and with fp8 compute; :func:`check_config` names what is refused and why
+(fp8/fp4 parameters, fp8 attention, unverified recipes, fp4, ``delay_wgrad_compute``, ...).
+With TransformerEngine importable, Megatron itself releases graph input and output buffers
+across graphs through TE's weak references, which graphslot leaves alone.
 """
 
 from __future__ import annotations
