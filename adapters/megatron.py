@@ -142,46 +142,45 @@ def _low_precision_problems(config: Any) -> list[str]:
     ``prepare_for_saving``: a ``*TensorStorage`` is taken apart into plain tensors (the fp8
     bytes, a transpose, a per-tensor ``scale_inv``) that go through ``save_for_backward``, so
     through graphslot's pack hook, into a slot, like any activation. The scaling state
-    (quantizers' ``scale``/``amax``, ``fp8_meta``'s amax history) and the cached fp8 weight
-    workspaces live in the modules and are reached from ``ctx`` by reference (TE dedups the
-    cached weight out of the saved tensors), outside the saved activations; offload never
-    moves them. So fp8 with high-precision parameters is served. Refused:
+    (quantizers' ``scale``/``amax``, ``fp8_meta``'s amax history) lives in the modules and is
+    reached from ``ctx`` by reference, outside the saved activations; offload never moves it.
+    The cached fp8 weight (Megatron caches it across microbatches) is a ``Float8Tensor`` that
+    ``Linear`` dedups out of its saved tensors and ``LayerNormLinear`` saves by reference; a
+    saved tensor subclass stays on the device (:meth:`_Layer.keeps`), so it is never copied.
+    So fp8 compute with high-precision parameters is served. Refused, as not verified (no run
+    has checked them with graphslot):
 
-    * ``fp8_param``/``fp4_param``: parameters are TE quantized tensors (``torch.Tensor``
-      subclasses whose bytes live in inner tensors);
-    * ``fp8_dot_product_attention``/``fp8_multi_head_attention``: fused attention saves its
-      fp8 q/k/v/output as ``Float8Tensor`` objects, which a plain slot copy would dequantize;
-    * fp8 recipes outside :data:`FP8_RECIPES_SERVED` and ``fp4``: their saved tensors are
-      plain by the same construction, but no run has checked them with graphslot (mxfp8 and
-      NVFP4 need Blackwell; this project's runs are on Hopper).
-
-    Any other tensor subclass a layer saves is refused when Megatron's first step records it.
+    * fp8 recipes outside :data:`FP8_RECIPES_SERVED`, and ``fp4`` (mxfp8 and NVFP4 need
+      Blackwell; this project's runs are on Hopper);
+    * ``fp8_param``/``fp4_param``: parameters are then TE quantized tensors;
+    * ``fp8_dot_product_attention``/``fp8_multi_head_attention``: fused attention then saves
+      its fp8 q/k/v/output as ``Float8Tensor`` objects, which would stay on the device, so
+      attention would not be offloaded.
     """
     problems: list[str] = []
     fp8, fp4 = getattr(config, "fp8", None), getattr(config, "fp4", None)
+    served = ", ".join(repr(r) for r in FP8_RECIPES_SERVED) or "none"
     if fp8:
-        recipe = str(getattr(config, "fp8_recipe", None) or "delayed")
+        recipe = getattr(config, "fp8_recipe", None) or "delayed"
         recipe = str(getattr(recipe, "value", recipe))
         if recipe not in FP8_RECIPES_SERVED:
-            served = ", ".join(repr(r) for r in FP8_RECIPES_SERVED) or "none"
             problems.append(f"fp8_recipe is {recipe!r}: not verified with graphslot slots (its saved "
                             f"tensors should be plain like the others', but no run has checked it); "
                             f"served fp8 recipes: {served}")
     for name in ("fp8_param", "fp4_param"):
         if getattr(config, name, False):
-            problems.append(f"{name} is True: parameters are then TransformerEngine quantized tensors "
-                            "(torch.Tensor subclasses whose bytes live in inner tensors), which "
-                            "graphslot's slots do not hold; keep parameters in bf16/fp16/fp32 "
-                            "(fp8 compute is served)")
+            problems.append(f"{name} is True: not verified with graphslot (parameters are then "
+                            "TransformerEngine quantized tensors, and no run has checked them); keep "
+                            "parameters in bf16/fp16/fp32 (fp8 compute is served)")
     for name in ("fp8_dot_product_attention", "fp8_multi_head_attention"):
         if getattr(config, name, False):
-            problems.append(f"{name} is True: TransformerEngine's fp8 attention saves its q/k/v and "
-                            "output for backward as Float8Tensor objects, which a slot (plain bytes "
-                            "at a fixed address) cannot hold; set it False")
+            problems.append(f"{name} is True: not verified with graphslot (TransformerEngine's fp8 "
+                            "attention saves its q/k/v and output as Float8Tensor objects, which "
+                            "would stay on the device, not offloaded, and no run has checked it); "
+                            "set it False")
     if fp4:
-        problems.append("fp4 is set: NVFP4 needs Blackwell GPUs and has not been run with graphslot "
-                        "slots; train in fp8 (recipes " + ", ".join(FP8_RECIPES_SERVED) + ") or "
-                        "bf16/fp16/fp32")
+        problems.append(f"fp4 is set: NVFP4 needs Blackwell GPUs and has not been run with graphslot "
+                        f"slots; train in fp8 (recipes {served}) or bf16/fp16/fp32")
     return problems
 
 
@@ -236,7 +235,10 @@ class _Layer:
         self._ctx: Any = None
         self._state: set[int] = set()
         self._storages: dict[int, int] = {}
-        self._failed = False
+        self._kept: dict[str, int] = {}
+        self._recording = False
+        #: saved tensor subclasses kept on the device in the last recorded forward, by type
+        self.kept: dict[str, int] = {}
         self.handles: list[Any] = []
 
     def is_state(self, t: torch.Tensor) -> bool:
@@ -246,39 +248,35 @@ class _Layer:
                 or t.untyped_storage().data_ptr() in self._state)
 
     def keeps(self, t: torch.Tensor) -> bool:
-        """True when the saved tensor ``t`` stays where it is (state, see :meth:`is_state`);
-        False when it goes into the slot. Refuses a tensor subclass that is not state (a
-        TransformerEngine quantized tensor, say): a slot holds plain bytes, and copying such
-        a tensor into one would not keep what it is."""
+        """True when the saved tensor ``t`` stays where it is; False when it goes into the slot.
+
+        State stays (see :meth:`is_state`), and so does a tensor subclass: a TransformerEngine
+        quantized tensor (``Float8Tensor``: the cached fp8 weight that ``LayerNormLinear`` saves
+        by reference, say) keeps its bytes in inner tensors that a slot copy would not reach,
+        and stays referenced as autograd keeps any saved tensor. Only plain tensors are
+        offloaded.
+        """
         if type(t) is torch.Tensor or isinstance(t, torch.nn.Parameter):
             return self.is_state(t)
-        with contextlib.suppress(Exception):  # a wrapper subclass may have no storage to ask
-            if self.is_state(t):
-                return True
-        kind = f"{type(t).__module__}.{type(t).__qualname__}"
-        raise IncompatibleError(
-            f"layer {self.number} saves a {kind} for backward: graphslot slots hold plain tensors, "
-            "and this tensor subclass keeps its data elsewhere (TransformerEngine's quantized "
-            "tensors come from fp8 attention or fp8/fp4 parameters: set fp8_dot_product_attention, "
-            "fp8_multi_head_attention, fp8_param and fp4_param False), or leave this layer out "
-            "of enable(layers=...)")
+        if self._recording:
+            name = f"{type(t).__module__}.{type(t).__qualname__}"
+            self._kept[name] = self._kept.get(name, 0) + 1
+        return True
 
     def _record(self, t: torch.Tensor) -> torch.Tensor:
-        try:
-            keep = self.keeps(t)
-        except IncompatibleError:
-            self._failed = True
-            raise
-        if not keep:
+        if not self.keeps(t):
             self._seen.append(SavedTensorSpec.of(t, self._storages))
         return t
 
     def begin(self) -> None:
-        self._state = {t.untyped_storage().data_ptr()
-                       for t in [*self.module.parameters(), *self.module.buffers()]}
+        self._state = set()
+        for t in [*self.module.parameters(), *self.module.buffers()]:
+            with contextlib.suppress(Exception):  # a wrapper subclass may have no storage to ask
+                self._state.add(t.untyped_storage().data_ptr())
         self._seen = []
         self._storages = {}
-        self._failed = False
+        self._kept = {}
+        self._recording = True
         self._ctx = torch.autograd.graph.saved_tensors_hooks(self._record, lambda t: t)
         self._ctx.__enter__()
 
@@ -287,9 +285,8 @@ class _Layer:
             return
         self._ctx.__exit__(None, None, None)
         self._ctx = None
-        if self._failed:  # the forward raised what _record refused; nothing to compare
-            self._seen = []
-            return
+        self._recording = False
+        self.kept = dict(self._kept)
         seen = self._seen
         if self.specs is not None and list(map(_key, seen)) != list(map(_key, self.specs)):
             raise StateError(f"layer {self.number} saved different tensors in two forward passes "
@@ -617,7 +614,8 @@ class MegatronOffload:
             "graphs_created": self._created,
             "runners": [{"group": r.group.name, "layer": r.layer.number, "bank": r.bank,
                          "saved_tensors": len(r.group.specs), "slot_bytes": r.group.slot_bytes,
-                         "offloaded_bytes": r.group.host_bytes} for r in self.runners],
+                         "offloaded_bytes": r.group.host_bytes,
+                         "kept_subclass_tensors": dict(r.layer.kept)} for r in self.runners],
             "mapped_bytes": self.backend.ledger.mapped_bytes,
             "peak_mapped_bytes": self.backend.ledger.peak_mapped_bytes,
             "stats": dict(self.engine.stats),
