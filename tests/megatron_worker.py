@@ -164,6 +164,15 @@ def main() -> None:
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
     free, total = torch.cuda.mem_get_info()
+    graph_pool = None
+    if graphs:  # what Megatron's graph pool holds after the steps (issue 15, item 3)
+        from megatron.core.transformer.cuda_graphs import CudaGraphManager
+
+        pool = CudaGraphManager.global_mempool
+        segs = [x for x in torch.cuda.memory_snapshot()
+                if pool is not None and tuple(x.get("segment_pool_id", ())) == tuple(pool)]
+        graph_pool = {"segments": len(segs), "reserved_bytes": sum(x["total_size"] for x in segs),
+                      "active_bytes": sum(x["active_size"] for x in segs)}
     digest = hashlib.sha256()  # every parameter's bytes after the last step, in model order
     for p in params:
         digest.update(p.detach().contiguous().view(-1).view(torch.uint8).cpu().numpy().tobytes())
@@ -174,7 +183,7 @@ def main() -> None:
         "deterministic": a.deterministic,
         "median_step_ms_after_capture": 1000 * sorted(times[3:])[len(times[3:]) // 2] if len(times) > 3 else None,
         "driver_used_bytes": total - free, "driver_used_peak_bytes": used_peak,
-        "torch_reserved_bytes": torch.cuda.memory_reserved(),
+        "torch_reserved_bytes": torch.cuda.memory_reserved(), "graph_pool": graph_pool,
         "torch_max_allocated_bytes": torch.cuda.max_memory_allocated(),
         "shape": {k: getattr(a, k) for k in ("layers", "hidden", "heads", "seq", "batch", "microbatches", "vocab")},
         "torch": torch.__version__, "device": torch.cuda.get_device_name(0),

@@ -322,7 +322,9 @@ def _check_offload_runs(ref: dict, runs: dict, *, bitwise: bool) -> dict:
                          "offloaded_bytes": offloaded, "bank_bytes": banks,
                          "bitwise_losses": r["losses"] == ref["losses"],
                          "bitwise_params": r.get("params_sha256") == ref.get("params_sha256"),
-                         "median_step_ms_after_capture": r["median_step_ms_after_capture"]}
+                         "median_step_ms_after_capture": r["median_step_ms_after_capture"],
+                         "graph_pool": r.get("graph_pool")}
+    summary["graphs"]["graph_pool"] = ref.get("graph_pool")
     return summary
 
 
