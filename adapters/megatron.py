@@ -33,6 +33,12 @@ What it touches, all restored by :meth:`MegatronOffload.disable`:
 ``disable()`` after the graphs exist calls Megatron's ``delete_cuda_graphs()`` first
 (those graphs read graphslot's slots), so the next step records and captures them again
 without graphslot.
+
+Layers from Megatron's local spec and from its TransformerEngine spec are served, in
+fp32/bf16/fp16 and with fp8 compute; :func:`check_config` names what is refused and why
+(fp8/fp4 parameters, fp8 attention, unverified recipes, fp4, ``delay_wgrad_compute``, ...).
+With TransformerEngine importable, Megatron itself releases graph input and output buffers
+across graphs through TE's weak references, which graphslot leaves alone.
 """
 
 from __future__ import annotations
@@ -40,6 +46,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 import re
+import sys
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable
 
@@ -50,7 +57,7 @@ from graphslot.errors import IncompatibleError, StateError, UsageError
 from graphslot.offload import Mode, OffloadEngine, OffloadGroup, SavedTensorSpec, State, Ticket
 from graphslot.selection import get_backend
 
-__all__ = ["MIN_VERSION", "MegatronOffload", "check_megatron", "check_config", "enable", "disable", "active"]
+__all__ = ["MIN_VERSION", "FP8_RECIPES_SERVED", "MegatronOffload", "check_megatron", "check_config", "enable", "disable", "active"]
 
 #: The first Megatron-Core release with the local-graph record and fine-grained offload this
 #: adapter is written against.
@@ -123,6 +130,60 @@ def _names(v: Any) -> set[str]:
     return {str(getattr(x, "name", x)) for x in vals if x not in (None, "")}
 
 
+#: fp8 recipes (``TransformerConfig.fp8_recipe``) served with ``fp8`` set; see
+#: :func:`_low_precision_problems` for why fp8 can be served and what is refused.
+FP8_RECIPES_SERVED: tuple[str, ...] = ("delayed", "tensorwise")
+
+
+def _low_precision_problems(config: Any) -> list[str]:
+    """What of ``fp8``/``fp4`` graphslot refuses, and why.
+
+    TransformerEngine (2.x) saves a quantized GEMM input for backward through
+    ``prepare_for_saving``: a ``*TensorStorage`` is taken apart into plain tensors (the fp8
+    bytes, a transpose, a per-tensor ``scale_inv``) that go through ``save_for_backward``, so
+    through graphslot's pack hook, into a slot, like any activation. The scaling state
+    (quantizers' ``scale``/``amax``, ``fp8_meta``'s amax history) lives in the modules and is
+    reached from ``ctx`` by reference, outside the saved activations; offload never moves it.
+    The cached fp8 weight (Megatron caches it across microbatches) is a ``Float8Tensor`` that
+    ``Linear`` dedups out of its saved tensors and ``LayerNormLinear`` saves by reference; a
+    saved tensor subclass stays on the device (:meth:`_Layer.keeps`), so it is never copied.
+    So fp8 compute with high-precision parameters is served. Refused, as not verified (no run
+    has checked them with graphslot):
+
+    * fp8 recipes outside :data:`FP8_RECIPES_SERVED`, and ``fp4`` (mxfp8 and NVFP4 need
+      Blackwell; this project's runs are on Hopper);
+    * ``fp8_param``/``fp4_param``: parameters are then TE quantized tensors;
+    * ``fp8_dot_product_attention``/``fp8_multi_head_attention``: fused attention then saves
+      its fp8 q/k/v/output as ``Float8Tensor`` objects, which would stay on the device, so
+      attention would not be offloaded.
+    """
+    problems: list[str] = []
+    fp8, fp4 = getattr(config, "fp8", None), getattr(config, "fp4", None)
+    served = ", ".join(repr(r) for r in FP8_RECIPES_SERVED) or "none"
+    if fp8:
+        recipe = getattr(config, "fp8_recipe", None) or "delayed"
+        recipe = str(getattr(recipe, "value", recipe))
+        if recipe not in FP8_RECIPES_SERVED:
+            problems.append(f"fp8_recipe is {recipe!r}: not verified with graphslot slots (its saved "
+                            f"tensors should be plain like the others', but no run has checked it); "
+                            f"served fp8 recipes: {served}")
+    for name in ("fp8_param", "fp4_param"):
+        if getattr(config, name, False):
+            problems.append(f"{name} is True: not verified with graphslot (parameters are then "
+                            "TransformerEngine quantized tensors, and no run has checked them); keep "
+                            "parameters in bf16/fp16/fp32 (fp8 compute is served)")
+    for name in ("fp8_dot_product_attention", "fp8_multi_head_attention"):
+        if getattr(config, name, False):
+            problems.append(f"{name} is True: not verified with graphslot (TransformerEngine's fp8 "
+                            "attention saves its q/k/v and output as Float8Tensor objects, which "
+                            "would stay on the device, not offloaded, and no run has checked it); "
+                            "set it False")
+    if fp4:
+        problems.append(f"fp4 is set: NVFP4 needs Blackwell GPUs and has not been run with graphslot "
+                        f"slots; train in fp8 (recipes {served}) or bf16/fp16/fp32")
+    return problems
+
+
 def check_config(config: Any) -> None:
     """Check a ``TransformerConfig`` against what the adapter serves.
 
@@ -147,9 +208,11 @@ def check_config(config: Any) -> None:
     if getattr(config, "recompute_granularity", None) is not None:
         problems.append(f"recompute_granularity is {config.recompute_granularity!r}: recomputation "
                         "inside graphed layers is not supported with offload; set it None")
-    if getattr(config, "fp8", None) or getattr(config, "fp4", None):
-        problems.append("fp8/fp4 is set: low-precision saved tensors have not been verified in "
-                        "graphslot slots; train in bf16/fp16/fp32")
+    problems += _low_precision_problems(config)
+    if getattr(config, "delay_wgrad_compute", False):
+        problems.append("delay_wgrad_compute is True: TransformerEngine then computes weight "
+                        "gradients after the backward graph (backward_dw), from saved inputs that "
+                        "graphslot has already handed to the next layer's slot; set it False")
     if int(getattr(config, "gtp_weight_remat_size", 1) or 1) > 1:
         problems.append("gtp_weight_remat_size > 1: runners on their own streams are not supported")
     if problems:
@@ -172,6 +235,10 @@ class _Layer:
         self._ctx: Any = None
         self._state: set[int] = set()
         self._storages: dict[int, int] = {}
+        self._kept: dict[str, int] = {}
+        self._recording = False
+        #: saved tensor subclasses kept on the device in the last recorded forward, by type
+        self.kept: dict[str, int] = {}
         self.handles: list[Any] = []
 
     def is_state(self, t: torch.Tensor) -> bool:
@@ -180,16 +247,36 @@ class _Layer:
         return (t.device.type != self.device_type or t.numel() == 0
                 or t.untyped_storage().data_ptr() in self._state)
 
+    def keeps(self, t: torch.Tensor) -> bool:
+        """True when the saved tensor ``t`` stays where it is; False when it goes into the slot.
+
+        State stays (see :meth:`is_state`), and so does a tensor subclass: a TransformerEngine
+        quantized tensor (``Float8Tensor``: the cached fp8 weight that ``LayerNormLinear`` saves
+        by reference, say) keeps its bytes in inner tensors that a slot copy would not reach,
+        and stays referenced as autograd keeps any saved tensor. Only plain tensors are
+        offloaded.
+        """
+        if type(t) is torch.Tensor or isinstance(t, torch.nn.Parameter):
+            return self.is_state(t)
+        if self._recording:
+            name = f"{type(t).__module__}.{type(t).__qualname__}"
+            self._kept[name] = self._kept.get(name, 0) + 1
+        return True
+
     def _record(self, t: torch.Tensor) -> torch.Tensor:
-        if not self.is_state(t):
+        if not self.keeps(t):
             self._seen.append(SavedTensorSpec.of(t, self._storages))
         return t
 
     def begin(self) -> None:
-        self._state = {t.untyped_storage().data_ptr()
-                       for t in [*self.module.parameters(), *self.module.buffers()]}
+        self._state = set()
+        for t in [*self.module.parameters(), *self.module.buffers()]:
+            with contextlib.suppress(Exception):  # a wrapper subclass may have no storage to ask
+                self._state.add(t.untyped_storage().data_ptr())
         self._seen = []
         self._storages = {}
+        self._kept = {}
+        self._recording = True
         self._ctx = torch.autograd.graph.saved_tensors_hooks(self._record, lambda t: t)
         self._ctx.__enter__()
 
@@ -198,6 +285,8 @@ class _Layer:
             return
         self._ctx.__exit__(None, None, None)
         self._ctx = None
+        self._recording = False
+        self.kept = dict(self._kept)
         seen = self._seen
         if self.specs is not None and list(map(_key, seen)) != list(map(_key, self.specs)):
             raise StateError(f"layer {self.number} saved different tensors in two forward passes "
@@ -415,7 +504,7 @@ class MegatronOffload:
         g, L, b = r.group, r.layer, self.backend
 
         def pack(t: torch.Tensor) -> torch.Tensor:
-            return t if L.is_state(t) else g.save_tensor(t)
+            return t if L.keeps(t) else g.save_tensor(t)
 
         def run(*args: Any, **kwargs: Any) -> Any:
             if not b.is_capturing():  # Megatron's warm-up before the capture
@@ -515,15 +604,18 @@ class MegatronOffload:
 
     def report(self) -> dict[str, Any]:
         """Slots, banks and byte counts, as plain data (JSON-ready)."""
+        te = sys.modules.get("transformer_engine")
         return {
             "megatron_core": self.megatron_version,
+            "transformer_engine": getattr(te, "__version__", None) if te is not None else None,
             "backend": self.backend.name,
             "mode": self.mode.value,
             "layers": sorted(L.number for L in self.layers.values()),
             "graphs_created": self._created,
             "runners": [{"group": r.group.name, "layer": r.layer.number, "bank": r.bank,
                          "saved_tensors": len(r.group.specs), "slot_bytes": r.group.slot_bytes,
-                         "offloaded_bytes": r.group.host_bytes} for r in self.runners],
+                         "offloaded_bytes": r.group.host_bytes,
+                         "kept_subclass_tensors": dict(r.layer.kept)} for r in self.runners],
             "mapped_bytes": self.backend.ledger.mapped_bytes,
             "peak_mapped_bytes": self.backend.ledger.peak_mapped_bytes,
             "stats": dict(self.engine.stats),

@@ -4,15 +4,22 @@
 
 ``--mode``: ``eager`` (no graphs), ``graphs`` (Megatron's local CUDA graphs, no offload),
 ``resident`` or ``remap`` (local graphs plus graphslot offload through
-:mod:`graphslot.adapters.megatron`). One process, one GPU, Megatron's own
-``get_forward_backward_func()`` schedule; writes per-step losses, step times, driver-level
-memory and graphslot's report as JSON. Used by tests/test_adapter_megatron.py and by the
-benchmark figures in BENCHMARKS.md.
+:mod:`graphslot.adapters.megatron`). ``--spec te`` builds the layers from Megatron's
+TransformerEngine spec (``get_gpt_layer_with_transformer_engine_spec``, TE's RNG tracker,
+no attention mask: causal attention in TE's fused kernels), ``--bf16`` trains in bf16
+(``Float16Module``, fp32 master weights in the optimizer), ``--fp8 RECIPE`` adds fp8
+compute with that Megatron ``fp8_recipe``, and ``--deterministic`` sets Megatron's
+``deterministic_mode`` and ``NVTE_ALLOW_NONDETERMINISTIC_ALGO=0`` (deterministic attention
+backward, so separate runs can be compared bit for bit). One process, one GPU, Megatron's
+own ``get_forward_backward_func()`` schedule; writes per-step losses, step times, a SHA-256
+of the final parameters, driver-level memory and graphslot's report as JSON. Used by
+tests/test_adapter_megatron.py and by the benchmark figures in BENCHMARKS.md.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import socket
@@ -39,8 +46,18 @@ def main() -> None:
     ap.add_argument("--vocab", type=int, default=8192)
     ap.add_argument("--offload-layers", type=str, default="", help="comma list of layer numbers")
     ap.add_argument("--checksums", action="store_true")
+    ap.add_argument("--spec", choices=["local", "te"], default="local",
+                    help="Megatron's local (torch) layer spec or its TransformerEngine spec")
+    ap.add_argument("--bf16", action="store_true", help="bf16 model, fp32 master weights")
+    ap.add_argument("--fp8", default="", help="fp8 compute with this Megatron fp8_recipe (needs --spec te)")
+    ap.add_argument("--deterministic", action="store_true",
+                    help="deterministic_mode and NVTE_ALLOW_NONDETERMINISTIC_ALGO=0")
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
+    if a.fp8 and a.spec != "te":
+        ap.error("--fp8 needs --spec te")
+    if a.deterministic:  # read by TransformerEngine when its attention modules are built
+        os.environ["NVTE_ALLOW_NONDETERMINISTIC_ALGO"] = "0"
 
     import torch
     import torch.distributed as dist
@@ -53,27 +70,43 @@ def main() -> None:
     from megatron.core import parallel_state
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.models.gpt import gpt_layer_specs
     from megatron.core.pipeline_parallel import get_forward_backward_func
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+    from megatron.core.transformer.module import Float16Module
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     parallel_state.initialize_model_parallel(1, 1)
     graphs = a.mode != "eager"
-    model_parallel_cuda_manual_seed(1234, use_cudagraphable_rng=graphs)
+    te_spec = a.spec == "te"
+    # TE's attention asserts TE's own (graph-safe) RNG tracker under capture.
+    model_parallel_cuda_manual_seed(1234, te_rng_tracker=te_spec, use_cudagraphable_rng=graphs and not te_spec)
     torch.manual_seed(1234)
+    extra = {}
+    if a.bf16 or a.fp8:
+        extra.update(bf16=True, params_dtype=torch.bfloat16)
+    if a.fp8:
+        extra.update(fp8="hybrid", fp8_recipe=a.fp8)
+    if a.deterministic:
+        extra.update(deterministic_mode=True)
     config = TransformerConfig(
         num_layers=a.layers, hidden_size=a.hidden, num_attention_heads=a.heads,
         ffn_hidden_size=4 * a.hidden, hidden_dropout=0.0, attention_dropout=0.0,
-        cuda_graph_impl="local" if graphs else "none", use_cpu_initialization=True,
+        cuda_graph_impl="local" if graphs else "none", use_cpu_initialization=True, **extra,
     )
-    gpt = GPTModel(config=config, transformer_layer_spec=get_gpt_layer_local_spec(),
+    spec = (gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec() if te_spec
+            else gpt_layer_specs.get_gpt_layer_local_spec())
+    gpt = GPTModel(config=config, transformer_layer_spec=spec,
                    vocab_size=a.vocab, max_sequence_length=a.seq).cuda()
+    inner = Float16Module(config, gpt) if config.bf16 else gpt
     # Megatron's DDP owns the main_grad buffers its local graphs accumulate into.
-    model = DistributedDataParallel(config, DistributedDataParallelConfig(), gpt)
+    model = DistributedDataParallel(config, DistributedDataParallelConfig(), inner)
     config.no_sync_func = model.no_sync
     params = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.Adam(params, lr=1e-4)
+    # bf16: Adam steps fp32 master copies (bf16 weights would round small updates away, and
+    # then wrong gradients could leave the losses unchanged); fp32: the parameters themselves.
+    masters = [p.detach().float().clone() for p in params] if config.bf16 else params
+    opt = torch.optim.Adam(masters, lr=1e-4)
 
     offload = None
     if a.mode in ("resident", "remap"):
@@ -84,7 +117,8 @@ def main() -> None:
 
     dev = torch.device("cuda")
     position_ids = torch.arange(a.seq, device=dev).unsqueeze(0).expand(a.batch, -1)
-    mask = torch.triu(torch.ones(a.seq, a.seq, device=dev, dtype=torch.bool), 1)[None, None]
+    # The local spec takes an explicit causal mask; TE's attention is causal by its mask type.
+    mask = None if te_spec else torch.triu(torch.ones(a.seq, a.seq, device=dev, dtype=torch.bool), 1)[None, None]
 
     def batches(step: int):
         for mb in range(a.microbatches):
@@ -113,9 +147,13 @@ def main() -> None:
                       num_microbatches=a.microbatches, seq_length=a.seq, micro_batch_size=a.batch,
                       forward_only=False)
         model.finish_grad_sync()
-        for p in params:
-            p.grad = p.main_grad
+        for m, p in zip(masters, params):
+            m.grad = p.main_grad if m is p else p.main_grad.float()
         opt.step()
+        if masters is not params:
+            with torch.no_grad():
+                for m, p in zip(masters, params):
+                    p.copy_(m)
         torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
         losses.append(float(sum(float(d["lm loss"]) for d in out) / len(out)))
@@ -126,18 +164,42 @@ def main() -> None:
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
     free, total = torch.cuda.mem_get_info()
+    graph_pool = None
+    if graphs:  # what Megatron's graph pool holds after the steps (issue 15, item 3)
+        from megatron.core.transformer.cuda_graphs import CudaGraphManager
+
+        pool = CudaGraphManager.global_mempool
+        segs = [x for x in torch.cuda.memory_snapshot()
+                if pool is not None and tuple(x.get("segment_pool_id", ())) == tuple(pool)]
+        graph_pool = {"segments": len(segs), "reserved_bytes": sum(x["total_size"] for x in segs),
+                      "active_bytes": sum(x["active_size"] for x in segs)}
+    digest = hashlib.sha256()  # every parameter's bytes after the last step, in model order
+    for p in params:
+        digest.update(p.detach().contiguous().view(-1).view(torch.uint8).cpu().numpy().tobytes())
     res = {
         "mode": a.mode, "steps": a.steps, "losses": losses, "step_s": times,
+        "params_sha256": digest.hexdigest(),
+        "spec": a.spec, "dtype": "bf16" if config.bf16 else "fp32", "fp8": a.fp8 or None,
+        "deterministic": a.deterministic,
         "median_step_ms_after_capture": 1000 * sorted(times[3:])[len(times[3:]) // 2] if len(times) > 3 else None,
         "driver_used_bytes": total - free, "driver_used_peak_bytes": used_peak,
-        "torch_reserved_bytes": torch.cuda.memory_reserved(),
+        "torch_reserved_bytes": torch.cuda.memory_reserved(), "graph_pool": graph_pool,
         "torch_max_allocated_bytes": torch.cuda.max_memory_allocated(),
         "shape": {k: getattr(a, k) for k in ("layers", "hidden", "heads", "seq", "batch", "microbatches", "vocab")},
         "torch": torch.__version__, "device": torch.cuda.get_device_name(0),
     }
+    import sys
+
     import megatron.core
 
     res["megatron_core"] = megatron.core.__version__
+    te = sys.modules.get("transformer_engine")
+    res["transformer_engine"] = getattr(te, "__version__", None) if te is not None else None
+    dpa = sys.modules.get("transformer_engine.pytorch.attention.dot_product_attention.dot_product_attention")
+    if dpa is not None and getattr(dpa, "_attention_backends", None):  # what TE chose
+        res["te_attention_backend"] = {k: str(v) for k, v in dpa._attention_backends.items()
+                                       if k in ("use_flash_attention", "use_fused_attention",
+                                                "fused_attention_backend", "use_unfused_attention")}
     if offload is not None:
         res["graphslot"] = offload.report()
         offload.disable()

@@ -20,7 +20,9 @@ import torch
 import graphslot
 from graphslot.errors import IncompatibleError, StateError, UsageError
 
-megatron_core = pytest.importorskip("megatron.core", reason="megatron-core is not installed (tox -e megatron installs it)")
+from gpu_deps import MEGATRON_HOWTO, TE_HOWTO, have  # noqa: E402
+
+megatron_core = pytest.importorskip("megatron.core", reason=f"megatron-core is not installed. {MEGATRON_HOWTO}")
 
 from graphslot.adapters import megatron as gsm  # noqa: E402
 
@@ -89,6 +91,68 @@ def test_partial_layer_graphs_are_refused():
         c.cuda_graph_scope = ["attn"]
     with pytest.raises(IncompatibleError, match="capture part of a layer \\(attn\\)"):
         gsm.check_config(c)
+
+
+@pytest.mark.parametrize("recipe", gsm.FP8_RECIPES_SERVED)
+def test_fp8_compute_with_a_served_recipe_is_served(recipe):
+    c = _config(cuda_graph_impl="local")
+    c.fp8, c.fp8_recipe = "hybrid", recipe
+    gsm.check_config(c)
+
+
+@pytest.mark.parametrize("setting,value,says", [
+    ("fp8_param", True, r"fp8_param is True: not verified .*quantized tensors"),
+    ("fp4_param", True, r"fp4_param is True: not verified .*quantized tensors"),
+    ("fp8_dot_product_attention", True, r"fp8_dot_product_attention is True: not verified .*Float8Tensor"),
+    ("fp8_multi_head_attention", True, r"fp8_multi_head_attention is True: not verified .*Float8Tensor"),
+    ("fp8_recipe", "mxfp8", r"fp8_recipe is 'mxfp8': not verified .*served fp8 recipes: 'delayed', 'tensorwise'"),
+    ("fp8_recipe", "blockwise", r"fp8_recipe is 'blockwise': not verified"),
+    ("fp4", "e2m1", r"fp4 is set: NVFP4 needs Blackwell"),
+    ("delay_wgrad_compute", True, r"delay_wgrad_compute is True: .*backward_dw"),
+])
+def test_what_the_te_spec_cannot_serve_is_refused_by_name(setting, value, says):
+    c = _config(cuda_graph_impl="local")
+    c.fp8 = "hybrid" if setting.startswith("fp8") else None
+    setattr(c, setting, value)
+    with pytest.raises(IncompatibleError, match=says):
+        gsm.check_config(c)
+
+
+class _Quantized(torch.Tensor):
+    """A stand-in for TransformerEngine's quantized tensor classes (torch.Tensor subclasses)."""
+
+
+class _SavesSubclass(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x.detach().as_subclass(_Quantized))
+        return x * 2
+
+    @staticmethod
+    def backward(ctx, g):
+        return g * 2
+
+
+def test_a_saved_tensor_subclass_stays_on_the_device_and_is_reported():
+    """TE's cached fp8 weight (a Float8Tensor, a torch.Tensor subclass) is saved by reference:
+    graphslot keeps it where it is, like parameters, and offloads plain tensors only."""
+    from graphslot.adapters.megatron import _Layer
+
+    m = torch.nn.Linear(4, 4)
+    L = _Layer(m, "cpu")
+    x = torch.ones(2, 4, requires_grad=True)
+    L.begin()
+    m(x).sum()
+    L.end()
+    assert L.specs is not None and len(L.specs) == 1 and L.kept == {}  # the input; the weight is state
+    for _ in range(2):  # the same in every forward, so discovery agrees with itself
+        L.begin()
+        _SavesSubclass.apply(m(x))
+        L.end()
+        assert len(L.specs) == 1 and L.kept == {f"{__name__}._Quantized": 1}
+    q = x.detach().as_subclass(_Quantized)
+    assert L.keeps(q) and L.keeps(m.weight) and not L.keeps(x)  # the capture's pack hook asks the same
+    assert L.kept == {f"{__name__}._Quantized": 1}  # counted while recording only
 
 
 # --------------------------------------------------------------------------- hooks
@@ -181,6 +245,16 @@ def test_bad_arguments_are_named(local_gpt, host):
     assert gsm.active() is None
 
 
+def test_enable_refuses_fp8_parameters_by_name(local_gpt, host, monkeypatch):
+    monkeypatch.setattr(local_gpt.config, "fp8", "hybrid")
+    monkeypatch.setattr(local_gpt.config, "fp8_param", True, raising=False)
+    with pytest.raises(IncompatibleError, match="fp8_param is True"):
+        gsm.enable(local_gpt, backend=host)
+    assert gsm.active() is None
+    monkeypatch.setattr(local_gpt.config, "fp8_param", False)
+    gsm.enable(local_gpt, backend=host).disable()  # fp8 compute with bf16 parameters is served
+
+
 def test_a_backend_on_another_device_type_is_refused(local_gpt, backend):
     if backend.device.type == "cpu":
         pytest.skip("needs a device backend beside a host-built model")
@@ -191,29 +265,50 @@ def test_a_backend_on_another_device_type_is_refused(local_gpt, backend):
 # --------------------------------------------------------------------------- training (cuda)
 
 
-def _run(mode: str, tmp_path: Path, *extra: str) -> dict:
-    out = tmp_path / f"{mode}.json"
+def _run(mode: str, tmp_path: Path, *extra: str, name: str | None = None, env: dict | None = None) -> dict:
+    out = tmp_path / f"{name or mode}.json"
     path = os.pathsep.join(x for x in (str(HERE.parent), os.environ.get("PYTHONPATH")) if x)
-    env = dict(os.environ, GRAPHSLOT_BACKEND="cuda", PYTHONPATH=path)
+    run_env = dict(os.environ, GRAPHSLOT_BACKEND="cuda", PYTHONPATH=path, **(env or {}))
     cmd = [sys.executable, str(HERE / "megatron_worker.py"), "--mode", mode, "--out", str(out), *extra]
-    p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=560)
+    p = subprocess.run(cmd, env=run_env, capture_output=True, text=True, timeout=560)
     if p.returncode != 0:
-        raise AssertionError(f"{mode} run failed ({p.returncode}):\n{p.stdout[-3000:]}\n{p.stderr[-6000:]}")
+        raise AssertionError(f"{name or mode} run failed ({p.returncode}):\n{p.stdout[-3000:]}\n{p.stderr[-6000:]}")
     return json.loads(out.read_text())
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="Megatron-Core layers run only on CUDA")
-def test_local_graphs_with_graphslot_offload_train_like_local_graphs_alone(backend, tmp_path):
+def _needs_cuda(backend) -> None:
+    if not torch.cuda.is_available():
+        pytest.skip("Megatron-Core layers run only on CUDA")
     if backend.name != "cuda":
         pytest.skip("runs on the cuda backend")
-    steps = ["--steps", "20"]
-    ref = _run("graphs", tmp_path, *steps)
-    runs = {m: _run(m, tmp_path, *steps, "--checksums") for m in ("resident", "remap")}
-    summary = {"graphs": {k: ref[k] for k in ("driver_used_bytes", "median_step_ms_after_capture")}}
+
+
+def _needs_te() -> None:
+    if not have("transformer_engine"):
+        pytest.skip(f"TransformerEngine is not installed here. {TE_HOWTO}")
+
+
+GiB = float(1 << 30)
+
+
+def _check_offload_runs(ref: dict, runs: dict, *, bitwise: bool) -> dict:
+    """Each graphslot run against Megatron's local graphs alone: the same losses (bit for bit
+    with ``bitwise``, and then the same final parameters too), every layer offloaded, and
+    driver-level memory down by the offloaded activations less what resident banks hold.
+    Returns the summary printed and saved."""
+    summary: dict = {"graphs": {k: ref[k] for k in ("driver_used_bytes", "driver_used_peak_bytes",
+                                                      "median_step_ms_after_capture")}}
     for mode, r in runs.items():
-        assert len(r["losses"]) == len(ref["losses"]) == 20
+        assert len(r["losses"]) == len(ref["losses"]) == ref["steps"], mode
         # The same kernels read the same bytes, from a slot instead of the pool.
-        assert r["losses"] == pytest.approx(ref["losses"], rel=1e-5, abs=0), mode
+        if bitwise:
+            diff = [k for k, (a, b) in enumerate(zip(r["losses"], ref["losses"])) if a != b]
+            assert not diff, (f"{mode}: losses differ from local graphs alone at steps {diff}: "
+                              f"{[(r['losses'][k], ref['losses'][k]) for k in diff[:5]]}")
+            assert r["params_sha256"] == ref["params_sha256"], (
+                f"{mode}: final parameters differ from local graphs alone (losses were equal)")
+        else:
+            assert r["losses"] == pytest.approx(ref["losses"], rel=1e-5, abs=0), mode
         rep = r["graphslot"]
         assert rep["graphs_created"] and rep["layers"] == list(range(1, ref["shape"]["layers"] + 1))
         offloaded = sum(x["offloaded_bytes"] for x in rep["runners"])
@@ -222,13 +317,86 @@ def test_local_graphs_with_graphslot_offload_train_like_local_graphs_alone(backe
         saved = ref["driver_used_bytes"] - r["driver_used_bytes"]
         # Driver-level memory falls by the offloaded activations, less what the banks hold.
         assert saved >= 0.5 * (offloaded - banks), (mode, saved, offloaded, banks)
-        summary[mode] = {"driver_used_bytes": r["driver_used_bytes"], "saved_bytes": saved,
+        summary[mode] = {"driver_used_bytes": r["driver_used_bytes"],
+                         "driver_used_peak_bytes": r["driver_used_peak_bytes"], "saved_bytes": saved,
                          "offloaded_bytes": offloaded, "bank_bytes": banks,
                          "bitwise_losses": r["losses"] == ref["losses"],
-                         "median_step_ms_after_capture": r["median_step_ms_after_capture"]}
-    print("megatron summary:", json.dumps(summary))
+                         "bitwise_params": r.get("params_sha256") == ref.get("params_sha256"),
+                         "median_step_ms_after_capture": r["median_step_ms_after_capture"],
+                         "graph_pool": r.get("graph_pool")}
+    summary["graphs"]["graph_pool"] = ref.get("graph_pool")
+    return summary
+
+
+def _save_results(prefix: str, results: dict) -> None:
     dest = os.environ.get("GRAPHSLOT_RESULTS_DIR")
     if dest:
         Path(dest).mkdir(parents=True, exist_ok=True)
-        for name, r in {"graphs": ref, **runs}.items():
-            (Path(dest) / f"megatron_{name}.json").write_text(json.dumps(r, indent=1))
+        for name, r in results.items():
+            (Path(dest) / f"{prefix}_{name}.json").write_text(json.dumps(r, indent=1))
+
+
+def test_local_graphs_with_graphslot_offload_train_like_local_graphs_alone(backend, tmp_path):
+    _needs_cuda(backend)
+    steps = ["--steps", "20"]
+    ref = _run("graphs", tmp_path, *steps)
+    runs = {m: _run(m, tmp_path, *steps, "--checksums") for m in ("resident", "remap")}
+    summary = _check_offload_runs(ref, runs, bitwise=False)
+    summary["transformer_engine"] = ref.get("transformer_engine")  # Megatron weak-refs graph I/O with TE
+    print("megatron summary:", json.dumps(summary))
+    _save_results("megatron", {"graphs": ref, **runs})
+
+
+#: What the TE-spec runs set: Megatron's TE layer spec, bf16, deterministic attention.
+TE_SPEC = ("--spec", "te", "--bf16", "--deterministic")
+#: Flash-attention is no TE dependency; pin it off so TE's choice (cuDNN fused attention, or
+#: the unfused fallback) is the same in every run.
+TE_ENV = {"NVTE_FLASH_ATTN": "0", "NVTE_ALLOW_NONDETERMINISTIC_ALGO": "0"}
+
+
+def test_te_spec_bf16_local_graphs_with_graphslot_offload_train_bitwise_like_local_graphs_alone(
+        backend, tmp_path):
+    """Megatron's TransformerEngine layer spec in bf16, no fp8: local graphs plus graphslot
+    offload (resident, remap) train 20 steps bit for bit like local graphs alone; the eager
+    run gives the memory the graphs are measured against (issue 15, item 3)."""
+    _needs_cuda(backend)
+    _needs_te()
+    steps = ["--steps", "20", *TE_SPEC]
+    ref = _run("graphs", tmp_path, *steps, env=TE_ENV)
+    assert ref["transformer_engine"], "the TE spec run did not import TransformerEngine"
+    runs = {m: _run(m, tmp_path, *steps, "--checksums", env=TE_ENV) for m in ("resident", "remap")}
+    eager = _run("eager", tmp_path, *steps, env=TE_ENV)
+    summary = _check_offload_runs(ref, runs, bitwise=True)
+    e_used, e_peak = eager["driver_used_bytes"], eager["driver_used_peak_bytes"]
+    summary["eager"] = {"driver_used_bytes": e_used, "driver_used_peak_bytes": e_peak,
+                        "median_step_ms_after_capture": eager["median_step_ms_after_capture"]}
+    for mode in ("graphs", "resident", "remap"):
+        s = summary[mode]
+        s["used_minus_eager_gib"] = round((s["driver_used_bytes"] - e_used) / GiB, 3)
+        s["peak_minus_eager_gib"] = round((s["driver_used_peak_bytes"] - e_peak) / GiB, 3)
+    # Issue 15 item 3's target, reported (not asserted): remap within 1 GiB of eager after the
+    # steps, and a peak below eager's.
+    summary["item3_remap_within_1GiB_of_eager"] = summary["remap"]["driver_used_bytes"] - e_used <= GiB
+    summary["item3_remap_peak_below_eager"] = summary["remap"]["driver_used_peak_bytes"] < e_peak
+    summary.update(transformer_engine=ref["transformer_engine"], megatron_core=ref["megatron_core"],
+                   attention=ref.get("te_attention_backend"))
+    print("megatron te summary:", json.dumps(summary))
+    _save_results("megatron_te", {"graphs": ref, **runs, "eager": eager})
+
+
+@pytest.mark.parametrize("recipe", gsm.FP8_RECIPES_SERVED)
+def test_te_spec_fp8_local_graphs_with_graphslot_offload_train_bitwise_like_local_graphs_alone(
+        backend, tmp_path, recipe):
+    """fp8 compute (bf16 parameters) with each served recipe: the scaling state stays in TE's
+    modules, the quantized activations go through the slots; bit for bit like local graphs."""
+    _needs_cuda(backend)
+    _needs_te()
+    if torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("fp8 needs an Ada or Hopper GPU (sm_89+)")
+    steps = ["--steps", "10", *TE_SPEC, "--fp8", recipe]
+    ref = _run("graphs", tmp_path, *steps, env=TE_ENV)
+    runs = {m: _run(m, tmp_path, *steps, "--checksums", env=TE_ENV) for m in ("resident", "remap")}
+    summary = _check_offload_runs(ref, runs, bitwise=True)
+    summary.update(fp8_recipe=recipe, transformer_engine=ref["transformer_engine"])
+    print(f"megatron te fp8 {recipe} summary:", json.dumps(summary))
+    _save_results(f"megatron_te_fp8_{recipe}", {"graphs": ref, **runs})
