@@ -268,7 +268,8 @@ def test_a_backend_on_another_device_type_is_refused(local_gpt, backend):
 def _run(mode: str, tmp_path: Path, *extra: str, name: str | None = None, env: dict | None = None) -> dict:
     out = tmp_path / f"{name or mode}.json"
     path = os.pathsep.join(x for x in (str(HERE.parent), os.environ.get("PYTHONPATH")) if x)
-    run_env = dict(os.environ, GRAPHSLOT_BACKEND="cuda", PYTHONPATH=path, **(env or {}))
+    run_env = {k: v for k, v in os.environ.items() if k not in _ATTN_VARS}
+    run_env.update(GRAPHSLOT_BACKEND="cuda", PYTHONPATH=path, **(env or {}))
     cmd = [sys.executable, str(HERE / "megatron_worker.py"), "--mode", mode, "--out", str(out), *extra]
     p = subprocess.run(cmd, env=run_env, capture_output=True, text=True, timeout=560)
     if p.returncode != 0:
@@ -349,9 +350,11 @@ def test_local_graphs_with_graphslot_offload_train_like_local_graphs_alone(backe
 
 #: What the TE-spec runs set: Megatron's TE layer spec, bf16, deterministic attention.
 TE_SPEC = ("--spec", "te", "--bf16", "--deterministic")
-#: Flash-attention is no TE dependency; pin it off so TE's choice (cuDNN fused attention, or
-#: the unfused fallback) is the same in every run.
-TE_ENV = {"NVTE_FLASH_ATTN": "0", "NVTE_ALLOW_NONDETERMINISTIC_ALGO": "0"}
+#: Deterministic kernels only. The attention backend is Megatron's to pick (its default,
+#: auto, asserts that NVTE_FLASH_ATTN, NVTE_FUSED_ATTN and NVTE_UNFUSED_ATTN are unset), and
+#: every run of one test picks the same.
+TE_ENV = {"NVTE_ALLOW_NONDETERMINISTIC_ALGO": "0"}
+_ATTN_VARS = ("NVTE_FLASH_ATTN", "NVTE_FUSED_ATTN", "NVTE_UNFUSED_ATTN")
 
 
 def test_te_spec_bf16_local_graphs_with_graphslot_offload_train_bitwise_like_local_graphs_alone(
