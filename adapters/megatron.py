@@ -582,10 +582,8 @@ class MegatronOffload:
             raise StateError(f"{r.group.name}: backward graph replayed with no forward pending")
         eng.wait_restored(t)
         nxt = self._next_bwd.get(id(r))
-        if nxt is not None and nxt.ticket is not None and nxt.ticket.state in (State.RELEASED, State.RESIDENT_PENDING):
-            bank = nxt.group.bank
-            if bank is None or bank.restored_for is None:
-                eng.restore(nxt.ticket)  # look-ahead: its copy runs under this backward graph
+        if nxt is not None and nxt.ticket is not None:
+            eng.restore_ahead(nxt.ticket)  # look-ahead: its copy runs under this backward graph
         graph.replay()
         eng.consumed(t)
         r.ticket = None

@@ -21,12 +21,11 @@ enum, :class:`State`, and one transition table, :data:`TRANSITIONS`::
 * Backward restore: new backing (remap) or the bank (resident) at the same VA, a host to
   device copy, and the compute stream waits on the restore event.
 
-Fences (resident mode): a forward rewrites a bank only after the bank's previous
-occupant reached the host; a restore rewrites a bank only after the backward graph that
-last read it consumed it.
-
-Driver calls of remap mode run on one serialised worker thread (:class:`DriverWorker`),
-never inside a host callback or a capture, so the training thread does not stall on them.
+Where a slot's pages are between forward and backward is a :class:`Residency`:
+:class:`ResidentBanks` (two mapped banks per slot size, fenced, no driver calls) or
+:class:`RemapSlots` (pages mapped only while a graph uses them, driver calls on one
+serialised worker thread, never inside a host callback or a capture). The engine does the
+copies and keeps the tickets; the residency is all that differs between the modes.
 """
 
 from __future__ import annotations
@@ -88,12 +87,14 @@ TRANSITIONS: dict[tuple[State, str], State] = {
     (S.ALLOCATED, "begin_capture"): S.CAPTURING,
     (S.CAPTURING, "save_tensor"): S.CAPTURING,
     (S.CAPTURING, "finish_capture"): S.READY,
+    (S.READY, "offload:forward"): S.READY,  # a group runs forwards once it is captured
     (S.READY, "offload:remap"): S.RELEASED,
     (S.READY, "offload:resident"): S.RESIDENT_PENDING,
     (S.RELEASED, "restore"): S.RESTORING,
     (S.RESIDENT_PENDING, "restore"): S.RESTORING,
     (S.RESTORING, "restore"): S.RESTORING,  # a look-ahead already started it
     (S.RESTORING, "wait_restored"): S.RESTORED,
+    (S.RESTORING, "restore_failed"): S.RELEASED,  # remap: the mapping failed; the host copy stays
     (S.RESTORED, "consumed"): S.DONE,
     (S.READY, "forget"): S.DONE,  # a forward with no backward (evaluation)
     # A forward whose backward will never come (its autograd graph was dropped, or a step
@@ -355,11 +356,7 @@ class OffloadGroup:
         if self.empty:
             return  # empty groups cost nothing
         eng = self.engine
-        if eng.mode is Mode.RESIDENT:
-            self.bank = eng._bank(self.slot_bytes, bank_index)
-            self.reservation = self.bank.reservation
-        else:
-            self.reservation, _ = eng.backend.reserve_mapped(self.slot_bytes)
+        self.reservation = eng._slots().place(self, bank_index)
         va = self.reservation.va
         self.views = [eng.backend.tensor_at(va + s.offset, s.shape, s.dtype,
                                             _dense_stride(s) if s.storage < 0 else s.stride)
@@ -399,7 +396,8 @@ class OffloadGroup:
                 f"offload group {self.name}: saved tensor #{i} is {got.describe()} at capture but "
                 f"was {spec.describe()} at discovery")
         view = self.views[i]
-        want = self.reservation.va + spec.offset  # type: ignore[union-attr]
+        assert self.reservation is not None  # allocate() placed the slot
+        want = self.reservation.va + spec.offset
         if view.data_ptr() != want:
             raise CaptureMismatchError(f"offload group {self.name}: slot view #{i} is at "
                                        f"0x{view.data_ptr():x}, not the slot address 0x{want:x}")
@@ -434,10 +432,8 @@ class OffloadGroup:
                 f"offload group {self.name}: capture saved {self._captured} tensors, discovery "
                 f"saw {len(self.specs)}")
         self._go("finish_capture")
-        if self.engine.mode is Mode.REMAP and self.reservation is not None:
-            # Between steps a remap slot holds no memory; forward maps it when needed.
-            self.engine.backend.synchronize()
-            self.engine.backend.unmap_release(self.reservation, 0)
+        if self.reservation is not None:
+            self.engine._slots().captured(self)
 
     # -- host buffers ------------------------------------------------------------------
 
@@ -475,6 +471,277 @@ def _dense_stride(s: SavedTensorSpec) -> tuple[int, ...] | None:
     return s.stride
 
 
+# --------------------------------------------------------------------------- residency
+
+
+class Residency:
+    """Where the engine keeps a slot's pages between forward and backward: all that
+    differs between the offload modes. The engine does the copies and keeps the tickets;
+    a residency places slots, makes them writable for a forward and readable for a
+    backward, and lets them go. Its methods run on the training thread."""
+
+    #: the ticket transition of an offload in this residency
+    offload_call: str
+
+    def __init__(self, engine: OffloadEngine) -> None:
+        self.engine = engine
+        self.backend = engine.backend
+
+    def place(self, g: OffloadGroup, bank_index: int) -> Reservation:
+        """Outside capture: the VA ``g``'s slot lives at, mapped for the capture."""
+        raise NotImplementedError
+
+    def captured(self, g: OffloadGroup) -> None:
+        """``g``'s graphs are captured."""
+
+    def prefetch_forward(self, g: OffloadGroup) -> None:
+        """``g``'s forward comes soon: start making its slot writable (look-ahead)."""
+
+    def before_forward(self, g: OffloadGroup) -> None:
+        """Make the compute stream's next forward replay of ``g`` safe to write the slot."""
+        raise NotImplementedError
+
+    def after_offload(self, g: OffloadGroup, t: Ticket) -> None:
+        """``t``'s copy out is queued (``t.d2h_done`` marks its end)."""
+        raise NotImplementedError
+
+    def restore(self, t: Ticket, copy_in: Callable[[Any], None]) -> None:
+        """Start bringing ``t``'s activations back: ``copy_in(stream)`` queues the copy."""
+        raise NotImplementedError
+
+    def can_restore(self, t: Ticket) -> bool:
+        """Whether ``t``'s restore could start now without waiting for another ticket."""
+        return True
+
+    def restored(self, t: Ticket) -> None:
+        """The host side of ``t``'s restore is done (remap: its mapping); raises if it failed."""
+
+    def free(self, g: OffloadGroup, done: Any) -> None:
+        """The slot's last reader so far is queued before event ``done``."""
+        raise NotImplementedError
+
+    def abandon(self, g: OffloadGroup, t: Ticket, prev: State) -> None:
+        """``t`` (last in state ``prev``) will never be consumed: let its slot go."""
+        raise NotImplementedError
+
+    def close(self) -> None:
+        """Release what this residency made (the engine has settled)."""
+
+
+class ResidentBanks(Residency):
+    """Two mapped banks per slot size; groups of one size alternate between them in
+    backward order, so a step makes no driver call. Two fences keep a bank's bytes right:
+    a forward rewrites it only after the previous occupant reached the host, and a
+    restore only after the backward graph that last read it is done."""
+
+    offload_call = "offload:resident"
+
+    def __init__(self, engine: OffloadEngine) -> None:
+        super().__init__(engine)
+        self.banks: dict[int, list[Bank]] = {}
+
+    def place(self, g: OffloadGroup, bank_index: int) -> Reservation:
+        pair = self.banks.get(g.slot_bytes)
+        if pair is None:
+            pair = []
+            for i in range(2):
+                res, alloc = self.backend.reserve_mapped(g.slot_bytes)
+                pair.append(Bank(i, res, alloc))
+            self.banks[g.slot_bytes] = pair
+        g.bank = pair[bank_index % 2]
+        return g.bank.reservation
+
+    def _bank(self, g: OffloadGroup) -> Bank:
+        assert g.bank is not None  # placed at allocate
+        return g.bank
+
+    def before_forward(self, g: OffloadGroup) -> None:
+        bank = self._bank(g)
+        if bank.restored_for is not None:
+            o = bank.restored_for
+            raise StateError(f"offload group {g.name}: bank {bank.index} holds activations "
+                             f"restored for {o.group.name} (microbatch {o.microbatch}) whose "
+                             "backward has not run; a forward cannot overwrite them")
+        self.fence_forward(bank)
+
+    def fence_forward(self, bank: Bank) -> None:
+        """Fence 1: the bank's previous occupant is on the host before a forward rewrites it."""
+        if bank.d2h_done is not None:
+            b = self.backend
+            b.wait_event(b.current_stream(), bank.d2h_done)
+
+    def fence_restore(self, bank: Bank, stream: Any) -> None:
+        """Fence 2: the backward graph that last read the bank is done before a restore."""
+        if bank.consumed is not None:
+            self.backend.wait_event(stream, bank.consumed)
+
+    def after_offload(self, g: OffloadGroup, t: Ticket) -> None:
+        self._bank(g).d2h_done = t.d2h_done
+
+    def can_restore(self, t: Ticket) -> bool:
+        held = self._bank(t.group).restored_for
+        return held is None or held is t
+
+    def restore(self, t: Ticket, copy_in: Callable[[Any], None]) -> None:
+        g = t.group
+        bank = self._bank(g)
+        if bank.restored_for is not None and bank.restored_for is not t:
+            o = bank.restored_for
+            raise StateError(f"offload group {g.name}: bank {bank.index} still holds the "
+                             f"restore of {o.group.name} (microbatch {o.microbatch})")
+        s = self.engine.h2d_stream
+        self.fence_restore(bank, s)
+        self.backend.wait_event(s, t.d2h_done)  # this activation's own trip to the host
+        copy_in(s)
+        bank.restored_for = t
+
+    def free(self, g: OffloadGroup, done: Any) -> None:
+        bank = self._bank(g)
+        bank.consumed = done
+        bank.restored_for = None
+
+    def abandon(self, g: OffloadGroup, t: Ticket, prev: State) -> None:
+        if g.bank is not None and g.bank.restored_for is t:
+            self.engine._free_slot(g)
+
+    def close(self) -> None:
+        b = self.backend
+        for pair in self.banks.values():
+            for bank in pair:
+                b.unmap_release(bank.reservation, 0)
+                b.free(bank.reservation)
+        self.banks.clear()
+
+
+class RemapSlots(Residency):
+    """Each group its own VA, backed only while a forward writes it or a backward reads it.
+
+    Driver calls run on one serialised worker thread (:class:`DriverWorker`), never inside
+    a capture or a host callback. A slot's pages go to a free list when it is unmapped and
+    the next slot of that size maps them again, so a step costs a map, an access grant and
+    an unmap per slot and phase; backing is created only when the free list is empty, and
+    the free list is released whenever nothing is in flight, so between steps remap holds
+    no device memory.
+    """
+
+    offload_call = "offload:remap"
+
+    def __init__(self, engine: OffloadEngine) -> None:
+        super().__init__(engine)
+        self.worker = DriverWorker(self.backend)
+        self._spare: dict[int, list[Allocation]] = {}  # unmapped pages by size (worker only)
+
+    @staticmethod
+    def _res(g: OffloadGroup) -> Reservation:
+        assert g.reservation is not None  # placed at allocate
+        return g.reservation
+
+    def place(self, g: OffloadGroup, bank_index: int) -> Reservation:
+        res, _ = self.backend.reserve_mapped(g.slot_bytes)
+        return res
+
+    def captured(self, g: OffloadGroup) -> None:
+        # Between steps a remap slot holds no memory; a forward maps it when needed.
+        self.backend.synchronize()
+        self.backend.unmap_release(self._res(g), 0)
+
+    def prefetch_forward(self, g: OffloadGroup) -> None:
+        if g._mapped_for_forward is not None:
+            return
+        res, size = self._res(g), g.slot_bytes
+        g._mapped_for_forward = self.worker.submit(lambda: self._map(res, size))
+
+    def before_forward(self, g: OffloadGroup) -> None:
+        self.prefetch_forward(g)
+        job, g._mapped_for_forward = g._mapped_for_forward, None
+        assert job is not None
+        job.result()
+
+    def after_offload(self, g: OffloadGroup, t: Ticket) -> None:
+        res, ev = self._res(g), t.d2h_done
+        self.worker.submit(lambda: self._unmap_after(res, ev))
+
+    def restore(self, t: Ticket, copy_in: Callable[[Any], None]) -> None:
+        res, size = self._res(t.group), t.group.slot_bytes
+        eng = self.engine
+
+        def job() -> None:
+            self._map(res, size)
+            eng.stats["remaps"] += 1
+            self.backend.wait_event(eng.h2d_stream, t.d2h_done)
+            copy_in(eng.h2d_stream)
+
+        t.restore_job = self.worker.submit(job)
+
+    def restored(self, t: Ticket) -> None:
+        if t.restore_job is not None:
+            job, t.restore_job = t.restore_job, None
+            job.result()
+
+    def free(self, g: OffloadGroup, done: Any) -> None:
+        res = self._res(g)
+        self.worker.submit(lambda: self._unmap_after(res, done))
+        self.release_spare_when_idle()
+
+    def abandon(self, g: OffloadGroup, t: Ticket, prev: State) -> None:
+        if prev in (State.RESTORING, State.RESTORED):
+            self.engine._free_slot(g)  # the slot is mapped for it: unmap the pages
+        else:
+            self.release_spare_when_idle()
+
+    def release_spare_when_idle(self) -> None:
+        """Nothing in flight any more: give the free list back (queued after every unmap,
+        so it runs once they are done)."""
+        if not self.engine._pending:
+            self.worker.submit(self._release_spare)
+
+    def drain(self) -> None:
+        self.worker.drain()
+
+    def close(self) -> None:
+        self.worker.close()
+        self._release_spare()  # the worker is gone: nobody else touches the free list
+        b = self.backend
+        for g in self.engine.groups:
+            if g.reservation is not None:
+                for off in list(g.reservation.mappings):
+                    b.unmap_release(g.reservation, off)
+                b.free(g.reservation)
+
+    # -- on the worker thread ------------------------------------------------------------
+
+    def _map(self, res: Reservation, size: int) -> None:
+        spare = self._spare.get(size)
+        if not spare:
+            self.backend.map_new(res, 0, size)
+            return
+        alloc = spare.pop()
+        try:
+            self.backend.map(res, 0, alloc)
+        except BaseException:
+            spare.append(alloc)
+            raise
+        try:
+            self.backend.set_access(res, 0, size)
+        except BaseException:
+            self.backend.unmap(res, 0, size)
+            spare.append(alloc)
+            raise
+
+    def _unmap_after(self, res: Reservation, event: Any) -> None:
+        self.worker.wait_event(event)  # an event wait before unmapping what a kernel may touch
+        m = res.mapping_at(0)
+        if m is None:
+            raise StateError(f"offload engine: nothing is mapped at the slot 0x{res.va:x} to unmap")
+        self.backend.unmap(res, 0, m.size)
+        self._spare.setdefault(m.size, []).append(m.allocation)
+
+    def _release_spare(self) -> None:
+        for spare in self._spare.values():
+            while spare:
+                self.backend.release(spare.pop())
+
+
 # --------------------------------------------------------------------------- engine
 
 
@@ -487,6 +754,9 @@ class OffloadEngine:
         min_bytes: saved tensors smaller than this stay on the device (in a device stash).
         debug_checksums: record a checksum of every offloaded activation and verify it
             after restore (slow: host synchronisations; for tests and debugging).
+
+    Raises:
+        UsageError: an unknown mode or a negative ``min_bytes``.
     """
 
     def __init__(self, backend: Backend, mode: Mode | str = Mode.RESIDENT, *, min_bytes: int = 0,
@@ -503,32 +773,29 @@ class OffloadEngine:
         self.groups: list[OffloadGroup] = []
         self.d2h_stream = backend.new_stream()
         self.h2d_stream = backend.new_stream()
-        self.worker = DriverWorker(backend) if self.mode is Mode.REMAP else None
-        self._banks: dict[int, list[Bank]] = {}
-        self._spare: dict[int, list[Allocation]] = {}  # remap: unmapped pages by size (worker only)
-        self.stats: Counter[str] = Counter()
         self._pending: dict[tuple[int, int], Ticket] = {}  # (group index, microbatch) -> ticket
-        #: seconds of busy work queued before every copy (tests use it to slow the copy streams)
-        self.copy_delay_s = 0.0
-        self._fences = True  # tests switch the bank fences off to show they matter
+        #: where slots live between forward and backward (None: mode off, no slots)
+        self.residency: Residency | None = (ResidentBanks(self) if self.mode is Mode.RESIDENT else
+                                            RemapSlots(self) if self.mode is Mode.REMAP else None)
+        self.stats: Counter[str] = Counter()
         #: a :class:`graphslot.trace.Timeline` to record copy spans on, or None
         self.timeline: Any = None
         self.closed = False
+
+    @property
+    def worker(self) -> DriverWorker | None:
+        """The driver worker thread (remap mode), or None."""
+        return self.residency.worker if isinstance(self.residency, RemapSlots) else None
 
     def group(self, name: str, offload: bool = True) -> OffloadGroup:
         g = OffloadGroup(self, name, offload and self.mode is not Mode.OFF)
         self.groups.append(g)
         return g
 
-    def _bank(self, size: int, index: int) -> Bank:
-        pair = self._banks.get(size)
-        if pair is None:
-            pair = []
-            for i in range(2):
-                res, alloc = self.backend.reserve_mapped(size)
-                pair.append(Bank(i, res, alloc))
-            self._banks[size] = pair
-        return pair[index % 2]
+    def _slots(self) -> Residency:
+        if self.residency is None:
+            raise StateError("offload engine: mode off keeps no slots")
+        return self.residency
 
     @property
     def resident_device_bytes(self) -> int:
@@ -549,59 +816,37 @@ class OffloadEngine:
     # -- forward -------------------------------------------------------------------------
 
     def prefetch_forward(self, g: OffloadGroup) -> None:
-        """Remap mode: start mapping ``g``'s slot for its next forward (look-ahead)."""
-        if self.mode is not Mode.REMAP or g.empty or g._mapped_for_forward is not None:
-            return
-        res, size = g.reservation, g.slot_bytes
-        g._mapped_for_forward = self.worker.submit(lambda: self._map_slot(res, size))  # type: ignore[union-attr,arg-type]
+        """Start making ``g``'s slot writable for its next forward (remap: map it)."""
+        if not g.empty and self.residency is not None:
+            self.residency.prefetch_forward(g)
 
     def before_forward(self, g: OffloadGroup, microbatch: int) -> Ticket:
         """Make ``g``'s slot writable for a forward replay; returns that forward's ticket."""
         self._check_open("forward")
-        if g.state is not State.READY:
-            _step(f"offload group {g.name}", g.state, "offload:forward")
+        g._go("offload:forward")
         key = (g.index, microbatch)
         if key in self._pending:
             raise StateError(f"offload group {g.name}: microbatch {microbatch} ran forward again "
                              "before its backward")
         t = Ticket(g, microbatch)
-        if g.empty:
-            self._pending[key] = t
-            return t
-        b = self.backend
-        if self.mode is Mode.RESIDENT:
-            bank = g.bank
-            assert bank is not None
-            if bank.restored_for is not None:
-                o = bank.restored_for
-                raise StateError(f"offload group {g.name}: bank {bank.index} holds activations "
-                                 f"restored for {o.group.name} (microbatch {o.microbatch}) whose "
-                                 "backward has not run; a forward cannot overwrite them")
-            if bank.d2h_done is not None and self._fences:  # fence 1: previous occupant on host
-                b.wait_event(b.current_stream(), bank.d2h_done)
-        else:
-            self.prefetch_forward(g)
-            g._mapped_for_forward.result()  # type: ignore[union-attr]
-            g._mapped_for_forward = None
+        if not g.empty:
+            self._slots().before_forward(g)
         self._pending[key] = t
         return t
 
     def after_forward(self, t: Ticket) -> None:
-        """After the forward replay: queue the slot's copy out; release (remap) after it."""
-        g = t.group
+        """After the forward replay: queue the slot's copy out; let the slot go after it."""
+        g, slots = t.group, self._slots()
+        t._go(slots.offload_call)
         if g.empty:
-            t.state = State.RESIDENT_PENDING if self.mode is Mode.RESIDENT else State.RELEASED
             return
         b = self.backend
-        t._go("offload:" + ("resident" if self.mode is Mode.RESIDENT else "remap"))
         fwd_done = b.record_event(b.new_event())
         t.stash = g._take_stash()
         src_host, src_dev = g._slot_bytes_view()
         s = self.d2h_stream
         b.wait_event(s, fwd_done)  # the copy stream waits only on the forward
         with self._span("d2h", f"{g.name} mb{t.microbatch}", s, g.host_bytes):
-            if self.copy_delay_s:
-                b.spin(self.copy_delay_s, s)
             if src_host is not None:
                 b.copy_async(t.stash.host, src_host, s)
             if src_dev is not None:
@@ -611,58 +856,7 @@ class OffloadEngine:
         self.stats["kept_bytes"] += g.nbytes - g.host_bytes
         if self.debug_checksums:
             t.checksums = self._checksums(g)
-        if self.mode is Mode.RESIDENT:
-            g.bank.d2h_done = t.d2h_done  # type: ignore[union-attr]
-        else:
-            res, ev = g.reservation, t.d2h_done
-            self.worker.submit(lambda: self._release_after(res, ev))  # type: ignore[union-attr,arg-type]
-
-    def _release_after(self, res: Reservation, event: Any) -> None:
-        self.worker.wait_event(event)  # type: ignore[union-attr]
-        self._unmap_slot(res)
-
-    # Remap's physical pages: a slot's pages go back to a free list when it is unmapped
-    # and the next slot of that size maps them again, so a step costs a map, an access
-    # grant and an unmap per slot and phase; creating and releasing backing (two more
-    # calls each time) happens only when the free list is empty, and when nothing is in
-    # flight the free list is released, so between steps remap holds no device memory.
-    # These run on the driver worker only, in submission order.
-
-    def _map_slot(self, res: Reservation, size: int) -> None:
-        spare = self._spare.get(size)
-        if not spare:
-            self.backend.map_new(res, 0, size)
-            return
-        alloc = spare.pop()
-        try:
-            self.backend.map(res, 0, alloc)
-        except BaseException:
-            spare.append(alloc)
-            raise
-        try:
-            self.backend.set_access(res, 0, size)
-        except BaseException:
-            self.backend.unmap(res, 0, size)
-            spare.append(alloc)
-            raise
-
-    def _unmap_slot(self, res: Reservation) -> None:
-        m = res.mapping_at(0)
-        if m is None:
-            raise StateError(f"offload engine: nothing is mapped at the slot 0x{res.va:x} to unmap")
-        self.backend.unmap(res, 0, m.size)
-        self._spare.setdefault(m.size, []).append(m.allocation)
-
-    def _release_spare(self) -> None:
-        for spare in self._spare.values():
-            while spare:
-                self.backend.release(spare.pop())
-
-    def _after_last(self) -> None:
-        """Nothing is in flight any more: remap gives its spare pages back (queued after
-        every release, so it runs once they are done)."""
-        if self.worker is not None and not self._pending:
-            self.worker.submit(self._release_spare)
+        slots.after_offload(g, t)
 
     # -- backward ------------------------------------------------------------------------
 
@@ -684,41 +878,27 @@ class OffloadEngine:
         if t.state is State.RESTORING or t.state is State.RESTORED:
             return
         t._go("restore")
-        g = t.group
-        if g.empty:
-            return
-        b = self.backend
-        if self.mode is Mode.RESIDENT:
-            bank = g.bank
-            assert bank is not None
-            if bank.restored_for is not None and bank.restored_for is not t:
-                o = bank.restored_for
-                raise StateError(f"offload group {g.name}: bank {bank.index} still holds the "
-                                 f"restore of {o.group.name} (microbatch {o.microbatch})")
-            s = self.h2d_stream
-            if bank.consumed is not None and self._fences:  # fence 2: the bank's last reader is done
-                b.wait_event(s, bank.consumed)
-            b.wait_event(s, t.d2h_done)  # this activation's own trip to the host
-            self._copy_in(t, s)
-            bank.restored_for = t
-        else:
-            res, size = g.reservation, g.slot_bytes
+        if not t.group.empty:
+            self._slots().restore(t, lambda s: self._copy_in(t, s))
 
-            def job() -> None:
-                self._map_slot(res, size)  # type: ignore[arg-type]
-                self.stats["remaps"] += 1
-                b.wait_event(self.h2d_stream, t.d2h_done)
-                self._copy_in(t, self.h2d_stream)
-
-            t.restore_job = self.worker.submit(job)  # type: ignore[union-attr]
+    def restore_ahead(self, t: Ticket) -> bool:
+        """Look-ahead: start ``t``'s restore now if it is waiting on the host and its slot
+        can take it (a resident bank may still hold another ticket's restore, e.g. under a
+        pipeline schedule). Returns whether the restore is under way."""
+        if t.state is State.RESTORING or t.state is State.RESTORED:
+            return True
+        if t.state not in (State.RELEASED, State.RESIDENT_PENDING):
+            return False
+        if not t.group.empty and not self._slots().can_restore(t):
+            return False
+        self.restore(t)
+        return True
 
     def _copy_in(self, t: Ticket, s: Any) -> None:
         b, g, st = self.backend, t.group, t.stash
         assert st is not None
         dst_host, dst_dev = g._slot_bytes_view()
         with self._span("h2d", f"{g.name} mb{t.microbatch}", s, g.host_bytes):
-            if self.copy_delay_s:
-                b.spin(self.copy_delay_s, s)
             if dst_host is not None:
                 b.copy_async(dst_host, st.host, s)
             if dst_dev is not None:
@@ -735,12 +915,11 @@ class OffloadEngine:
         if t.state is not State.RESTORING:
             self.restore(t)
         g = t.group
-        if not g.empty and t.restore_job is not None:
-            job, t.restore_job = t.restore_job, None
+        if not g.empty:
             try:
-                job.result()
+                self._slots().restored(t)
             except BaseException:
-                t.state = State.RELEASED  # nothing lost: the stash still holds the bytes
+                t._go("restore_failed")  # nothing lost: the stash still holds the bytes
                 raise
         t._go("wait_restored")
         if g.empty:
@@ -762,7 +941,8 @@ class OffloadEngine:
         del self._pending[(g.index, t.microbatch)]
         if g.empty:
             return
-        g._give_stash(t.stash, t.restore_done)  # type: ignore[arg-type]
+        assert t.stash is not None  # offloaded at after_forward
+        g._give_stash(t.stash, t.restore_done)
         t.stash = None
         self._free_slot(g)
 
@@ -778,17 +958,9 @@ class OffloadEngine:
             self._free_slot(g)
 
     def _free_slot(self, g: OffloadGroup) -> None:
-        """The slot's last user so far is queued: a restore into the bank waits for it
-        (resident); the pages go once it is done (remap)."""
+        """The slot's last user so far is queued: the residency lets it go after that."""
         b = self.backend
-        done = b.record_event(b.new_event())
-        if self.mode is Mode.RESIDENT:
-            g.bank.consumed = done  # type: ignore[union-attr]
-            g.bank.restored_for = None  # type: ignore[union-attr]
-        else:
-            res = g.reservation
-            self.worker.submit(lambda: self._release_after(res, done))  # type: ignore[union-attr,arg-type]
-            self._after_last()
+        self._slots().free(g, b.record_event(b.new_event()))
 
     # -- inspection ----------------------------------------------------------------------
 
@@ -806,8 +978,8 @@ class OffloadEngine:
 
     def settle(self) -> None:
         """Wait for queued driver work (remap) and copies; for tests and teardown."""
-        if self.worker is not None and not self.closed:
-            self.worker.drain()
+        if isinstance(self.residency, RemapSlots) and not self.closed:
+            self.residency.drain()
         self.backend.synchronize()
 
     def abandon(self, t: Ticket) -> None:
@@ -825,22 +997,15 @@ class OffloadEngine:
         del self._pending[(g.index, t.microbatch)]
         if g.empty:
             return
-        if t.restore_job is not None:
-            job, t.restore_job = t.restore_job, None
-            try:
-                job.result()
-            except BaseException:  # the mapping failed: nothing was mapped for it
-                prev = State.RELEASED
+        slots = self._slots()
+        try:
+            slots.restored(t)
+        except BaseException:  # the mapping failed: nothing was mapped for it
+            prev = State.RELEASED
         if t.stash is not None:
             g._give_stash(t.stash, t.restore_done or t.d2h_done)
             t.stash = None
-        if self.mode is Mode.RESIDENT:
-            if g.bank is not None and g.bank.restored_for is t:
-                self._free_slot(g)
-        elif prev in (State.RESTORING, State.RESTORED):
-            self._free_slot(g)  # the slot is mapped for it: release the pages
-        else:
-            self._after_last()
+        slots.abandon(g, t, prev)
 
     def _check_open(self, what: str) -> None:
         if self.closed:
@@ -856,25 +1021,13 @@ class OffloadEngine:
             return
         self.settle()
         self.closed = True
-        if self.worker is not None:
-            self.worker.close()
-        self._release_spare()  # the worker is gone: nobody else touches the free list
-        b = self.backend
+        if self.residency is not None:
+            self.residency.close()
         for g in self.groups:
-            if g.reservation is not None and g.bank is None:
-                for off in list(g.reservation.mappings):
-                    b.unmap_release(g.reservation, off)
-                b.free(g.reservation)
             g.reservation = None
             g.views = []
             g._bytes = (None, None)
             g._host_pool.clear()
-        for pair in self._banks.values():
-            for bank in pair:
-                b.unmap_release(bank.reservation, 0)
-                b.free(bank.reservation)
-        self._banks.clear()
         self._pending.clear()
         # Streams may own threads (the cpu backend's do): let them go with their last user.
         self.d2h_stream = self.h2d_stream = None
-

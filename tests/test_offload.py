@@ -55,6 +55,20 @@ def engine_clean(clean):
     yield clean
 
 
+def slow_copies(monkeypatch: pytest.MonkeyPatch, engine: OffloadEngine, seconds: float) -> None:
+    """Make every copy on the engine's copy streams start ``seconds`` late (busy work queued
+    on that stream first), so a missing fence shows as corrupted activations."""
+    b = engine.backend
+    real = b.copy_async
+
+    def slowed(dst, src, stream=None):
+        if stream is not None and stream in (engine.d2h_stream, engine.h2d_stream):
+            b.spin(seconds, stream)
+        return real(dst, src, stream)
+
+    monkeypatch.setattr(b, "copy_async", slowed)
+
+
 # --------------------------------------------------------------------------- equality with eager
 
 
@@ -99,13 +113,13 @@ def two_in_flight(model: TinyGPT, b: graphslot.Backend, steps: int) -> list[torc
 
 
 @pytest.mark.parametrize("mode", ["resident", "remap"])
-def test_two_microbatches_in_flight_never_overwrite_each_other(engine_clean, mode):
+def test_two_microbatches_in_flight_never_overwrite_each_other(engine_clean, mode, monkeypatch):
     b = engine_clean
     base, _ = small(b, 4)
     want = two_in_flight(copy.deepcopy(base), b, 3)
     model = copy.deepcopy(base)
     with graphed(model, b, mode, debug_checksums=True) as stack:
-        stack.engine.copy_delay_s = 0.01
+        slow_copies(monkeypatch, stack.engine, 0.01)
         assert_bitwise(two_in_flight(model, b, 3), want)
 
 
@@ -147,25 +161,26 @@ def test_layers_kept_on_the_device_take_several_microbatches_in_flight(engine_cl
 
 
 @pytest.mark.parametrize("mode", ["resident", "remap"])
-def test_fences_hold_when_the_copy_streams_are_slowed(engine_clean, mode):
+def test_fences_hold_when_the_copy_streams_are_slowed(engine_clean, mode, monkeypatch):
     b = engine_clean
     base, _ = small(b, 4)
     want = train(copy.deepcopy(base), b, 3)
     model = copy.deepcopy(base)
     with graphed(model, b, mode) as stack:
-        stack.engine.copy_delay_s = 0.05
+        slow_copies(monkeypatch, stack.engine, 0.05)
         assert_bitwise(train(model, b, 3), want)
 
 
-def test_without_the_bank_fences_slowed_copies_corrupt_activations(engine_clean):
+def test_without_the_bank_fences_slowed_copies_corrupt_activations(engine_clean, monkeypatch):
     """The control for the test above: the fences are what keeps it right."""
     b = engine_clean
     base, _ = small(b, 4)
     want = train(copy.deepcopy(base), b, 2)
     model = copy.deepcopy(base)
     with graphed(model, b, "resident") as stack:
-        stack.engine.copy_delay_s = 0.1
-        stack.engine._fences = False
+        slow_copies(monkeypatch, stack.engine, 0.1)
+        monkeypatch.setattr(stack.engine.residency, "fence_forward", lambda bank: None)
+        monkeypatch.setattr(stack.engine.residency, "fence_restore", lambda bank, stream: None)
         got = train(model, b, 2)
         stack.engine.settle()
         assert not all(torch.equal(x, y) for x, y in zip(got, want))
@@ -238,6 +253,25 @@ def test_remap_reuses_its_pages_within_a_step_and_holds_none_between_steps(engin
         assert sum(per_layer.values()) < 10, per_layer
     finally:
         stack.close()
+
+
+def test_restore_ahead_starts_only_a_restore_the_slot_can_take(engine_clean):
+    b = engine_clean
+    model, _ = small(b, 3)
+    with graphed(model, b, "resident") as stack:
+        eng = stack.engine
+        loss = model(*model.batch(0, b.device))
+        eng.settle()
+        g0, g1, g2 = (r.group for r in stack._runners)
+        assert g0.bank is g2.bank and g1.bank is not g0.bank
+        mb = stack._microbatch
+        t0, t1, t2 = (eng.find(g, mb) for g in (g0, g1, g2))
+        assert eng.restore_ahead(t2) and t2.state is State.RESTORING
+        assert eng.restore_ahead(t2)  # already under way
+        assert not eng.restore_ahead(t0) and t0.state is State.RESIDENT_PENDING  # bank holds t2's
+        assert eng.restore_ahead(t1) and t1.state is State.RESTORING
+        loss.backward()
+        assert not eng.in_flight()
 
 
 def test_resident_banks_hold_two_layers_at_the_boundary(engine_clean):
