@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, ContextManager, Iterator, Sequence, TypeVar
 
 from .errors import DriverError, InjectedFault, StateError, UsageError
+from .sizes import format_bytes, view_extent
 
 if TYPE_CHECKING:  # torch is a runtime dependency, but keep import of this module cheap
     import torch
@@ -60,10 +61,7 @@ def align_up(n: int, alignment: int) -> int:
 
 
 def _fmt(n: int) -> str:
-    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if n >= scale and n % scale == 0:
-            return f"{n // scale} {unit}"
-    return f"{n} B"
+    return format_bytes(n, exact=True)  # sizes in messages are read back exactly
 
 
 # --------------------------------------------------------------------------- ledger
@@ -751,8 +749,7 @@ class Backend(abc.ABC):
         itemsize = torch.empty((), dtype=dtype, device="meta").element_size()
         if va % itemsize:
             raise UsageError(f"tensor_at: address 0x{va:x} is not aligned to {itemsize} bytes for {dtype}")
-        numel_span = 1 + sum((s - 1) * st for s, st in zip(shape, stride)) if all(shape) else 0
-        nbytes = max(numel_span, 1) * itemsize
+        nbytes = max(view_extent(shape, stride, itemsize), itemsize)
         if self.ledger.find(va, nbytes) is None:
             raise UsageError(f"tensor_at: [0x{va:x}, 0x{va + nbytes:x}) is not inside a live "
                              "reservation of this backend (freed, or never reserved)")

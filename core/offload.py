@@ -45,6 +45,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from .backend import Allocation, Backend, Reservation, align_up
 from .errors import CaptureMismatchError, StateError, UsageError
+from .sizes import view_extent
 
 __all__ = [
     "Mode",
@@ -144,7 +145,7 @@ class SavedTensorSpec:
         it is placed with the other saved views of its storage."""
         es = t.element_size()
         shape, stride = tuple(t.shape), tuple(t.stride())
-        extent = (1 + sum((n - 1) * st for n, st in zip(shape, stride))) * es if t.numel() else 0
+        extent = view_extent(shape, stride, es)
         sid = -1
         overlaps = any(st == 0 and n > 1 for n, st in zip(shape, stride))  # expanded: copy densely
         if storages is not None and not overlaps and t.numel():
