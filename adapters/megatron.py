@@ -54,7 +54,8 @@ import torch
 
 from graphslot.backend import Backend
 from graphslot.errors import IncompatibleError, StateError, UsageError
-from graphslot.offload import Mode, OffloadEngine, OffloadGroup, SavedTensorSpec, State, Ticket
+from graphslot.offload import (Mode, OffloadEngine, OffloadGroup, SavedTensorSpec, State, Ticket,
+                               never_offloaded, state_storages)
 from graphslot.selection import get_backend
 
 __all__ = ["MIN_VERSION", "FP8_RECIPES_SERVED", "MegatronOffload", "check_megatron", "check_config", "enable", "disable", "active"]
@@ -244,8 +245,7 @@ class _Layer:
     def is_state(self, t: torch.Tensor) -> bool:
         # Parameters and buffers (and views of them) are never offloaded; neither are
         # host-side or empty tensors, which cost the device nothing.
-        return (t.device.type != self.device_type or t.numel() == 0
-                or t.untyped_storage().data_ptr() in self._state)
+        return never_offloaded(t, self.device_type, self._state)
 
     def keeps(self, t: torch.Tensor) -> bool:
         """True when the saved tensor ``t`` stays where it is; False when it goes into the slot.
@@ -269,10 +269,7 @@ class _Layer:
         return t
 
     def begin(self) -> None:
-        self._state = set()
-        for t in [*self.module.parameters(), *self.module.buffers()]:
-            with contextlib.suppress(Exception):  # a wrapper subclass may have no storage to ask
-                self._state.add(t.untyped_storage().data_ptr())
+        self._state = state_storages([self.module])
         self._seen = []
         self._storages = {}
         self._kept = {}

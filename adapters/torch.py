@@ -59,7 +59,7 @@ from torch import nn
 
 from graphslot.backend import Backend, DeviceGraph
 from graphslot.errors import CaptureMismatchError, StateError, UsageError
-from graphslot.offload import Mode, OffloadEngine, OffloadGroup, Ticket
+from graphslot.offload import Mode, OffloadEngine, OffloadGroup, Ticket, never_offloaded, state_storages
 from graphslot.selection import get_backend
 
 __all__ = ["GraphedLayers"]
@@ -136,13 +136,10 @@ class _Runner:
 
     # -- build ---------------------------------------------------------------------------
 
-    def _state_storages(self) -> set[int]:
-        return {t.untyped_storage().data_ptr() for t in [*self.module.parameters(), *self.module.buffers()]}
-
     def build_forward(self, static_in: torch.Tensor) -> torch.Tensor:
         """Warm up, discover what the capture saves, allocate the slot, capture the forward."""
         st, b, eng = self.stack, self.stack.backend, self.stack.engine
-        state = self._state_storages()
+        state = state_storages([self.module])
         self.static_in = static_in
         self.wants_grad_in = static_in.requires_grad
         aliases = [p.detach().requires_grad_() for p in self.params]
@@ -154,9 +151,7 @@ class _Runner:
             return torch.func.functional_call(self.module, by_name, (static_in,))
 
         def is_state(t: torch.Tensor) -> bool:
-            # Parameters and buffers are never offloaded; neither are host-side or empty
-            # tensors some kernels save (e.g. RNG seeds), which cost the device nothing.
-            return t.device != dev or t.numel() == 0 or t.untyped_storage().data_ptr() in state
+            return never_offloaded(t, dev.type, state)
 
         if eng.mode is not Mode.OFF and self.index in st.offload_layers:
             self.group = eng.group(f"layer{self.index}")

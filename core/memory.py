@@ -34,7 +34,7 @@ from typing import Any, Iterator, Sequence
 import torch
 
 from .backend import Backend
-from .offload import SavedTensorSpec
+from .offload import SavedTensorSpec, never_offloaded, state_storages
 
 __all__ = ["MemoryReport", "report", "measure", "settle", "used_bytes", "saved_activation_bytes"]
 
@@ -140,13 +140,13 @@ def saved_activation_bytes(layers: Sequence[torch.nn.Module], x: torch.Tensor) -
     """Bytes of activations autograd saves on ``x``'s device for one forward through
     ``layers`` (parameters and buffers excluded): what stays on the device between
     forward and backward without offload."""
-    state = {t.untyped_storage().data_ptr() for m in layers for t in [*m.parameters(), *m.buffers()]}
+    state = state_storages(layers)
     spans: dict[int, tuple[int, int]] = {}  # storage -> bytes [first, past last) of its saved views
     keep: list[Any] = []  # storages stay alive while counting, so no address is reused
 
     def pack(t: torch.Tensor) -> Any:
         ptr = t.untyped_storage().data_ptr()
-        if ptr not in state and t.device == x.device and t.numel():
+        if not never_offloaded(t, x.device.type, state):
             sp = SavedTensorSpec.of(t)  # the slot layout's own byte extent of a view
             lo, hi = sp.storage_offset, sp.storage_offset + sp.extent
             a, b = spans.get(ptr, (lo, hi))

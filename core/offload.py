@@ -38,7 +38,7 @@ import threading
 from collections import Counter
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
@@ -155,6 +155,25 @@ class SavedTensorSpec:
 
     def describe(self) -> str:
         return f"{list(self.shape)} stride {list(self.stride)} {self.dtype} on {self.device}"
+
+
+def state_storages(modules: Iterable[Any]) -> set[int]:
+    """Data pointers of the storages of ``modules``' parameters and buffers (a wrapper
+    tensor subclass with no storage of its own to ask is skipped)."""
+    out = set()
+    for m in modules:
+        for t in [*m.parameters(), *m.buffers()]:
+            with contextlib.suppress(Exception):
+                out.add(t.untyped_storage().data_ptr())
+    return out
+
+
+def never_offloaded(t: torch.Tensor, device_type: str, state: set[int]) -> bool:
+    """The one rule for what activation offload leaves where it is: parameters and buffers
+    (and views of them: their storage is in ``state``, see :func:`state_storages`), and
+    tensors that cost the device nothing (empty, or not on a ``device_type`` device, such
+    as the host-side RNG seeds some kernels save)."""
+    return t.device.type != device_type or t.numel() == 0 or t.untyped_storage().data_ptr() in state
 
 
 # --------------------------------------------------------------------------- driver worker
