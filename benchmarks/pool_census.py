@@ -26,19 +26,27 @@ from graphslot.cli.toy import Block
 MiB = 1 << 20
 
 
+def _where(f: dict[str, Any]) -> str:
+    return f"{f.get('filename', '?').rsplit('/', 1)[-1]}:{f.get('line')}:{f.get('name')}"
+
+
 def _frame(block: dict[str, Any]) -> str:
-    for f in block.get("frames") or []:
-        name = f.get("filename", "")
-        if "graphslot" in name or "/core/" in name or "/adapters/" in name or "toy.py" in name:
-            return f"{name.rsplit('/', 1)[-1]}:{f.get('line')} {f.get('name')}"
-    fr = block.get("frames") or [{}]
-    return f"{fr[0].get('filename', '?').rsplit('/', 1)[-1]}:{fr[0].get('line')} {fr[0].get('name')}"
+    """The first frame of graphslot's own code that allocated ``block`` (else the first)."""
+    frames = block.get("frames") or [{}]
+    mine = (f for f in frames if any(k in f.get("filename", "") for k in
+                                     ("graphslot", "/core/", "/adapters/", "toy.py")))
+    return _where(next(mine, frames[0]))
 
 
-def _py_stack(frames: list[dict[str, Any]], depth: int = 4) -> str:
-    fr = [f"{f.get('filename', '?').rsplit('/', 1)[-1]}:{f.get('line')}:{f.get('name')}"
-          for f in frames or [] if f.get("filename", "").endswith(".py")]
+def _py_stack(frames: list[dict[str, Any]] | None, depth: int = 4) -> str:
+    fr = [_where(f) for f in frames or [] if f.get("filename", "").endswith(".py")]
     return " < ".join(fr[:depth]) or "(no python frame)"
+
+
+def _drop_grads(layers: list[torch.nn.Module]) -> None:
+    for m in layers:
+        for p in m.parameters():
+            p.grad = None
 
 
 def _step_peak(stack: GraphedLayers, layers: list[torch.nn.Module], x: torch.Tensor,
@@ -58,9 +66,7 @@ def _step_peak(stack: GraphedLayers, layers: list[torch.nn.Module], x: torch.Ten
     t0 = max((e.get("time_us", 0) for e in traces0[0]), default=0)
     b.ledger.reset_peak()
     stack(x).backward(gy)
-    for m in layers:
-        for p in m.parameters():
-            p.grad = None
+    _drop_grads(layers)
     b.synchronize()
     snap1 = torch.cuda.memory._snapshot()
     events = [e for e in (snap1.get("device_traces") or [[]])[0] if e.get("time_us", 0) > t0]
@@ -93,9 +99,7 @@ def census(mode: str, shape: BenchShape, b: graphslot.Backend) -> dict[str, Any]
     stack = GraphedLayers(layers, x, mode=mode, backend=b)
     for _ in range(2):
         stack(x).backward(gy)
-        for m in layers:
-            for p in m.parameters():
-                p.grad = None
+        _drop_grads(layers)
     b.synchronize()
     gc.collect()
     peak = _step_peak(stack, layers, x, gy, b)
@@ -131,9 +135,7 @@ def census(mode: str, shape: BenchShape, b: graphslot.Backend) -> dict[str, Any]
             if kind is None:
                 kind = "other_pool_live" if foreign else "other"
                 others[_frame(blk)] += size
-                fr = [f"{f.get('filename', '?').rsplit('/', 1)[-1]}:{f.get('line')}:{f.get('name')}"
-                      for f in blk.get("frames") or [] if f.get("filename", "").endswith(".py")]
-                stacks[" < ".join(fr[:6])] += size
+                stacks[_py_stack(blk.get("frames"), 6)] += size
             sums[kind] += size
     out = {"mode": mode, "segments": segs, **{k: round(v / MiB, 1) for k, v in sums.items()},
            "other_by_frame_mib": {k: round(v / MiB, 1) for k, v in others.most_common(12)},
