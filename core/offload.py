@@ -650,6 +650,7 @@ class RemapSlots(Residency):
         super().__init__(engine)
         self.worker = DriverWorker(self.backend)
         self._spare: dict[int, list[Allocation]] = {}  # unmapped pages by size (worker only)
+        self._prefetched: set[int] = set()  # groups whose next forward's map is queued
 
     @staticmethod
     def _res(g: OffloadGroup) -> Reservation:
@@ -670,10 +671,12 @@ class RemapSlots(Residency):
             return
         res, size = self._res(g), g.slot_bytes
         g._mapped_for_forward = self.worker.submit(lambda: self._map(res, size))
+        self._prefetched.add(g.index)
 
     def before_forward(self, g: OffloadGroup) -> None:
         self.prefetch_forward(g)
         job, g._mapped_for_forward = g._mapped_for_forward, None
+        self._prefetched.discard(g.index)
         assert job is not None
         job.result()
 
@@ -710,9 +713,10 @@ class RemapSlots(Residency):
             self.release_spare_when_idle()
 
     def release_spare_when_idle(self) -> None:
-        """Nothing in flight any more: give the free list back (queued after every unmap,
-        so it runs once they are done)."""
-        if not self.engine._pending:
+        """Nothing in flight and no forward's map queued (an evaluation forward's next
+        layer would take the pages straight back): give the free list back, queued after
+        every unmap, so it runs once they are done."""
+        if not self.engine._pending and not self._prefetched:
             self.worker.submit(self._release_spare)
 
     def drain(self) -> None:
