@@ -59,16 +59,13 @@ from torch import nn
 
 from graphslot.backend import Backend, DeviceGraph
 from graphslot.errors import CaptureMismatchError, StateError, UsageError
-from graphslot.offload import Mode, OffloadEngine, OffloadGroup, Ticket, never_offloaded, state_storages
+from graphslot.offload import (Mode, OffloadEngine, OffloadGroup, Ticket, never_offloaded,
+                               recording_saved_tensors, state_storages)
 from graphslot.selection import get_backend
 
 __all__ = ["GraphedLayers"]
 
 _use_count: Callable[[int], int] | None = getattr(torch._C, "_storage_Use_Count", None)
-
-
-def _never_unpacked(_packed: None) -> torch.Tensor:
-    raise AssertionError("graphslot: the discovery capture's autograd graph is never differentiated")
 
 
 def _storage_id(t: torch.Tensor) -> int:
@@ -181,23 +178,16 @@ class _Runner:
             # offset as device tensors only under capture), so the slot is laid out from
             # a capture, which is then thrown away.
             g.restart_discovery()
-            # The probe's saved tensors are held here, not by its autograd graph: a pack hook
-            # that returns a node's own output (SDPA saves its result) makes a cycle through
-            # C++ that no garbage collection sees, and the probe's pool would stay allocated
-            # for the stack's life. Held until the capture ends, their storages keep distinct
-            # addresses, so discovery tells them apart as the real capture will.
-            held: list[torch.Tensor] = []
 
             def discover(t: torch.Tensor) -> None:
                 if not is_state(t):
                     g.discover(t)
-                    held.append(t)
 
             probe_graph = b.new_graph()  # a pool of its own, gone with it
             with probe_graph.capture():
-                with torch.autograd.graph.saved_tensors_hooks(discover, _never_unpacked):
+                with recording_saved_tensors(discover):  # autograd keeps none of them
                     out = call()
-            del out, held, probe_graph
+            del out, probe_graph
             b.synchronize()
             b.empty_cache()
             g.allocate(bank_index=st.bank_index(self.index))
@@ -222,7 +212,7 @@ class _Runner:
                 if not is_state(t):
                     s = t.untyped_storage()
                     kept.setdefault(s.data_ptr(), (s.data_ptr(), s.nbytes()))
-                return t.detach()  # the same memory, without a grad_fn: no cycle (see above)
+                return t.detach()  # the same memory, no grad_fn: no cycle (see recording_saved_tensors)
 
             with fwd.capture():
                 with torch.autograd.graph.saved_tensors_hooks(note, lambda t: t):

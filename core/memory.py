@@ -34,7 +34,7 @@ from typing import Any, Iterator, Sequence
 import torch
 
 from .backend import Backend
-from .offload import SavedTensorSpec, never_offloaded, state_storages
+from .offload import SavedTensorSpec, never_offloaded, recording_saved_tensors, state_storages
 
 __all__ = ["MemoryReport", "report", "measure", "settle", "used_bytes", "saved_activation_bytes"]
 
@@ -132,35 +132,25 @@ def measure(backend: Backend, samples: int = 3) -> Iterator[Measurement]:
     m.delta = m.after - m.before
 
 
-def _never_unpacked(_: Any) -> Any:  # the forward below runs without a backward
-    return None
-
-
 def saved_activation_bytes(layers: Sequence[torch.nn.Module], x: torch.Tensor) -> int:
     """Bytes of activations autograd saves on ``x``'s device for one forward through
     ``layers`` (parameters and buffers excluded): what stays on the device between
     forward and backward without offload."""
     state = state_storages(layers)
     spans: dict[int, tuple[int, int]] = {}  # storage -> bytes [first, past last) of its saved views
-    keep: list[Any] = []  # storages stay alive while counting, so no address is reused
 
-    def pack(t: torch.Tensor) -> Any:
-        ptr = t.untyped_storage().data_ptr()
+    def record(t: torch.Tensor) -> None:
         if not never_offloaded(t, x.device.type, state):
+            ptr = t.untyped_storage().data_ptr()
             sp = SavedTensorSpec.of(t)  # the slot layout's own byte extent of a view
             lo, hi = sp.storage_offset, sp.storage_offset + sp.extent
             a, b = spans.get(ptr, (lo, hi))
             spans[ptr] = (min(a, lo), max(b, hi))
-            keep.append(t.untyped_storage())
-        # Not t itself: a hook returning an op's own output ties the autograd graph in a
-        # cycle the collector cannot see, which would outlive this forward.
-        return None
 
-    with torch.autograd.graph.saved_tensors_hooks(pack, _never_unpacked):
+    with recording_saved_tensors(record):
         h = x
         for m in layers:
             h = m(h)
     del h
-    keep.clear()
     # A tensor saved twice, or several views of one buffer, cost their storage once.
     return sum(b - a for a, b in spans.values())

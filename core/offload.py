@@ -38,7 +38,7 @@ import threading
 from collections import Counter
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Iterator
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
@@ -174,6 +174,31 @@ def never_offloaded(t: torch.Tensor, device_type: str, state: set[int]) -> bool:
     tensors that cost the device nothing (empty, or not on a ``device_type`` device, such
     as the host-side RNG seeds some kernels save)."""
     return t.device.type != device_type or t.numel() == 0 or t.untyped_storage().data_ptr() in state
+
+
+@contextlib.contextmanager
+def recording_saved_tensors(record: Callable[[torch.Tensor], None]) -> Iterator[None]:
+    """Run a forward that no backward follows, handing each tensor autograd saves to
+    ``record``.
+
+    The tensors are held here until the block ends, so no storage is freed and its address
+    reused meanwhile (saved views are told apart by address), and autograd keeps none of
+    them: a hook that returned a node's own output (SDPA saves its result) would tie the
+    node to itself through C++, where no garbage collection sees it, and the memory would
+    stay allocated for the life of the process.
+    """
+    held: list[torch.Tensor] = []
+
+    def pack(t: torch.Tensor) -> None:
+        record(t)
+        held.append(t)
+
+    def unpack(_packed: None) -> torch.Tensor:
+        raise AssertionError("graphslot: a recording forward is never differentiated")
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+        yield
+    held.clear()
 
 
 # --------------------------------------------------------------------------- driver worker
