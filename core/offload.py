@@ -983,11 +983,16 @@ class OffloadEngine:
                                            f"{bad} of microbatch {t.microbatch} differ from "
                                            "what was offloaded")
 
-    def consumed(self, t: Ticket) -> None:
-        """After the backward replay read the slot: free the bank/slot and the stash."""
-        t._go("consumed")
+    def _retire(self, t: Ticket, call: str) -> OffloadGroup:
+        """``t`` ends by ``call``: it leaves the tickets in flight; returns its group."""
+        t._go(call)
         g = t.group
         del self._pending[(g.index, t.microbatch)]
+        return g
+
+    def consumed(self, t: Ticket) -> None:
+        """After the backward replay read the slot: free the bank/slot and the stash."""
+        g = self._retire(t, "consumed")
         if g.empty:
             return
         assert t.stash is not None  # offloaded at after_forward
@@ -1000,9 +1005,7 @@ class OffloadEngine:
 
         The slot is free again once the forward is done (remap: released after it).
         """
-        t._go("forget")
-        g = t.group
-        del self._pending[(g.index, t.microbatch)]
+        g = self._retire(t, "forget")
         if not g.empty:
             self._free_slot(g)
 
@@ -1041,9 +1044,7 @@ class OffloadEngine:
             self.forget(t)
             return
         prev = t.state
-        t._go("abandon")
-        g = t.group
-        del self._pending[(g.index, t.microbatch)]
+        g = self._retire(t, "abandon")
         if g.empty:
             return
         slots = self._slots()

@@ -14,19 +14,13 @@ from graphslot.adapters.torch import GraphedLayers
 from graphslot.errors import CaptureMismatchError, InjectedFault, StateError
 from graphslot.offload import TRANSITIONS, Mode, OffloadEngine, State
 from graphslot.cli.toy import GPTConfig, TinyGPT
+from stacks import graphed
 
 
 def small(b: graphslot.Backend, layers: int) -> tuple[TinyGPT, GPTConfig]:
     c = GPTConfig(hidden=32, heads=2, ffn=64, seq=16, batch=2, layers=layers, vocab=64)
     torch.manual_seed(layers)
     return TinyGPT(c).to(b.device), c
-
-
-def graphed(model: TinyGPT, b: graphslot.Backend, mode: str, **kw) -> GraphedLayers:
-    sample = model.hidden_in(model.batch(0, b.device)[0]).detach().requires_grad_()
-    stack = GraphedLayers(list(model.blocks), sample, mode=mode, backend=b, **kw)
-    model.stack = stack
-    return stack
 
 
 def train(model: TinyGPT, b: graphslot.Backend, steps: int, accumulate: int = 1) -> list[torch.Tensor]:
