@@ -9,6 +9,7 @@ Not a test: it asserts nothing.
 from __future__ import annotations
 
 import argparse
+import collections
 import cProfile
 import io
 import pstats
@@ -36,6 +37,25 @@ def main() -> None:
     x = torch.randn(shape.batch, shape.seq, shape.hidden, device=b.device, dtype=shape.dtype,
                     requires_grad=True)
     gy = torch.randn_like(x)
+    # Wall time inside each raw driver primitive, on whichever thread calls it (remap runs
+    # them on its worker thread, which cProfile does not see).
+    spent: collections.Counter[str] = collections.Counter()
+    calls: collections.Counter[str] = collections.Counter()
+
+    def timed(name: str) -> None:
+        fn = getattr(b, name)
+
+        def wrapper(*a: object) -> object:
+            t = time.perf_counter()
+            try:
+                return fn(*a)
+            finally:
+                spent[name] += time.perf_counter() - t
+                calls[name] += 1
+        setattr(b, name, wrapper)
+
+    for name in ("_create", "_release", "_map", "_unmap", "_set_access", "_event_synchronize"):
+        timed(name)
     for mode in args.modes:
         stack = GraphedLayers(layers, x, mode=mode, backend=b)
 
@@ -53,6 +73,8 @@ def main() -> None:
             step()
         b.synchronize()
         wall = (time.perf_counter() - t0) / args.steps * 1e3
+        spent.clear()
+        calls.clear()
         pr = cProfile.Profile()
         pr.enable()
         for _ in range(args.steps):
@@ -63,12 +85,24 @@ def main() -> None:
         st = pstats.Stats(pr, stream=out)
         st.sort_stats("tottime").print_stats(args.top)
         per = shape.layers * args.steps
+        # Our own functions by cumulative time: what each piece of bookkeeping costs whole.
+        ours = io.StringIO()
+        pstats.Stats(pr, stream=ours).sort_stats("cumulative").print_stats(r"graphslot|adapters|core/|backends/", 2 * args.top)
         print(f"== {mode}: {wall:.2f} ms a step unprofiled; tottime per layer-step below = "
               f"tottime / {per}")
         for line in out.getvalue().splitlines():
             parts = line.split(None, 5)
             if len(parts) == 6 and parts[1].replace(".", "").isdigit():
                 print(f"{float(parts[1]) / per * 1e6:8.1f} us  {parts[0]:>8}  {parts[5][-90:]}")
+        print("  -- cumulative, graphslot's own functions")
+        for line in ours.getvalue().splitlines():
+            parts = line.split(None, 5)
+            if len(parts) == 6 and parts[0].split("/")[0].isdigit() and parts[3].replace(".", "").isdigit():
+                print(f"{float(parts[3]) / per * 1e6:8.1f} us  {parts[0]:>8}  {parts[5][-90:]}")
+        for name in sorted(spent):
+            print(f"  driver {name:20s} {calls[name] / per:6.2f} calls  "
+                  f"{spent[name] / per * 1e6:8.1f} us per layer-step "
+                  f"({spent[name] / max(calls[name], 1) * 1e6:.1f} us each)")
         stack.close()
 
 
