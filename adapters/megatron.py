@@ -613,6 +613,7 @@ class MegatronOffload:
                          "kept_subclass_tensors": dict(r.layer.kept)} for r in self.runners],
             "mapped_bytes": self.backend.ledger.mapped_bytes,
             "peak_mapped_bytes": self.backend.ledger.peak_mapped_bytes,
+            "peak_allocated_bytes": self.backend.ledger.peak_allocated_bytes,
             "stats": dict(self.engine.stats),
         }
 

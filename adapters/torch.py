@@ -59,7 +59,7 @@ from torch import nn
 
 from graphslot.backend import Backend, DeviceGraph
 from graphslot.errors import CaptureMismatchError, StateError, UsageError
-from graphslot.offload import (Mode, OffloadEngine, OffloadGroup, Ticket, never_offloaded,
+from graphslot.offload import (REMAP_UNIT_BYTES, Mode, OffloadEngine, OffloadGroup, Ticket, never_offloaded,
                                recording_saved_tensors, state_storages)
 from graphslot.selection import get_backend
 
@@ -457,6 +457,8 @@ class GraphedLayers(nn.Module):
         mode: ``"resident"`` (ping-pong banks, zero driver calls per step), ``"remap"``
             (least memory: pages released between forward and backward) or ``"off"``.
         min_offload_bytes: saved tensors smaller than this stay on the device.
+        remap_unit_bytes: remap mode maps the slots of consecutive layers together up to
+            this size, so small layers share their driver calls (0: one mapping per layer).
         offload_layers: indices of the layers whose activations are offloaded
             (default: all); the others keep theirs on the device.
         warmup_iters: eager iterations before capture.
@@ -472,6 +474,7 @@ class GraphedLayers(nn.Module):
 
     def __init__(self, layers: Sequence[nn.Module], sample_input: torch.Tensor, *,
                  mode: Mode | str = Mode.RESIDENT, min_offload_bytes: int = 0,
+                 remap_unit_bytes: int = REMAP_UNIT_BYTES,
                  offload_layers: Iterable[int] | None = None, warmup_iters: int = 2,
                  backend: Backend | None = None, debug_checksums: bool = False) -> None:
         super().__init__()
@@ -489,6 +492,7 @@ class GraphedLayers(nn.Module):
             raise UsageError(f"offload_layers {bad} are not layer indices (integers 0..{n - 1})")
         self.offload_layers = set(chosen)
         self.engine = OffloadEngine(self.backend, mode, min_bytes=min_offload_bytes,
+                                    remap_unit_bytes=remap_unit_bytes,
                                     debug_checksums=debug_checksums)
         self.warmup_iters = max(1, int(warmup_iters))
         self._microbatch = 0

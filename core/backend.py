@@ -133,8 +133,12 @@ class Ledger:
         self.reservations: dict[int, Reservation] = {}
         self.allocations: set[Allocation] = set()
         self._mapped = 0
+        self._allocated = 0
         #: the most bytes mapped at once since the last :meth:`reset_peak`.
         self.peak_mapped_bytes = 0
+        #: the most physical bytes created and not released at once since then: what the
+        #: device really held (pages kept unmapped for reuse count here, not as mapped).
+        self.peak_allocated_bytes = 0
 
     def _on_map(self, nbytes: int) -> None:
         self._mapped += nbytes
@@ -143,8 +147,18 @@ class Ledger:
     def _on_unmap(self, nbytes: int) -> None:
         self._mapped -= nbytes
 
+    def _on_create(self, alloc: Allocation) -> None:
+        self.allocations.add(alloc)
+        self._allocated += alloc.size
+        self.peak_allocated_bytes = max(self.peak_allocated_bytes, self._allocated)
+
+    def _on_release(self, alloc: Allocation) -> None:
+        self.allocations.discard(alloc)
+        self._allocated -= alloc.size
+
     def reset_peak(self) -> None:
         self.peak_mapped_bytes = self._mapped
+        self.peak_allocated_bytes = self._allocated
 
     @property
     def reserved_bytes(self) -> int:
@@ -153,7 +167,7 @@ class Ledger:
     @property
     def allocated_bytes(self) -> int:
         """Physical bytes created and not yet released."""
-        return sum(a.size for a in self.allocations)
+        return self._allocated
 
     @property
     def mapped_bytes(self) -> int:
@@ -550,7 +564,7 @@ class Backend(abc.ABC):
             handle = self._driver("create", f"create {_fmt(size)} of physical memory",
                                   self._create, size)
             alloc = Allocation(size, handle)
-            self.ledger.allocations.add(alloc)
+            self.ledger._on_create(alloc)
             return alloc
 
     def release(self, alloc: Allocation) -> None:
@@ -566,7 +580,7 @@ class Backend(abc.ABC):
             self._driver("release", f"release {_fmt(alloc.size)} of physical memory",
                          self._release, alloc.handle)
             alloc.released = True
-            self.ledger.allocations.discard(alloc)
+            self.ledger._on_release(alloc)
 
     def map(self, res: Reservation, offset: int, alloc: Allocation) -> None:
         """Map all of ``alloc`` at ``offset`` of ``res``. Access is granted by :meth:`set_access`."""

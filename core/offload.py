@@ -16,10 +16,12 @@ enum, :class:`State`, and one transition table, :data:`TRANSITIONS`::
   ``data_ptr() == slot VA`` are checked.
 * Forward offload: after the forward replay, a copy stream waits only on a forward-done
   event and copies the slot to a host buffer. No host synchronisation.
-* Remap mode releases the physical backing once that copy finished; resident (ping-pong)
-  mode keeps two banks mapped per slot class and never calls the driver in a step.
-* Backward restore: new backing (remap) or the bank (resident) at the same VA, a host to
-  device copy, and the compute stream waits on the restore event.
+* Remap mode releases the physical backing once that copy finished (small slots of
+  consecutive layers share one mapping, a *unit*, so they share its driver calls);
+  resident (ping-pong) mode keeps two banks mapped per slot class and never calls the
+  driver in a step.
+* Backward restore: backing mapped again (remap) or the bank (resident) at the same VA, a
+  host to device copy, and the compute stream waits on the restore event.
 
 Where a slot's pages are between forward and backward is a :class:`Residency`:
 :class:`ResidentBanks` (two mapped banks per slot size, fenced, no driver calls) or
@@ -55,9 +57,12 @@ __all__ = [
     "OffloadGroup",
     "OffloadEngine",
     "DriverWorker",
+    "REMAP_UNIT_BYTES",
 ]
 
 _ALIGN = 256  # byte alignment of each saved tensor inside a slot
+#: remap mode's default unit: slots of consecutive layers share one mapping up to this size
+REMAP_UNIT_BYTES = 32 << 20
 
 
 class Mode(str, enum.Enum):
@@ -290,6 +295,7 @@ class Ticket:
     d2h_done: Any = None
     restore_done: Any = None
     restore_job: Future[Any] | None = None
+    map_job: Future[Any] | None = None  # remap: the mapping its restore copies into
     checksums: list[int] = field(default_factory=list)
 
     def _go(self, call: str) -> None:
@@ -310,12 +316,13 @@ class OffloadGroup:
         self.specs: list[SavedTensorSpec] = []
         self.nbytes = 0  # slot bytes (all specs, aligned)
         self.host_bytes = 0  # bytes of offloaded specs (they come first in the slot)
-        self.reservation: Reservation | None = None  # remap: own VA; resident: the bank's
+        self.reservation: Reservation | None = None  # remap: its unit's VA; resident: the bank's
+        self.slot_offset = 0  # where the slot starts in that reservation
         self.bank: Bank | None = None
+        self.unit: RemapUnit | None = None
         self.views: list[torch.Tensor] = []
         self._host_pool: list[Stash] = []
         self._captured = 0
-        self._mapped_for_forward: Future[Any] | None = None
         self._bytes: tuple[Any, Any] = (None, None)
         self._seen_storages: dict[int, int] = {}  # discovery: data pointer -> storage index
         self.index = len(engine.groups)  # key of this group's tickets in the engine
@@ -402,7 +409,7 @@ class OffloadGroup:
             return  # empty groups cost nothing
         eng = self.engine
         self.reservation = eng._slots().place(self, bank_index)
-        va = self.reservation.va
+        va = self.reservation.va + self.slot_offset
         self.views = [eng.backend.tensor_at(va + s.offset, s.shape, s.dtype,
                                             _dense_stride(s) if s.storage < 0 else s.stride)
                       for s in self.specs]
@@ -442,7 +449,7 @@ class OffloadGroup:
                 f"was {spec.describe()} at discovery")
         view = self.views[i]
         assert self.reservation is not None  # allocate() placed the slot
-        want = self.reservation.va + spec.offset
+        want = self.reservation.va + self.slot_offset + spec.offset
         if view.data_ptr() != want:
             raise CaptureMismatchError(f"offload group {self.name}: slot view #{i} is at "
                                        f"0x{view.data_ptr():x}, not the slot address 0x{want:x}")
@@ -561,8 +568,9 @@ class Residency:
     def restored(self, t: Ticket) -> None:
         """The host side of ``t``'s restore is done (remap: its mapping); raises if it failed."""
 
-    def free(self, g: OffloadGroup, done: Any) -> None:
-        """The slot's last reader so far is queued before event ``done``."""
+    def free(self, g: OffloadGroup, done: Any, backward: bool) -> None:
+        """The slot's last user so far is queued before event ``done``: a backward graph
+        that read it (``backward``) or an evaluation forward that wrote it."""
         raise NotImplementedError
 
     def abandon(self, g: OffloadGroup, t: Ticket, prev: State) -> None:
@@ -640,14 +648,14 @@ class ResidentBanks(Residency):
         copy_in(s)
         bank.restored_for = t
 
-    def free(self, g: OffloadGroup, done: Any) -> None:
+    def free(self, g: OffloadGroup, done: Any, backward: bool) -> None:
         bank = self._bank(g)
         bank.consumed = done
         bank.restored_for = None
 
     def abandon(self, g: OffloadGroup, t: Ticket, prev: State) -> None:
         if g.bank is not None and g.bank.restored_for is t:
-            self.engine._free_slot(g)
+            self.engine._free_slot(g, backward=True)
 
     def close(self) -> None:
         b = self.backend
@@ -658,90 +666,233 @@ class ResidentBanks(Residency):
         self.banks.clear()
 
 
-class RemapSlots(Residency):
-    """Each group its own VA, backed only while a forward writes it or a backward reads it.
+@dataclass(eq=False)
+class RemapUnit:
+    """Remap slots of consecutive groups in one VA range, mapped and unmapped as one.
 
-    Driver calls run on one serialised worker thread (:class:`DriverWorker`), never inside
-    a capture or a host callback. A slot's pages go to a free list when it is unmapped and
-    the next slot of that size maps them again, so a step costs a map, an access grant and
-    an unmap per slot and phase; backing is created only when the free list is empty, and
-    the free list is released whenever nothing is in flight, so between steps remap holds
-    no device memory.
+    A map, an access grant and an unmap cost about the same for 2 MiB as for 512 MiB, so
+    slots much smaller than a unit's target size share one mapping: the driver calls per
+    layer fall with the number of layers in a unit, and a unit is at most that target
+    (or one slot) of device memory.
+    """
+
+    reservation: Reservation
+    members: list[OffloadGroup] = field(default_factory=list)
+    used: int = 0  #: bytes placed (slots packed at the saved-tensor alignment)
+    size: int = 0  #: bytes one mapping covers (granular)
+    users: int = 0  #: forwards writing a member's slot and restores holding one
+    mapped: Future[Any] | None = None  #: the current mapping's map job; None: unmapped
+    fences: list[Any] = field(default_factory=list)  #: events the next unmap waits for
+    captured: int = 0  #: members whose graphs are captured (build time)
+
+
+class RemapSlots(Residency):
+    """Slots backed only while a forward writes them or a backward reads them.
+
+    Slots live in units (:class:`RemapUnit`): a unit is mapped when a forward or restore
+    first needs one of its slots, stays mapped while the pass moves through its members,
+    and is unmapped after the last of them (in that pass's direction) is done with it.
+    Driver calls run on one serialised worker thread (:class:`DriverWorker`), never
+    inside a capture or a host callback. Unmapped pages go to a free list that the next
+    unit of that size maps again, so a step costs a map, an access grant and an unmap per
+    unit and pass; backing is created only when the free list is empty, and everything is
+    unmapped and released whenever nothing is in flight, so between steps remap holds no
+    device memory.
+
+    A mapping can outlive one member's use of it, so each slot is fenced as a bank is: a
+    forward rewrites it only after its previous copy out, a restore only after the
+    backward graph that last read it.
     """
 
     offload_call = "offload:remap"
 
-    def __init__(self, engine: OffloadEngine) -> None:
+    def __init__(self, engine: OffloadEngine, unit_bytes: int) -> None:
         super().__init__(engine)
+        self.unit_bytes = unit_bytes
         self.worker = DriverWorker(self.backend)
+        self.units: list[RemapUnit] = []
+        self._open: RemapUnit | None = None  # the unit new slots are packed into (build)
+        self._current: RemapUnit | None = None  # the unit the latest pass went to
+        self._lingering: set[RemapUnit] = set()  # mapped, unused, the pass may come back
         self._spare: dict[int, list[Allocation]] = {}  # unmapped pages by size (worker only)
         self._prefetched: set[int] = set()  # groups whose next forward's map is queued
+        self._holder: dict[int, Ticket] = {}  # group index -> restore its backward awaits
+        self._d2h: dict[int, Any] = {}  # group index -> its slot's last copy out
+        self._read: dict[int, Any] = {}  # group index -> last backward graph that read it
 
     @staticmethod
-    def _res(g: OffloadGroup) -> Reservation:
-        assert g.reservation is not None  # placed at allocate
-        return g.reservation
+    def _unit(g: OffloadGroup) -> RemapUnit:
+        assert g.unit is not None  # placed at allocate
+        return g.unit
+
+    # -- build ---------------------------------------------------------------------------
 
     def place(self, g: OffloadGroup, bank_index: int) -> Reservation:
-        res, _ = self.backend.reserve_mapped(g.slot_bytes)
-        return res
+        b, gran = self.backend, self.backend.granularity
+        u = self._open
+        off = 0 if u is None else align_up(u.used, _ALIGN)
+        if u is None or off + g.nbytes > u.reservation.size:
+            u = RemapUnit(b.reserve(max(align_up(g.nbytes, gran), align_up(self.unit_bytes, gran))))
+            self.units.append(u)
+            self._open, off = u, 0
+        end = align_up(off + g.nbytes, gran)
+        if end > u.size:  # mapped for the capture; unmapped once every member is captured
+            b.map_new(u.reservation, u.size, end - u.size)
+            u.size = end
+        u.used = off + g.nbytes
+        u.members.append(g)
+        g.unit, g.slot_offset = u, off
+        return u.reservation
 
     def captured(self, g: OffloadGroup) -> None:
-        # Between steps a remap slot holds no memory; a forward maps it when needed.
-        self.backend.synchronize()
-        self.backend.unmap_release(self._res(g), 0)
+        u = self._unit(g)
+        if self._open is u:
+            self._open = None  # its mapping is going: nothing more is packed into it
+        u.captured += 1
+        if u.captured == len(u.members):
+            # Between steps a remap unit holds no memory; a pass maps it when needed.
+            self.backend.synchronize()
+            for off in sorted(u.reservation.mappings):
+                self.backend.unmap_release(u.reservation, off)
+
+    # -- passes --------------------------------------------------------------------------
+
+    def _map_job(self, u: RemapUnit) -> Future[Any]:
+        """``u``'s map job, queued unless ``u`` is mapped or queued; the pass is at ``u``."""
+        if u.mapped is None:
+            res, size = u.reservation, u.size
+            u.mapped = self.worker.submit(lambda: self._map(res, size))
+            self.engine.stats["remaps"] += 1
+        if u is not self._current:
+            self._current = u
+            self._unmap_lingering()  # the pass left them
+        return u.mapped
+
+    def _hold(self, u: RemapUnit) -> None:
+        u.users += 1
+        self._lingering.discard(u)
+
+    def _let_go(self, u: RemapUnit, fence: Any, last: bool) -> None:
+        """One use of ``u`` ends before ``fence``; ``last``: no member after it in this pass."""
+        u.users -= 1
+        if fence is not None:
+            u.fences.append(fence)
+        if u.users == 0 and u.mapped is not None:
+            if last or u is not self._current:
+                self._unmap(u)
+            else:
+                self._lingering.add(u)
+
+    def _unmap(self, u: RemapUnit) -> None:
+        res, fences = u.reservation, u.fences
+        u.mapped, u.fences = None, []
+        self._lingering.discard(u)
+        self.worker.submit(lambda: self._unmap_after(res, fences))
+
+    def _unmap_lingering(self) -> None:
+        busy = {id(self.engine.groups[i].unit) for i in self._prefetched}
+        for u in list(self._lingering):
+            if u is not self._current and id(u) not in busy:
+                self._unmap(u)
+
+    def _failed(self, u: RemapUnit, job: Future[Any]) -> None:
+        if u.mapped is job:
+            u.mapped = None  # nothing is mapped: the next use queues a new map
 
     def prefetch_forward(self, g: OffloadGroup) -> None:
-        if g._mapped_for_forward is not None:
-            return
-        res, size = self._res(g), g.slot_bytes
-        g._mapped_for_forward = self.worker.submit(lambda: self._map(res, size))
+        self._map_job(self._unit(g))
         self._prefetched.add(g.index)
 
     def before_forward(self, g: OffloadGroup) -> None:
-        self.prefetch_forward(g)
-        job, g._mapped_for_forward = g._mapped_for_forward, None
+        held = self._holder.get(g.index)
+        if held is not None:
+            raise StateError(f"offload group {g.name}: its slot holds activations restored for "
+                             f"microbatch {held.microbatch} whose backward has not run; a forward "
+                             "cannot overwrite them")
+        u = self._unit(g)
         self._prefetched.discard(g.index)
-        assert job is not None
-        job.result()
+        job = self._map_job(u)
+        try:
+            job.result()
+        except BaseException:
+            self._failed(u, job)
+            raise
+        self._hold(u)
+        d2h = self._d2h.get(g.index)
+        if d2h is not None:  # the unit may have stayed mapped since this slot's last copy out
+            b = self.backend
+            b.wait_event(b.current_stream(), d2h)
 
     def after_offload(self, g: OffloadGroup, t: Ticket) -> None:
-        res, ev = self._res(g), t.d2h_done
-        self.worker.submit(lambda: self._unmap_after(res, ev))
+        u = self._unit(g)
+        self._d2h[g.index] = t.d2h_done
+        self._let_go(u, t.d2h_done, last=g is u.members[-1])
+
+    def can_restore(self, t: Ticket) -> bool:
+        held = self._holder.get(t.group.index)
+        return held is None or held is t
 
     def restore(self, t: Ticket, copy_in: Callable[[Any], None]) -> None:
-        res, size = self._res(t.group), t.group.slot_bytes
-        eng = self.engine
+        g = t.group
+        held = self._holder.get(g.index)
+        if held is not None and held is not t:
+            raise StateError(f"offload group {g.name}: its slot still holds the restore of "
+                             f"microbatch {held.microbatch}")
+        u = self._unit(g)
+        mapped = self._map_job(u)
+        self._hold(u)
+        self._holder[g.index] = t
+        eng, read = self.engine, self._read.get(g.index)
 
         def job() -> None:
-            self._map(res, size)
-            eng.stats["remaps"] += 1
-            self.backend.wait_event(eng.h2d_stream, t.d2h_done)
-            copy_in(eng.h2d_stream)
+            mapped.result()  # queued before this job, so done; raises if the map failed
+            s = eng.h2d_stream
+            if read is not None:
+                self.backend.wait_event(s, read)  # the backward that last read the slot
+            self.backend.wait_event(s, t.d2h_done)  # this activation's own trip to the host
+            copy_in(s)
 
-        t.restore_job = self.worker.submit(job)
+        t.restore_job, t.map_job = self.worker.submit(job), mapped
 
     def restored(self, t: Ticket) -> None:
-        if t.restore_job is not None:
-            job, t.restore_job = t.restore_job, None
+        if t.restore_job is None:
+            return
+        job, mapped, t.restore_job, t.map_job = t.restore_job, t.map_job, None, None
+        try:
             job.result()
+        except BaseException:
+            g = t.group
+            u = self._unit(g)
+            if mapped is not None:
+                self._failed(u, mapped)
+            self._holder.pop(g.index, None)
+            self._let_go(u, None, last=False)  # the hold ends; nothing was copied in
+            raise
 
-    def free(self, g: OffloadGroup, done: Any) -> None:
-        res = self._res(g)
-        self.worker.submit(lambda: self._unmap_after(res, done))
+    def free(self, g: OffloadGroup, done: Any, backward: bool) -> None:
+        u = self._unit(g)
+        if backward:
+            self._holder.pop(g.index, None)
+            self._read[g.index] = done
+        else:
+            self._d2h[g.index] = done  # an evaluation forward wrote it: the same fence
+        self._let_go(u, done, last=g is (u.members[0] if backward else u.members[-1]))
         self.release_spare_when_idle()
 
     def abandon(self, g: OffloadGroup, t: Ticket, prev: State) -> None:
         if prev in (State.RESTORING, State.RESTORED):
-            self.engine._free_slot(g)  # the slot is mapped for it: unmap the pages
+            self.engine._free_slot(g, backward=True)  # its restore holds the unit
         else:
             self.release_spare_when_idle()
 
     def release_spare_when_idle(self) -> None:
         """Nothing in flight and no forward's map queued (an evaluation forward's next
-        layer would take the pages straight back): give the free list back, queued after
-        every unmap, so it runs once they are done."""
+        layer would take the pages straight back): unmap what lingers and give the free
+        list back, queued after every unmap, so it runs once they are done."""
         if not self.engine._pending and not self._prefetched:
+            for u in list(self._lingering):
+                self._unmap(u)
+            self._current = None
             self.worker.submit(self._release_spare)
 
     def drain(self) -> None:
@@ -751,11 +902,12 @@ class RemapSlots(Residency):
         self.worker.close()
         self._release_spare()  # the worker is gone: nobody else touches the free list
         b = self.backend
-        for g in self.engine.groups:
-            if g.reservation is not None:
-                for off in list(g.reservation.mappings):
-                    b.unmap_release(g.reservation, off)
-                b.free(g.reservation)
+        for u in self.units:
+            for off in sorted(u.reservation.mappings):
+                b.unmap_release(u.reservation, off)
+            b.free(u.reservation)
+        self.units.clear()
+        self._lingering.clear()
 
     # -- on the worker thread ------------------------------------------------------------
 
@@ -777,8 +929,9 @@ class RemapSlots(Residency):
             spare.append(alloc)
             raise
 
-    def _unmap_after(self, res: Reservation, event: Any) -> None:
-        self.worker.wait_event(event)  # an event wait before unmapping what a kernel may touch
+    def _unmap_after(self, res: Reservation, events: list[Any]) -> None:
+        for ev in events:  # an event wait before unmapping what a kernel may touch
+            self.worker.wait_event(ev)
         m = res.mapping_at(0)
         if m is None:
             raise StateError(f"offload engine: nothing is mapped at the slot 0x{res.va:x} to unmap")
@@ -801,21 +954,27 @@ class OffloadEngine:
         backend: the device backend.
         mode: :class:`Mode` (``"resident"`` or ``"remap"``; ``"off"`` makes no slots).
         min_bytes: saved tensors smaller than this stay on the device (in a device stash).
+        remap_unit_bytes: remap mode packs the slots of consecutive groups into one
+            mapping of up to this many bytes, so small layers share their driver calls
+            (0: a mapping per slot). At most this much more device memory is mapped at
+            once than with a mapping per slot.
         debug_checksums: record a checksum of every offloaded activation and verify it
             after restore (slow: host synchronisations; for tests and debugging).
 
     Raises:
-        UsageError: an unknown mode or a negative ``min_bytes``.
+        UsageError: an unknown mode, a negative ``min_bytes`` or ``remap_unit_bytes``.
     """
 
     def __init__(self, backend: Backend, mode: Mode | str = Mode.RESIDENT, *, min_bytes: int = 0,
-                 debug_checksums: bool = False) -> None:
+                 remap_unit_bytes: int = REMAP_UNIT_BYTES, debug_checksums: bool = False) -> None:
         try:
             self.mode = Mode(mode)
         except ValueError:
             raise UsageError(f"unknown offload mode {mode!r}; choose off, resident or remap") from None
         if min_bytes < 0:
             raise UsageError(f"min_bytes must be >= 0, got {min_bytes}")
+        if isinstance(remap_unit_bytes, bool) or not isinstance(remap_unit_bytes, int) or remap_unit_bytes < 0:
+            raise UsageError(f"remap_unit_bytes must be an integer >= 0, got {remap_unit_bytes!r}")
         self.backend = backend
         self.min_bytes = min_bytes
         self.debug_checksums = debug_checksums
@@ -825,7 +984,8 @@ class OffloadEngine:
         self._pending: dict[tuple[int, int], Ticket] = {}  # (group index, microbatch) -> ticket
         #: where slots live between forward and backward (None: mode off, no slots)
         self.residency: Residency | None = (ResidentBanks(self) if self.mode is Mode.RESIDENT else
-                                            RemapSlots(self) if self.mode is Mode.REMAP else None)
+                                            RemapSlots(self, remap_unit_bytes) if self.mode is Mode.REMAP
+                                            else None)
         self.stats: Counter[str] = Counter()
         #: a :class:`graphslot.trace.Timeline` to record copy spans on, or None
         self.timeline: Any = None
@@ -998,7 +1158,7 @@ class OffloadEngine:
         assert t.stash is not None  # offloaded at after_forward
         g._give_stash(t.stash, t.restore_done)
         t.stash = None
-        self._free_slot(g)
+        self._free_slot(g, backward=True)
 
     def forget(self, t: Ticket) -> None:
         """A forward replay that no backward will follow (evaluation): drop its ticket.
@@ -1007,12 +1167,12 @@ class OffloadEngine:
         """
         g = self._retire(t, "forget")
         if not g.empty:
-            self._free_slot(g)
+            self._free_slot(g, backward=False)
 
-    def _free_slot(self, g: OffloadGroup) -> None:
+    def _free_slot(self, g: OffloadGroup, backward: bool) -> None:
         """The slot's last user so far is queued: the residency lets it go after that."""
         b = self.backend
-        self._slots().free(g, b.record_event(b.new_event()))
+        self._slots().free(g, b.record_event(b.new_event()), backward)
 
     # -- inspection ----------------------------------------------------------------------
 

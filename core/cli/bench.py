@@ -442,12 +442,13 @@ def _memory_step(b: Backend, fwd: Callable[[], torch.Tensor], gy: torch.Tensor, 
     fills ``breakdown`` (:func:`memory_breakdown` after the backward)."""
 
     def in_use() -> int:
-        # Bytes held, not reserved: what the allocator hands out plus graphslot's pages.
+        # Bytes held, not reserved: what the allocator hands out plus graphslot's pages
+        # (physical: remap's unmapped spare pages count until they are released).
         # The host allocator keeps no figure, so the cpu backend shows the driver's.
         a = b.allocator_stats()["allocated_bytes"]
         if a is None:
             return b.mem_info()[1] - b.mem_info()[0]
-        return a + b.ledger.mapped_bytes
+        return a + b.ledger.allocated_bytes
 
     def probe(label: str) -> None:
         b.synchronize()
@@ -502,7 +503,7 @@ def _memory_step(b: Backend, fwd: Callable[[], torch.Tensor], gy: torch.Tensor, 
     if stats["peak_reserved_bytes"] is None or before.allocator_reserved_bytes is None:
         return None, boundary  # this backend's allocator keeps no peak
     peak = (before.driver_used_bytes + (stats["peak_reserved_bytes"] - before.allocator_reserved_bytes)
-            + (b.ledger.peak_mapped_bytes - before.mapped_bytes))
+            + (b.ledger.peak_allocated_bytes - before.allocated_bytes))
     return peak, boundary
 
 
