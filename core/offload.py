@@ -677,6 +677,7 @@ class RemapUnit:
     """
 
     reservation: Reservation
+    limit: int  #: bytes of slots it may take: the unit target, or its one larger slot
     members: list[OffloadGroup] = field(default_factory=list)
     used: int = 0  #: bytes placed (slots packed at the saved-tensor alignment)
     size: int = 0  #: bytes one mapping covers (granular)
@@ -731,8 +732,9 @@ class RemapSlots(Residency):
         b, gran = self.backend, self.backend.granularity
         u = self._open
         off = 0 if u is None else align_up(u.used, _ALIGN)
-        if u is None or off + g.nbytes > u.reservation.size:
-            u = RemapUnit(b.reserve(max(align_up(g.nbytes, gran), align_up(self.unit_bytes, gran))))
+        if u is None or off + g.nbytes > u.limit:
+            limit = max(g.nbytes, self.unit_bytes)
+            u = RemapUnit(b.reserve(align_up(limit, gran)), limit)
             self.units.append(u)
             self._open, off = u, 0
         end = align_up(off + g.nbytes, gran)
@@ -844,13 +846,20 @@ class RemapSlots(Residency):
         self._holder[g.index] = t
         eng, read = self.engine, self._read.get(g.index)
 
-        def job() -> None:
-            mapped.result()  # queued before this job, so done; raises if the map failed
+        def copy() -> None:
             s = eng.h2d_stream
             if read is not None:
                 self.backend.wait_event(s, read)  # the backward that last read the slot
             self.backend.wait_event(s, t.d2h_done)  # this activation's own trip to the host
             copy_in(s)
+
+        if mapped.done() and mapped.exception() is None:
+            copy()  # the unit is mapped (an earlier member's restore): no worker round trip
+            return
+
+        def job() -> None:
+            mapped.result()  # queued before this job, so done; raises if the map failed
+            copy()
 
         t.restore_job, t.map_job = self.worker.submit(job), mapped
 

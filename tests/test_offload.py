@@ -231,9 +231,9 @@ def test_remap_reuses_its_pages_within_a_step_and_holds_none_between_steps(engin
     # unit_layers slots fit a unit (each slot is placed at the saved-tensor alignment)
     unit = 0 if unit_layers == 1 else unit_layers * (slot + 256)
     stack = graphed(model, b, "remap", remap_unit_bytes=unit)
-    units = stack.engine.residency.units
-    assert len(units) == layers // unit_layers and all(len(u.members) == unit_layers for u in units)
     try:
+        units = stack.engine.residency.units
+        assert len(units) == layers // unit_layers and all(len(u.members) == unit_layers for u in units)
         def step() -> None:
             model(*model.batch(0, b.device)).backward()
             stack.engine.settle()
