@@ -27,18 +27,18 @@ def _median_us(xs: list[int]) -> float:
 
 
 def vmm_costs(b: graphslot.Backend, size: int, reps: int) -> dict[str, dict[str, float]]:
-    """Median microseconds per call, raw primitive and checked public method."""
+    """Median microseconds per call, raw driver call and checked public method."""
     raw: dict[str, list[int]] = {op: [] for op in OPS}
     checked: dict[str, list[int]] = {op: [] for op in OPS}
-    res = b.reserve(size)
+    res, d = b.reserve(size), b.driver
     try:
         for _ in range(reps + 2):  # two warm-up rounds are dropped below
             t = time.perf_counter_ns
-            t0 = t(); h = b._create(size); t1 = t()
-            b._map(res.va, size, h); t2 = t()
-            b._set_access(res.va, size); t3 = t()
-            b._unmap(res.va, size); t4 = t()
-            b._release(h); t5 = t()
+            t0 = t(); h = d.create(size); t1 = t()
+            d.map(res.va, size, h); t2 = t()
+            d.set_access(res.va, size); t3 = t()
+            d.unmap(res.va, size); t4 = t()
+            d.release(h); t5 = t()
             for op, d in zip(OPS, (t1 - t0, t2 - t1, t3 - t2, t4 - t3, t5 - t4)):
                 raw[op].append(d)
             t0 = t(); a = b.create(size); t1 = t()

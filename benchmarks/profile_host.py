@@ -37,13 +37,13 @@ def main() -> None:
     x = torch.randn(shape.batch, shape.seq, shape.hidden, device=b.device, dtype=shape.dtype,
                     requires_grad=True)
     gy = torch.randn_like(x)
-    # Wall time inside each raw driver primitive, on whichever thread calls it (remap runs
+    # Wall time inside each raw driver call, on whichever thread calls it (remap runs
     # them on its worker thread, which cProfile does not see).
     spent: collections.Counter[str] = collections.Counter()
     calls: collections.Counter[str] = collections.Counter()
 
     def timed(name: str) -> None:
-        fn = getattr(b, name)
+        fn = getattr(b.driver, name)
 
         def wrapper(*a: object) -> object:
             t = time.perf_counter()
@@ -52,9 +52,9 @@ def main() -> None:
             finally:
                 spent[name] += time.perf_counter() - t
                 calls[name] += 1
-        setattr(b, name, wrapper)
+        setattr(b.driver, name, wrapper)
 
-    for name in ("_create", "_release", "_map", "_unmap", "_set_access", "_event_synchronize"):
+    for name in ("create", "release", "map", "unmap", "set_access"):
         timed(name)
     for mode in args.modes:
         stack = GraphedLayers(layers, x, mode=mode, backend=b)

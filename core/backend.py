@@ -1,16 +1,22 @@
 """The device-neutral backend interface.
 
-A :class:`Backend` is one device reached through one vendor's virtual-memory API.
-It has two layers in one class:
+A :class:`Backend` is one device reached through one vendor's APIs, in two layers:
 
-* **Public, checked methods** (``reserve``, ``create``, ``map`` ...). They validate
-  every argument against graphslot's own ledger, refuse driver calls during graph
-  capture, serialise driver work behind one lock, count calls, and turn a driver's
-  failure into a :class:`~graphslot.errors.DriverError` that says what was being done.
-  Everything else in graphslot (slots, the offload engine, the planner) uses only these.
-* **Raw primitives** (``_reserve``, ``_create``, ``_map`` ...), about twenty of them,
-  which a backend implements. They receive arguments that are already valid and only
-  talk to the driver. They raise ``DriverError`` with the driver's error name and code.
+* **A VMM driver** (:class:`VmmDriver`): the nine raw virtual-memory calls a vendor
+  implements (granularity, reserve, free, create, release, map, unmap, set access,
+  memory info). They receive arguments that are already valid, only talk to the driver,
+  and raise ``DriverError`` with the driver's error name and code.
+* **The checked layer** (``reserve``, ``create``, ``map`` ...), the same class for every
+  vendor. It validates every argument against graphslot's own ledger, refuses driver
+  calls during graph capture, serialises driver work behind one lock, counts calls,
+  plants injected faults, rolls transactions back and turns a driver's failure into a
+  :class:`~graphslot.errors.DriverError` that says what was being done. Everything else
+  in graphslot (slots, the offload engine, the planner) uses only these.
+
+Streams and events are the framework's own objects with torch's method names
+(``Stream.wait_event``, ``Event.record``, ``query``, ``synchronize``, ``elapsed_time``) on
+every backend; a backend supplies how to make them, copies, tensors over raw addresses
+and graphs.
 
 Virtual memory follows the CUDA/MUSA driver model: reserve a VA range, create physical
 backing, map backing at an offset of the range, grant access; later unmap (the VA stays
@@ -27,7 +33,7 @@ import time
 import weakref
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, ContextManager, Iterator, Sequence, TypeVar
+from typing import TYPE_CHECKING, Any, Callable, ContextManager, Iterator, Protocol, Sequence, TypeVar
 
 from .errors import DriverError, InjectedFault, StateError, UsageError
 from .sizes import format_bytes, view_extent
@@ -43,7 +49,7 @@ __all__ = [
     "Ledger",
     "FaultPlan",
     "Transaction",
-    "TorchEventMixin",
+    "VmmDriver",
     "DeviceGraph",
     "align_up",
     "no_gc",
@@ -331,34 +337,60 @@ class DeviceGraph(abc.ABC):
 # --------------------------------------------------------------------------- backend
 
 
-class TorchEventMixin:
-    """Event primitives for backends whose streams and events follow torch's
-    ``Stream``/``Event`` protocol (``record``, ``wait_event``, ``query``, ...)."""
+class VmmDriver(Protocol):
+    """The raw virtual-memory calls one vendor implements (the CUDA/MUSA driver model).
 
-    def _record(self, event: Any, stream: Any) -> None:
-        event.record(stream)
+    Arguments are already checked by :class:`Backend` (sizes granular, ranges inside a
+    live reservation, nothing mapped twice), and calls arrive one at a time. Each raises
+    :class:`~graphslot.errors.DriverError` (with an empty ``op``) naming the driver call,
+    its error name and code.
+    """
 
-    def _wait(self, stream: Any, event: Any) -> None:
-        stream.wait_event(event)
+    def granularity(self) -> int:
+        """The allocation granularity in bytes: sizes and offsets are multiples of it."""
 
-    def query_event(self, event: Any) -> bool:
-        return bool(event.query())
+    def reserve(self, size: int, alignment: int) -> int:
+        """Reserve ``size`` bytes of address space (aligned to ``alignment`` when nonzero)."""
 
-    def _event_synchronize(self, event: Any) -> None:
-        event.synchronize()
+    def free(self, va: int, size: int) -> None:
+        """Give a reservation with nothing mapped in it back."""
 
-    def elapsed_ms(self, start: Any, end: Any) -> float:
-        return float(start.elapsed_time(end))
+    def create(self, size: int) -> Any:
+        """Create ``size`` bytes of physical backing; returns the vendor's handle."""
 
+    def release(self, handle: Any) -> None:
+        """Return unmapped physical backing to the driver."""
+
+    def map(self, va: int, size: int, handle: Any) -> None:
+        """Map all of ``handle``'s ``size`` bytes at ``va`` (not yet accessible)."""
+
+    def unmap(self, va: int, size: int) -> None:
+        """Unmap ``[va, va + size)``; the address range stays reserved."""
+
+    def set_access(self, va: int, size: int) -> None:
+        """Let the device read and write ``[va, va + size)`` (needed after every map)."""
+
+    def mem_info(self) -> tuple[int, int]:
+        """``(free, total)`` bytes of device memory."""
 
 
 class Backend(abc.ABC):
-    """One device reached through one vendor's VMM, stream and event API."""
+    """One device reached through one vendor's VMM driver, streams and events.
+
+    Args:
+        driver: the vendor's raw VMM calls; a backend that must set the device up first
+            may pass None here and assign :attr:`driver` before the first driver call.
+    """
 
     #: short name used by ``GRAPHSLOT_BACKEND`` ("cpu", "cuda", "musa").
     name: str = "abstract"
 
-    def __init__(self) -> None:
+    #: the raw VMM calls; only this class's checked methods call them
+    driver: VmmDriver
+
+    def __init__(self, driver: VmmDriver | None = None) -> None:
+        if driver is not None:
+            self.driver = driver
         self.ledger = Ledger()
         self.faults = FaultPlan()
         #: driver calls and host synchronisations made through this backend, by name.
@@ -369,35 +401,9 @@ class Backend(abc.ABC):
         self.pinned_bytes = 0
         self._pinned_lock = threading.Lock()
 
-    # ------------------------------------------------------------------ raw primitives
-    # Implemented by each backend. Arguments are already validated.
-
-    @abc.abstractmethod
-    def _granularity_bytes(self) -> int: ...
-
-    @abc.abstractmethod
-    def _reserve(self, size: int, alignment: int) -> int: ...
-
-    @abc.abstractmethod
-    def _free(self, va: int, size: int) -> None: ...
-
-    @abc.abstractmethod
-    def _create(self, size: int) -> Any: ...
-
-    @abc.abstractmethod
-    def _release(self, handle: Any) -> None: ...
-
-    @abc.abstractmethod
-    def _map(self, va: int, size: int, handle: Any) -> None: ...
-
-    @abc.abstractmethod
-    def _unmap(self, va: int, size: int) -> None: ...
-
-    @abc.abstractmethod
-    def _set_access(self, va: int, size: int) -> None: ...
-
-    @abc.abstractmethod
-    def _mem_info(self) -> tuple[int, int]: ...
+    # ------------------------------------------------------------------ what a backend supplies
+    # Besides :attr:`driver`: capture state, streams and events (torch's protocol), copies,
+    # tensors over raw addresses, graphs. Arguments are already validated.
 
     @abc.abstractmethod
     def _is_capturing(self) -> bool: ...
@@ -418,22 +424,22 @@ class Backend(abc.ABC):
     def new_event(self, timing: bool = False) -> Any:
         """A new event; ``timing=True`` lets :meth:`elapsed_ms` read it."""
 
-    @abc.abstractmethod
-    def _record(self, event: Any, stream: Any) -> None: ...
+    def _record(self, event: Any, stream: Any) -> None:
+        event.record(stream)
 
-    @abc.abstractmethod
-    def _wait(self, stream: Any, event: Any) -> None: ...
+    def _wait(self, stream: Any, event: Any) -> None:
+        stream.wait_event(event)
 
-    @abc.abstractmethod
     def query_event(self, event: Any) -> bool:
         """True when all work before the event's last record has finished."""
+        return bool(event.query())
 
-    @abc.abstractmethod
-    def _event_synchronize(self, event: Any) -> None: ...
+    def _event_synchronize(self, event: Any) -> None:
+        event.synchronize()
 
-    @abc.abstractmethod
     def elapsed_ms(self, start: Any, end: Any) -> float:
         """Milliseconds between two recorded timing events."""
+        return float(start.elapsed_time(end))
 
     @abc.abstractmethod
     def _copy(self, dst: torch.Tensor, src: torch.Tensor, stream: Any) -> None: ...
@@ -465,10 +471,6 @@ class Backend(abc.ABC):
         """
 
     @abc.abstractmethod
-    def spin(self, seconds: float, stream: Any = None) -> None:
-        """Queue about ``seconds`` of busy work on ``stream`` (tests use it to slow a stream)."""
-
-    @abc.abstractmethod
     def describe(self) -> dict[str, Any]:
         """Device name, VMM support and versions: ``{"device", "vmm_supported", "versions"}``."""
 
@@ -479,7 +481,7 @@ class Backend(abc.ABC):
 
     # ------------------------------------------------------------------ helpers
 
-    def _driver(self, op: str, desc: str, fn: Callable[..., T], *args: Any) -> T:
+    def _call(self, op: str, desc: str, fn: Callable[..., T], *args: Any) -> T:
         """Run one raw VMM call: fault plan, capture guard, counting, error context."""
         if self._is_capturing():
             raise StateError(f"{desc}: driver call {op} refused during graph capture; "
@@ -529,7 +531,7 @@ class Backend(abc.ABC):
     def granularity(self) -> int:
         """Allocation granularity in bytes: sizes and offsets must be multiples of it."""
         if self._granularity is None:
-            self._granularity = int(self._granularity_bytes())
+            self._granularity = int(self.driver.granularity())
         return self._granularity
 
     def reserve(self, size: int, alignment: int = 0) -> Reservation:
@@ -538,8 +540,8 @@ class Backend(abc.ABC):
         if alignment < 0 or (alignment and (alignment & (alignment - 1))):
             raise UsageError(f"reserve: alignment must be 0 or a power of two, got {alignment}")
         with self._lock:
-            va = self._driver("reserve", f"reserve {_fmt(size)} of address space",
-                              self._reserve, size, alignment)
+            va = self._call("reserve", f"reserve {_fmt(size)} of address space",
+                            self.driver.reserve, size, alignment)
             res = Reservation(va, size)
             self.ledger.reservations[va] = res
             return res
@@ -552,8 +554,8 @@ class Backend(abc.ABC):
                 offs = ", ".join(str(o) for o in sorted(res.mappings))
                 raise UsageError(f"free: reservation at 0x{res.va:x} still has mappings at "
                                  f"offset(s) {offs}; unmap them first")
-            self._driver("free", f"free the {_fmt(res.size)} reservation at 0x{res.va:x}",
-                         self._free, res.va, res.size)
+            self._call("free", f"free the {_fmt(res.size)} reservation at 0x{res.va:x}",
+                       self.driver.free, res.va, res.size)
             res.freed = True
             del self.ledger.reservations[res.va]
 
@@ -561,8 +563,8 @@ class Backend(abc.ABC):
         """Create ``size`` bytes of physical backing on the device."""
         self._check_size("create", size)
         with self._lock:
-            handle = self._driver("create", f"create {_fmt(size)} of physical memory",
-                                  self._create, size)
+            handle = self._call("create", f"create {_fmt(size)} of physical memory",
+                                self.driver.create, size)
             alloc = Allocation(size, handle)
             self.ledger._on_create(alloc)
             return alloc
@@ -577,8 +579,8 @@ class Backend(abc.ABC):
             if alloc.mapped_at:
                 where = ", ".join(f"0x{va + off:x}" for va, off in sorted(alloc.mapped_at))
                 raise UsageError(f"release: {alloc!r} is still mapped at {where}; unmap first")
-            self._driver("release", f"release {_fmt(alloc.size)} of physical memory",
-                         self._release, alloc.handle)
+            self._call("release", f"release {_fmt(alloc.size)} of physical memory",
+                       self.driver.release, alloc.handle)
             alloc.released = True
             self.ledger._on_release(alloc)
 
@@ -596,8 +598,8 @@ class Backend(abc.ABC):
                         f"0x{res.va:x} overlaps the mapping at offset {m.offset} "
                         f"({_fmt(m.size)}); unmap it first")
             va = res.va + offset
-            self._driver("map", f"map {_fmt(alloc.size)} at 0x{va:x}",
-                         self._map, va, alloc.size, alloc.handle)
+            self._call("map", f"map {_fmt(alloc.size)} at 0x{va:x}",
+                       self.driver.map, va, alloc.size, alloc.handle)
             res.mappings[offset] = Mapping(offset, alloc.size, alloc)
             alloc.mapped_at.add((res.va, offset))
             self.ledger._on_map(alloc.size)
@@ -610,8 +612,8 @@ class Backend(abc.ABC):
             self._range(res, offset, size, "set_access")
             covered = self._mappings_in(res, offset, size, "set_access")
             va = res.va + offset
-            self._driver("set_access", f"set read/write access on {_fmt(size)} at 0x{va:x}",
-                         self._set_access, va, size)
+            self._call("set_access", f"set read/write access on {_fmt(size)} at 0x{va:x}",
+                       self.driver.set_access, va, size)
             for m in covered:
                 m.accessible = True
 
@@ -627,7 +629,7 @@ class Backend(abc.ABC):
             self._range(res, offset, size, "unmap")
             covered = self._mappings_in(res, offset, size, "unmap")
             va = res.va + offset
-            self._driver("unmap", f"unmap {_fmt(size)} at 0x{va:x}", self._unmap, va, size)
+            self._call("unmap", f"unmap {_fmt(size)} at 0x{va:x}", self.driver.unmap, va, size)
             for m in covered:
                 del res.mappings[m.offset]
                 m.allocation.mapped_at.discard((res.va, m.offset))
@@ -693,7 +695,7 @@ class Backend(abc.ABC):
 
     def mem_info(self) -> tuple[int, int]:
         """Driver-level ``(free_bytes, total_bytes)`` of the device."""
-        return self._mem_info()
+        return self.driver.mem_info()
 
     def empty_cache(self) -> None:
         """Return the framework allocator's cached, unused blocks to the driver (if any)."""

@@ -13,7 +13,10 @@ import torch
 
 import graphslot
 from graphslot import align_up
+from graphslot.backend import VmmDriver
 from graphslot.errors import DriverError, InjectedFault, UsageError
+
+from devices import spin
 
 MiB = 1 << 20
 
@@ -156,7 +159,7 @@ def test_event_ordering_holds_while_one_copy_is_slowed(clean):
     dst = torch.zeros(n, dtype=torch.uint8, device=b.device)
     slow, fast = b.new_stream(), b.new_stream()
     b.wait_event(slow, b.record_event(b.new_event()))
-    b.spin(0.3, slow)  # artificially slow the first copy
+    spin(b, 0.3, slow)  # artificially slow the first copy
     b.copy_async(mid, src, slow)
     first = b.record_event(b.new_event(), slow)
     assert not b.query_event(first), "the slowed stream finished too early to test ordering"
@@ -173,7 +176,7 @@ def test_timing_events_measure_queued_work(clean):
     s = b.new_stream()
     a, e = b.new_event(timing=True), b.new_event(timing=True)
     b.record_event(a, s)
-    b.spin(0.05, s)
+    spin(b, 0.05, s)
     b.record_event(e, s)
     b.synchronize_event(e)
     assert 30 <= b.elapsed_ms(a, e) < 2000
@@ -410,6 +413,24 @@ def test_faults_can_be_delayed(clean):
 
 
 # --------------------------------------------------------------------------- info and counters
+
+
+def test_the_driver_speaks_the_vmm_protocol_and_streams_and_events_torchs_names(backend):
+    """One checked layer over every vendor: the backend's driver has each raw VMM call,
+    and its streams and events answer to torch's method names (no per-vendor wrapper)."""
+    calls = sorted(n for n in VmmDriver.__dict__ if not n.startswith("_"))
+    assert calls == ["create", "free", "granularity", "map", "mem_info", "release", "reserve",
+                     "set_access", "unmap"]
+    missing = [n for n in calls if not callable(getattr(backend.driver, n, None))]
+    assert not missing, f"{type(backend.driver).__name__} lacks {missing}"
+    assert backend.driver.granularity() == backend.granularity
+    s, e, f = backend.new_stream(), backend.new_event(timing=True), backend.new_event(timing=True)
+    e.record(s)
+    s.wait_event(e)
+    f.record(s)
+    f.synchronize()
+    assert e.query() and f.query() and e.elapsed_time(f) >= 0
+    assert backend.elapsed_ms(e, f) == e.elapsed_time(f)
 
 
 def test_info_reports_required_keys(backend):

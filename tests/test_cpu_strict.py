@@ -149,7 +149,7 @@ def test_a_freed_range_stays_inaccessible(b):
 def test_the_quarantine_is_a_bounded_fifo():
     q = Quarantine(max_ranges=3, max_bytes=1 << 40)
     g = cpu.PAGE
-    vas = [CpuBackend()._reserve(g, 0) for _ in range(5)]
+    vas = [CpuBackend().driver.reserve(g, 0) for _ in range(5)]
     for va in vas:
         q.add(va, g)
     assert len(q) == 3 and q.bytes == 3 * g
@@ -164,10 +164,10 @@ def test_the_quarantine_bounds_bytes_but_always_keeps_the_newest():
     g = cpu.PAGE
     q = Quarantine(max_ranges=100, max_bytes=4 * g)
     be = CpuBackend()
-    small = [be._reserve(g, 0) for _ in range(3)]
+    small = [be.driver.reserve(g, 0) for _ in range(3)]
     for va in small:
         q.add(va, g)
-    big = be._reserve(8 * g, 0)
+    big = be.driver.reserve(8 * g, 0)
     q.add(big, 8 * g)  # over the byte bound alone: the older ranges go, the newest stays
     assert len(q) == 1 and big in q and reserved_here(big)
     assert not any(reserved_here(va) for va in small)

@@ -1,9 +1,9 @@
 """graphslot's checked Backend layer over the musa driver layer and the libmusa test double.
 
-``StubMusaBackend`` takes its VMM primitives from the musa backend's ``MusaVmm`` mixin
-(so every reserve/create/map/... goes through ctypes into the stub libmusa) and its
-streams, events, copies and tensor views from the cpu backend, which works because
-the stub's "device" memory is host memory. This runs the real checked methods,
+``StubMusaBackend`` is the cpu backend with the musa backend's VMM driver,
+:class:`MusaDriver`, in place of its own (so every reserve/create/map/... goes through
+ctypes into the stub libmusa); streams, events, copies and tensor views stay the cpu
+backend's, which works because the stub's "device" memory is host memory. This runs the real checked methods,
 transactions and rollback against musa-shaped driver errors without torch_musa.
 """
 
@@ -22,28 +22,27 @@ import torch
 from graphslot.backend import Backend
 from graphslot.backends.cpu.backend import CpuBackend
 from graphslot.backends.musa.driver import MusaDriver
-from graphslot.backends.musa.vmm import MusaVmm
 from graphslot.errors import DriverError, InjectedFault, UsageError
 
 
 G = 64 * 1024
 
 
-class StubMusaBackend(MusaVmm, CpuBackend):
+class StubMusaBackend(CpuBackend):
     """Test-only: musa driver VMM (into the stub) + host-side torch parts from cpu."""
 
     name = "musa-stub"
 
     def __init__(self) -> None:
         CpuBackend.__init__(self)
-        self._drv = MusaDriver(0)
+        self.driver = MusaDriver(0)  # type: ignore[assignment]
 
 
 @pytest.fixture
 def be(stub: Any) -> Iterator[StubMusaBackend]:
     b = StubMusaBackend()
     yield b
-    b._drv.close()
+    b.driver.close()
 
 
 def clean(be: Backend, stub: Any) -> bool:
@@ -173,7 +172,7 @@ def test_musa_backend_class_is_complete(monkeypatch: pytest.MonkeyPatch) -> None
         assert mod.MusaBackend.__abstractmethods__ == frozenset()
         assert mod.MusaBackend.name == "musa"
         assert issubclass(mod.MusaBackend, Backend)
-        assert mod.MusaBackend._reserve is MusaVmm._reserve
+        assert mod.MusaBackend.__annotations__.get("driver") in ("MusaDriver", MusaDriver)
     finally:
         if not had:
             sys.modules.pop(name, None)

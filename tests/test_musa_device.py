@@ -17,6 +17,8 @@ import torch
 import graphslot.backends.musa as musa_pkg
 from graphslot.errors import StateError
 
+from devices import spin
+
 _WHY = musa_pkg.probe()
 pytestmark = pytest.mark.skipif(_WHY is not None, reason=f"musa backend unavailable: {_WHY}")
 
@@ -109,7 +111,7 @@ def test_async_copies_through_pinned_memory(be: Any) -> None:
 
 def test_events_and_spin(be: Any) -> None:
     with be.timed() as t:
-        be.spin(0.005)
+        spin(be, 0.005)
     assert t["device_ms"] > 0
 
 

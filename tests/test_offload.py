@@ -14,6 +14,7 @@ from graphslot.adapters.torch import GraphedLayers
 from graphslot.errors import CaptureMismatchError, InjectedFault, StateError, UsageError
 from graphslot.offload import TRANSITIONS, Mode, OffloadEngine, State
 from graphslot.cli.toy import GPTConfig, TinyGPT
+from devices import spin
 from stacks import graphed
 
 
@@ -57,7 +58,7 @@ def slow_copies(monkeypatch: pytest.MonkeyPatch, engine: OffloadEngine, seconds:
 
     def slowed(dst, src, stream=None):
         if stream is not None and stream in (engine.d2h_stream, engine.h2d_stream):
-            b.spin(seconds, stream)
+            spin(b, seconds, stream)
         return real(dst, src, stream)
 
     monkeypatch.setattr(b, "copy_async", slowed)
@@ -198,14 +199,14 @@ def test_remap_mode_releases_memory_and_runs_driver_calls_off_the_training_threa
     model, _ = small(b, 3)
     stack = graphed(model, b, "remap")
     threads: list[str] = []
-    real = b._map
+    real = b.driver.map
 
     def spy(*a):
         threads.append(threading.current_thread().name)
         return real(*a)
 
     try:
-        monkeypatch.setattr(b, "_map", spy)
+        monkeypatch.setattr(b.driver, "map", spy)
         syncs = b.counters["host_sync"]
         tokens, targets = model.batch(0, b.device)
         loss = model(tokens, targets)

@@ -103,6 +103,10 @@ class CpuStream:
             self._q.put(lambda: f.signal(self.error))
         return f
 
+    def wait_event(self, event: CpuEvent) -> None:
+        """Make future work on this stream wait for ``event`` (torch's ``Stream.wait_event``)."""
+        event.wait(self)
+
     def drain(self) -> None:
         """Block until everything queued so far has run (a host synchronisation)."""
         if self.inline:
@@ -137,7 +141,8 @@ class CpuEvent:
     def record(self, stream: CpuStream) -> None:
         self._fence = stream.fence()
 
-    def wait_on(self, stream: CpuStream) -> None:
+    def wait(self, stream: CpuStream) -> None:
+        """Make future work on ``stream`` wait for this event (torch's ``Event.wait``)."""
         f = self._fence
         if f is None:  # never recorded: nothing to wait for, as on a device
             return
@@ -159,11 +164,12 @@ class CpuEvent:
         if self._fence is not None:
             self._fence.wait()
 
-    def elapsed_ms(self, end: CpuEvent) -> float:
+    def elapsed_time(self, end: CpuEvent) -> float:
+        """Milliseconds from this event to ``end`` (torch's ``Event.elapsed_time``)."""
         if not (self.timing and end.timing):
-            raise ValueError("elapsed_ms needs two events created with timing=True")
+            raise ValueError("elapsed_time needs two events created with timing=True")
         if self._fence is None or end._fence is None:
-            raise ValueError("elapsed_ms needs both events recorded")
+            raise ValueError("elapsed_time needs both events recorded")
         self._fence.wait()
         end._fence.wait()
         return (end._fence.time - self._fence.time) * 1e3

@@ -1,13 +1,8 @@
-"""The cuda backend: driver VMM through cuda-python, streams/events/graphs through torch.cuda.
-
-Driver calls run in torch's current device's primary context, made current on each
-thread the first time that thread calls the driver (the offload engine's worker is
-such a thread).
-"""
+"""The cuda backend: driver VMM through cuda-python (:mod:`.driver`), streams, events,
+copies and graphs through torch.cuda."""
 
 from __future__ import annotations
 
-import threading
 from typing import Any, ContextManager, Iterator
 
 import contextlib
@@ -15,32 +10,11 @@ import contextlib
 import torch
 from cuda.bindings import driver as cu
 
-from graphslot.backend import Backend, DeviceGraph, TorchEventMixin, no_gc
+from graphslot.backend import Backend, DeviceGraph, no_gc
 from graphslot.errors import BackendUnavailableError, DriverError, UsageError
 from graphslot.regions import RegionGraph, RegionGraphBackend
 
-
-def _err_name(err: Any) -> str:
-    try:
-        res = cu.cuGetErrorName(err)
-        if res[0] == cu.CUresult.CUDA_SUCCESS and res[1]:
-            return res[1].decode()
-    except Exception:
-        pass
-    return getattr(err, "name", str(err))
-
-
-def _check(call: str, result: Any) -> Any:
-    """Unpack a cuda-python ``(CUresult, value...)`` tuple, raising DriverError on failure."""
-    if isinstance(result, tuple):
-        err, rest = result[0], result[1:]
-    else:
-        err, rest = result, ()
-    if err != cu.CUresult.CUDA_SUCCESS:
-        raise DriverError("", call, _err_name(err), int(err))
-    if not rest:
-        return None
-    return rest[0] if len(rest) == 1 else rest
+from .driver import CudaDriver, _check
 
 
 class _CudaArray:
@@ -52,10 +26,12 @@ class _CudaArray:
         }
 
 
-class CudaBackend(TorchEventMixin, Backend, RegionGraphBackend):
+class CudaBackend(Backend, RegionGraphBackend):
     """graphslot on an NVIDIA GPU."""
 
     name = "cuda"
+
+    driver: CudaDriver
 
     def __init__(self, device: int | None = None) -> None:
         super().__init__()
@@ -64,77 +40,11 @@ class CudaBackend(TorchEventMixin, Backend, RegionGraphBackend):
         torch.cuda.init()
         self._index = torch.cuda.current_device() if device is None else int(device)
         self._torch_device = torch.device("cuda", self._index)
-        _check("cuInit", cu.cuInit(0))
-        self._dev = _check("cuDeviceGet", cu.cuDeviceGet(self._index))
-        # torch's primary context: retain it so the driver API and torch share memory.
+        # torch's primary context first (the runtime creates it for a tensor), so the
+        # driver retains that very context and both share memory.
         with torch.cuda.device(self._index):
-            torch.empty(1, device=self._torch_device)  # makes the runtime create it
-        self._ctx = _check("cuDevicePrimaryCtxRetain", cu.cuDevicePrimaryCtxRetain(self._dev))
-        self._tls = threading.local()
-        self._vmm = bool(_check("cuDeviceGetAttribute", cu.cuDeviceGetAttribute(
-            cu.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED, self._dev)))
-        if not self._vmm:
-            raise BackendUnavailableError(
-                f"CUDA device {self._index} does not support virtual memory management "
-                "(CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED is 0)")
-        prop = cu.CUmemAllocationProp()
-        prop.type = cu.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
-        prop.location.type = cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
-        prop.location.id = self._index
-        self._prop = prop
-        desc = cu.CUmemAccessDesc()
-        desc.location.type = cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
-        desc.location.id = self._index
-        desc.flags = cu.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
-        self._access = [desc]
-        clock_khz = _check("cuDeviceGetAttribute", cu.cuDeviceGetAttribute(
-            cu.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_CLOCK_RATE, self._dev))
-        self._clock_hz = max(int(clock_khz), 1) * 1000
-
-    def _ctx_current(self) -> None:
-        if not getattr(self._tls, "ready", False):
-            _check("cuCtxSetCurrent", cu.cuCtxSetCurrent(self._ctx))
-            self._tls.ready = True
-
-    # -- memory ---------------------------------------------------------------
-
-    def _granularity_bytes(self) -> int:
-        self._ctx_current()
-        return int(_check("cuMemGetAllocationGranularity", cu.cuMemGetAllocationGranularity(
-            self._prop, cu.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_MINIMUM)))
-
-    def _reserve(self, size: int, alignment: int) -> int:
-        self._ctx_current()
-        return int(_check("cuMemAddressReserve", cu.cuMemAddressReserve(size, alignment, 0, 0)))
-
-    def _free(self, va: int, size: int) -> None:
-        self._ctx_current()
-        _check("cuMemAddressFree", cu.cuMemAddressFree(va, size))
-
-    def _create(self, size: int) -> Any:
-        self._ctx_current()
-        return _check("cuMemCreate", cu.cuMemCreate(size, self._prop, 0))
-
-    def _release(self, handle: Any) -> None:
-        self._ctx_current()
-        _check("cuMemRelease", cu.cuMemRelease(handle))
-
-    def _map(self, va: int, size: int, handle: Any) -> None:
-        self._ctx_current()
-        _check("cuMemMap", cu.cuMemMap(va, size, 0, handle, 0))
-
-    def _unmap(self, va: int, size: int) -> None:
-        self._ctx_current()
-        _check("cuMemUnmap", cu.cuMemUnmap(va, size))
-
-    def _set_access(self, va: int, size: int) -> None:
-        self._ctx_current()
-        _check("cuMemSetAccess", cu.cuMemSetAccess(va, size, self._access, 1))
-
-    def _mem_info(self) -> tuple[int, int]:
-        self._ctx_current()
-        free, total = _check("cuMemGetInfo", cu.cuMemGetInfo())
-        return int(free), int(total)
+            torch.empty(1, device=self._torch_device)
+        self.driver = CudaDriver(self._index)
 
     def empty_cache(self) -> None:
         torch.cuda.empty_cache()
@@ -200,10 +110,6 @@ class CudaBackend(TorchEventMixin, Backend, RegionGraphBackend):
     def _synchronize(self) -> None:
         torch.cuda.synchronize(self._torch_device)
 
-    def spin(self, seconds: float, stream: Any = None) -> None:
-        with torch.cuda.stream(stream or self.current_stream()):
-            torch.cuda._sleep(int(seconds * self._clock_hz))
-
     # -- tensors and copies -----------------------------------------------------
 
     def _copy(self, dst: torch.Tensor, src: torch.Tensor, stream: Any) -> None:
@@ -259,14 +165,13 @@ class CudaBackend(TorchEventMixin, Backend, RegionGraphBackend):
     def describe(self) -> dict[str, Any]:
         import cuda.bindings
 
-        drv = _check("cuDriverGetVersion", cu.cuDriverGetVersion())
         return {
             "device": f"{torch.cuda.get_device_name(self._index)} (cuda:{self._index})",
-            "vmm_supported": self._vmm,
+            "vmm_supported": True,  # the driver refused the device otherwise
             "versions": {
                 "torch": torch.__version__,
                 "torch_cuda": torch.version.cuda,
-                "driver": f"{drv // 1000}.{(drv % 1000) // 10}",
+                "driver": self.driver.version(),
                 "cuda_bindings": getattr(cuda.bindings, "__version__", "unknown"),
             },
         }

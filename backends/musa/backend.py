@@ -17,13 +17,11 @@ from typing import Any, ContextManager, Iterator
 import torch
 import torch_musa  # noqa: F401  (registers the "musa" device and torch.musa)
 
-from graphslot.backend import Backend, DeviceGraph, TorchEventMixin, no_gc
-from graphslot.errors import BackendUnavailableError, DriverError, StateError, UsageError
+from graphslot.backend import Backend, DeviceGraph, no_gc
+from graphslot.errors import BackendUnavailableError, DriverError, UsageError
 
-from . import abi
 from .dlpack import byte_tensor_at, kDLExtDev, storage_tensor_at
 from .driver import MusaDriver
-from .vmm import MusaVmm
 
 __all__ = ["MusaBackend", "MusaGraph"]
 
@@ -32,10 +30,11 @@ __all__ = ["MusaBackend", "MusaGraph"]
 tmusa: Any = getattr(torch, "musa")
 
 
-class MusaBackend(TorchEventMixin, MusaVmm, Backend):
+class MusaBackend(Backend):
     """graphslot on a Moore Threads GPU."""
 
     name = "musa"
+    driver: MusaDriver
 
     def __init__(self, device: int | None = None, driver: MusaDriver | None = None) -> None:
         Backend.__init__(self)
@@ -48,10 +47,10 @@ class MusaBackend(TorchEventMixin, MusaVmm, Backend):
         with tmusa.device(self._index):
             torch.empty(1, device=self._torch_device)
         try:
-            self._drv = driver if driver is not None else MusaDriver(self._index)
-            vmm = self._drv.vmm_supported()
+            self.driver = driver if driver is not None else MusaDriver(self._index)
+            vmm = self.driver.vmm_supported()
             if vmm:
-                self._drv.make_current()  # retain the context now: fail here, not mid-offload
+                self.driver.make_current()  # retain the context now: fail here, not mid-offload
         except DriverError as e:
             raise DriverError(f"open MUSA device {self._index}", e.call, e.name, e.code,
                               e.detail) from None
@@ -59,11 +58,6 @@ class MusaBackend(TorchEventMixin, MusaVmm, Backend):
             raise BackendUnavailableError(
                 f"MUSA device {self._index} does not support virtual memory management "
                 "(MU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED is 0)")
-        try:
-            clock_khz = self._drv.attribute(abi.MU_DEVICE_ATTRIBUTE_CLOCK_RATE)
-        except DriverError:
-            clock_khz = 0  # only spin() uses it; a rough default keeps spin() usable
-        self._clock_hz = (clock_khz or 1_000_000) * 1000
         self._dlpack_error: str | None = None  # set once DLPack import was refused
 
     # -- capture state ------------------------------------------------------------
@@ -88,13 +82,6 @@ class MusaBackend(TorchEventMixin, MusaVmm, Backend):
 
     def _synchronize(self) -> None:
         tmusa.synchronize(self._torch_device)
-
-    def spin(self, seconds: float, stream: Any = None) -> None:
-        sleep = getattr(tmusa, "_sleep", None)
-        if sleep is None:
-            raise StateError("spin: this torch_musa has no torch.musa._sleep to queue busy work")
-        with tmusa.stream(stream or self.current_stream()):
-            sleep(int(seconds * self._clock_hz))
 
     # -- tensors and copies -------------------------------------------------------
 
@@ -144,7 +131,7 @@ class MusaBackend(TorchEventMixin, MusaVmm, Backend):
         return self._torch_device
 
     def describe(self) -> dict[str, Any]:
-        drv = self._drv.driver_version()
+        drv = self.driver.driver_version()
         return {
             "device": f"{tmusa.get_device_name(self._index)} (musa:{self._index})",
             "vmm_supported": True,  # the constructor refuses a device without it
@@ -154,7 +141,7 @@ class MusaBackend(TorchEventMixin, MusaVmm, Backend):
                 "musa_runtime": str(getattr(torch.version, "musa", "unknown")),
                 # Decoded like CUDA's (1000*major + 10*minor); the raw value is kept.
                 "driver": f"{drv // 1000}.{(drv % 1000) // 10} ({drv})",
-                "libmusa": self._drv.lib.path,
+                "libmusa": self.driver.lib.path,
                 # How tensor_at builds views: DLPack unless torch refused it once.
                 "tensor_at": f"storage ({self._dlpack_error})" if self._dlpack_error else "dlpack",
             },
