@@ -89,8 +89,15 @@ def _version_tuple(v: str) -> tuple[int, ...]:
 def check_megatron(min_version: tuple[int, ...] = MIN_VERSION) -> MegatronInfo:
     """Import Megatron-Core and check that it has what the adapter hooks into.
 
-    Raises :class:`~graphslot.errors.IncompatibleError` naming the missing package,
-    the version found, or each missing symbol.
+    Args:
+        min_version: the oldest Megatron-Core version accepted.
+
+    Returns:
+        What was found (:class:`MegatronInfo`: version and the hooked symbols).
+
+    Raises:
+        IncompatibleError: naming the missing package, the version found, or each
+            missing symbol.
     """
     need = ".".join(map(str, min_version))
     try:
@@ -188,8 +195,11 @@ def _low_precision_problems(config: Any) -> list[str]:
 def check_config(config: Any) -> None:
     """Check a ``TransformerConfig`` against what the adapter serves.
 
-    Raises :class:`~graphslot.errors.IncompatibleError` listing every problem and
-    what to set instead.
+    Args:
+        config: the model's ``TransformerConfig``.
+
+    Raises:
+        IncompatibleError: listing every problem and what to set instead.
     """
     problems: list[str] = []
     impl = getattr(config, "cuda_graph_impl", None)
@@ -360,6 +370,12 @@ class MegatronOffload:
         backend: the graphslot backend (default :func:`graphslot.get_backend`); it must
             run on the model's device type.
         debug_checksums: check every restored activation against what was offloaded.
+
+    Raises:
+        IncompatibleError: a Megatron-Core or a configuration the adapter cannot serve,
+            naming what to change.
+        UsageError: no ``TransformerLayer`` in the model, an unknown or ``"off"`` mode,
+            or layer numbers the model does not have.
 
     Create it (or call :func:`enable`) after building the model and before the first
     training step; Megatron records its graphs in that step.
@@ -653,7 +669,15 @@ class MegatronOffload:
 def enable(model: Any, **kwargs: Any) -> MegatronOffload:
     """Offload the activations of ``model``'s graphed layers through graphslot slots.
 
-    Takes the arguments of :class:`MegatronOffload`; returns it. One may be active at a time.
+    Args:
+        model: the Megatron-Core model (or its list of chunks) with local CUDA graphs.
+        **kwargs: the arguments of :class:`MegatronOffload`.
+
+    Returns:
+        The active :class:`MegatronOffload` (one may be active at a time).
+
+    Raises:
+        IncompatibleError, UsageError: as :class:`MegatronOffload` raises them.
     """
     return MegatronOffload(model, **kwargs)
 

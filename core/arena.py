@@ -580,8 +580,19 @@ def io_specs(tensors: Sequence[IOTensor], steps: Sequence[Step], *,
     first read, for an input the host fills before that step) through its last read; a
     tensor no step reads after its last write, or one with ``keep``, is a result and
     stays live to the end (the host reads it after the last step, and must consume it
-    before the sequence runs again). Raises :class:`~graphslot.planner.PlanError` for a
-    tensor no step uses, a step naming an unknown tensor, or duplicate names.
+    before the sequence runs again).
+
+    Args:
+        tensors: the graph I/O tensors, by name.
+        steps: the schedule, each naming the tensors it reads and writes.
+        align: byte alignment of each tensor's offset.
+
+    Returns:
+        One :class:`~graphslot.planner.TensorSpec` per tensor, for the planner.
+
+    Raises:
+        PlanError: a tensor no step uses, a step naming an unknown tensor, or duplicate
+            names.
     """
     by_name: dict[str, IOTensor] = {}
     for t in tensors:
@@ -687,8 +698,14 @@ class IOArena:
 
 
 def warm_first_capture(backend: Backend) -> None:
-    """Pay a first capture's one-time costs before measuring (on cpu, entering a dispatch
-    mode the first time imports about 70 MiB of Python modules)."""
+    """Pay a first capture's one-time costs before measuring.
+
+    On cpu, entering a dispatch mode the first time imports about 70 MiB of Python
+    modules, which a measurement would otherwise count.
+
+    Args:
+        backend: the backend to capture one tiny graph on (then freed).
+    """
     import torch
 
     from .memory import settle

@@ -62,7 +62,15 @@ VMM_OPS = ("reserve", "free", "create", "release", "map", "unmap", "set_access")
 
 
 def align_up(n: int, alignment: int) -> int:
-    """Round ``n`` up to a multiple of ``alignment`` (a positive integer)."""
+    """Round ``n`` up to a multiple of ``alignment``.
+
+    Args:
+        n: a non-negative integer.
+        alignment: a positive integer.
+
+    Returns:
+        The smallest multiple of ``alignment`` that is at least ``n``.
+    """
     return -(-n // alignment) * alignment
 
 

@@ -70,7 +70,15 @@ class MemoryReport:
 
 
 def report(backend: Backend, samples: int = 3) -> MemoryReport:
-    """Read all three views now; the driver figure is the median of ``samples`` reads."""
+    """Read all three views now (after synchronising the device).
+
+    Args:
+        backend: the backend to read.
+        samples: driver reads; the driver figure is their median (at least one).
+
+    Returns:
+        A :class:`MemoryReport` of graphslot's ledger, the allocator and the driver.
+    """
     backend.synchronize()
     frees = []
     total = 0
@@ -94,7 +102,12 @@ def report(backend: Backend, samples: int = 3) -> MemoryReport:
 
 
 def settle(backend: Backend) -> None:
-    """Free what is garbage and hand cached memory back, so usage figures show live memory."""
+    """Free what is garbage and hand cached memory back, so usage figures show live memory.
+
+    Args:
+        backend: whose allocator cache is emptied (after a garbage collection and a
+            device synchronisation).
+    """
     import gc
 
     gc.collect()
@@ -103,8 +116,15 @@ def settle(backend: Backend) -> None:
 
 
 def used_bytes(backend: Backend) -> int:
-    """Memory really in use after :func:`settle`: this process's footprint where the backend
-    can tell it (cpu), else the driver's used figure (median of three reads)."""
+    """Memory really in use after :func:`settle`.
+
+    Args:
+        backend: the backend to measure.
+
+    Returns:
+        This process's footprint in bytes where the backend can tell it (cpu), else the
+        driver's used figure (median of three reads).
+    """
     settle(backend)
     own = backend.footprint_bytes()
     return own if own is not None else report(backend).driver_used_bytes
@@ -122,8 +142,15 @@ class Measurement:
 def measure(backend: Backend, samples: int = 3) -> Iterator[Measurement]:
     """Context manager: the change of all three views around the block.
 
-    ``driver_total_bytes`` of ``delta`` is 0 and ``driver_free_bytes`` is negative when
-    the block took memory; read ``delta.driver_used_bytes`` for "bytes the device lost".
+    Args:
+        backend: the backend to read.
+        samples: driver reads per report (their median is used).
+
+    Returns:
+        A :class:`Measurement`; ``before`` is filled at entry, ``after`` and ``delta``
+        when the block ends. ``driver_total_bytes`` of ``delta`` is 0 and
+        ``driver_free_bytes`` is negative when the block took memory; read
+        ``delta.driver_used_bytes`` for "bytes the device lost".
     """
     m = Measurement()
     m.before = report(backend, samples)
@@ -133,9 +160,16 @@ def measure(backend: Backend, samples: int = 3) -> Iterator[Measurement]:
 
 
 def saved_activation_bytes(layers: Sequence[torch.nn.Module], x: torch.Tensor) -> int:
-    """Bytes of activations autograd saves on ``x``'s device for one forward through
-    ``layers`` (parameters and buffers excluded): what stays on the device between
-    forward and backward without offload."""
+    """What stays on the device between forward and backward without offload.
+
+    Args:
+        layers: modules applied in order, each one tensor to one tensor.
+        x: an input of the shape, dtype and device the layers will see.
+
+    Returns:
+        Bytes of activations autograd saves on ``x``'s device for one forward through
+        ``layers`` (parameters and buffers excluded; views of one storage count once).
+    """
     state = state_storages(layers)
     spans: dict[int, tuple[int, int]] = {}  # storage -> bytes [first, past last) of its saved views
 

@@ -253,7 +253,13 @@ def lower_bound(tensors: Sequence[TensorSpec]) -> int:
     """The most bytes live at any step in any branch; common tensors count in every one.
 
     No valid plan has a smaller arena. Alias groups count the union of their live
-    members' byte ranges. Tensors are assumed valid (see :func:`plan`).
+    members' byte ranges.
+
+    Args:
+        tensors: the specs, assumed valid (see :func:`plan`).
+
+    Returns:
+        The bound in bytes.
     """
     ev = _live_bytes_events(tensors)
     if not ev:
@@ -961,7 +967,18 @@ def baselines(tensors: Iterable[TensorSpec], *,
     (see :data:`BASELINES`): ``first-fit`` places tensors in start order (larger first
     on ties) at the lowest offset that fits; ``greedy-by-size`` places them largest
     first (longest-lived first on ties) into the smallest gap that fits. Both respect
-    branches and alias groups as :func:`plan` does."""
+    branches and alias groups as :func:`plan` does.
+
+    Args:
+        tensors: the specs.
+        branches: branch ids in index order (default: order of first appearance).
+
+    Returns:
+        ``{name: Plan}`` for each baseline.
+
+    Raises:
+        PlanError: invalid specs, as :func:`plan` raises.
+    """
     specs = tuple(tensors)
     blocks, nsteps, unit = _prepare(specs, branches)
     lb = lower_bound(specs)
@@ -982,7 +999,14 @@ def verify(p: Plan) -> None:
     Checks: every tensor has exactly one integer offset, aligned, inside the arena;
     alias group members keep their relative offsets; and no two tensors that are live
     at the same step, in conflicting branches and not views of one alias group, share
-    a byte. A conflict names both tensors, the bytes and the step.
+    a byte.
+
+    Args:
+        p: the plan to check.
+
+    Raises:
+        PlanError: the first violation; a conflict names both tensors, the bytes and
+            the step.
     """
     tensors = p.tensors
     _validate(tensors, None)
@@ -1114,7 +1138,15 @@ class SlotPlanEntry(NamedTuple):
 
 def branch_table(tensors: Sequence[TensorSpec],
                  branches: Sequence[Hashable] | None = None) -> list[Hashable]:
-    """Branch ids in index order: ``branches`` if given, else order of first appearance."""
+    """Branch ids in index order.
+
+    Args:
+        tensors: the specs whose branches are listed.
+        branches: the order to use, if given.
+
+    Returns:
+        ``branches`` if given, else the branch ids in order of first appearance.
+    """
     if branches is not None:
         return list(branches)
     out: dict[Hashable, None] = {}
@@ -1200,8 +1232,21 @@ def import_slot_plan(entries: Sequence[Sequence[int]], tensors: Sequence[TensorS
 
     ``slot_bytes`` and ``branches`` must be what the export used. The entries decide the
     offsets; their branch and alias indices must agree with the specs, and all entries
-    must name one arena. ``arena_bytes`` defaults to the end of the highest tensor. The
-    result is checked with :func:`verify`.
+    must name one arena.
+
+    Args:
+        entries: seven-field slot-plan rows, one per tensor.
+        tensors: the specs the export was made from.
+        slot_bytes: bytes per physical slot, as at export.
+        branches: branch ids in index order, as at export.
+        arena_bytes: the arena's size (default: the end of the highest tensor).
+
+    Returns:
+        The plan, checked with :func:`verify`.
+
+    Raises:
+        PlanError: entries that disagree with the specs or with each other, or a plan
+            that does not verify.
     """
     tensors = tuple(tensors)
     if len(entries) != len(tensors):

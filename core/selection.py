@@ -35,7 +35,17 @@ def _module(name: str) -> Any:
 
 
 def probe(name: str) -> str | None:
-    """``None`` if backend ``name`` can run here, else a sentence saying what is missing."""
+    """Whether backend ``name`` can run here.
+
+    Args:
+        name: ``"cpu"``, ``"cuda"`` or ``"musa"``.
+
+    Returns:
+        ``None`` if it can, else a sentence saying what is missing.
+
+    Raises:
+        UsageError: an unknown name (the message lists the valid ones).
+    """
     if name not in BACKENDS:
         raise UsageError(f"unknown graphslot backend {name!r}; valid names are "
                          f"auto, {', '.join(sorted(BACKENDS))} (set {ENV_VAR})")
@@ -67,12 +77,20 @@ def _choose(requested: str) -> tuple[str, str]:
 def get_backend(name: str | None = None) -> Backend:
     """The process-wide backend named by ``name`` or ``GRAPHSLOT_BACKEND`` (default auto).
 
-    ``auto`` picks cuda where a CUDA device with VMM support is usable, then musa,
-    then cpu, and logs which and why. An unknown name raises
-    :class:`~graphslot.errors.UsageError` listing the valid ones; a named backend that
-    cannot run raises :class:`~graphslot.errors.BackendUnavailableError` saying what is
-    missing. One instance per backend lives for the whole process, so every part of
-    graphslot shares one ledger.
+    ``auto`` picks cuda where a CUDA device with VMM support is usable, then musa, then
+    cpu, and logs which and why. One instance per backend lives for the whole process, so
+    every part of graphslot shares one ledger.
+
+    Args:
+        name: ``"auto"``, ``"cpu"``, ``"cuda"`` or ``"musa"``; None reads the variable.
+
+    Returns:
+        The backend.
+
+    Raises:
+        UsageError: an unknown name (the message lists the valid ones).
+        BackendUnavailableError: a named backend that cannot run here, saying what is
+            missing.
     """
     requested = (name or os.environ.get(ENV_VAR) or "auto").strip().lower()
     if requested != "auto" and requested not in BACKENDS:
@@ -92,5 +110,12 @@ def get_backend(name: str | None = None) -> Backend:
 
 
 def selection_reason(backend: Backend) -> str:
-    """Why ``backend`` was chosen, as logged at selection."""
+    """Why ``backend`` was chosen.
+
+    Args:
+        backend: a backend from :func:`get_backend` (or one constructed directly).
+
+    Returns:
+        The reason as logged at selection, or ``"constructed directly"``.
+    """
     return _reasons.get(backend.name, "constructed directly")
