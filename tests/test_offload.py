@@ -268,7 +268,7 @@ def test_remap_reuses_its_pages_within_a_step_and_holds_none_between_steps(engin
         stack.close()
 
 
-def test_remap_units_hold_at_most_two_units_and_train_like_a_mapping_per_layer(engine_clean):
+def test_remap_units_hold_at_most_three_units_and_train_like_a_mapping_per_layer(engine_clean):
     b = engine_clean
     layers = 6
     grads = {}

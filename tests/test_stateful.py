@@ -21,7 +21,8 @@ import graphslot
 from graphslot.adapters.torch import GraphedLayers
 from graphslot.cli.toy import GPTConfig, TinyGPT
 
-# CI runs 125 sequences per mode (250 in all); GRAPHSLOT_STATEFUL_EXAMPLES=N runs another number.
+# CI runs 125 sequences per mode (250 in all) and 20 across remap units;
+# GRAPHSLOT_STATEFUL_EXAMPLES=N runs another number.
 _EXAMPLES = int(os.environ.get("GRAPHSLOT_STATEFUL_EXAMPLES", "125"))
 
 
@@ -31,11 +32,12 @@ def _equal(a: torch.Tensor, c: torch.Tensor, what: str) -> None:
 
 class _StackMachine(RuleBasedStateMachine):
     mode = "resident"
+    layers = 2
 
     def __init__(self) -> None:
         super().__init__()
         self.b = graphslot.get_backend()
-        c = GPTConfig(hidden=16, heads=2, ffn=32, seq=8, batch=2, layers=2, vocab=32)
+        c = GPTConfig(hidden=16, heads=2, ffn=32, seq=8, batch=2, layers=self.layers, vocab=32)
         torch.manual_seed(5)
         base = TinyGPT(c).to(self.b.device)
         self.eager, self.graphed = copy.deepcopy(base), copy.deepcopy(base)
@@ -46,8 +48,12 @@ class _StackMachine(RuleBasedStateMachine):
         self.pending: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.k = 0
 
+    def _stack_kwargs(self) -> dict[str, int]:
+        return {}
+
     def _build(self) -> GraphedLayers:
-        stack = GraphedLayers(list(self.graphed.blocks), self.sample, mode=self.mode, backend=self.b)
+        stack = GraphedLayers(list(self.graphed.blocks), self.sample, mode=self.mode, backend=self.b,
+                              **self._stack_kwargs())
         self.graphed.stack = stack
         return stack
 
@@ -120,7 +126,30 @@ class _Resident(_StackMachine):
 
 
 class _Remap(_StackMachine):
+    mode = "remap"  # the default unit packs both small layers into one mapping
+
+
+class _RemapUnits(_StackMachine):
+    """Remap with two layers per unit over four layers: passes cross unit boundaries."""
+
     mode = "remap"
+    layers = 4
+    _unit_bytes = 0  # two slots' worth, found once from a stack with a mapping per layer
+
+    def _stack_kwargs(self) -> dict[str, int]:
+        cls = type(self)
+        if not cls._unit_bytes:
+            probe = GraphedLayers(list(self.graphed.blocks), self.sample, mode="remap",
+                                  backend=self.b, remap_unit_bytes=0)
+            cls._unit_bytes = 2 * (max(g.nbytes for g in probe.engine.groups) + 256)
+            probe.close()
+        return {"remap_unit_bytes": cls._unit_bytes}
+
+    def _build(self) -> GraphedLayers:
+        stack = super()._build()
+        units = stack.engine.residency.units  # type: ignore[union-attr]
+        assert [len(u.members) for u in units] == [2, 2]
+        return stack
 
 
 _settings = settings(max_examples=_EXAMPLES, stateful_step_count=15, deadline=None,
@@ -131,3 +160,9 @@ _settings = settings(max_examples=_EXAMPLES, stateful_step_count=15, deadline=No
 def test_random_training_sequences_match_eager(clean, machine):
     machine.TestCase.settings = _settings
     machine.TestCase().runTest()
+
+
+def test_random_training_sequences_match_eager_across_remap_units(clean):
+    # Fewer sequences than the two above (each stack is twice as deep); CI's time goes there.
+    _RemapUnits.TestCase.settings = settings(_settings, max_examples=max(1, _EXAMPLES // 6))
+    _RemapUnits.TestCase().runTest()
