@@ -567,7 +567,11 @@ class MegatronOffload:
             t = eng.before_forward(r.group, r.count)
             if grad:
                 self._saw_forward(r)
-            out = replay(*args, **kwargs)
+            try:
+                out = replay(*args, **kwargs)
+            except BaseException:
+                eng.forget(t)  # no backward follows a replay that failed: the slot goes back
+                raise
             if grad:
                 eng.after_forward(t)
                 r.ticket = t

@@ -356,7 +356,8 @@ class _Runner:
         # (and under every graph up to it, when offloaded layers are spread out).
         prev = stack._next_backward(self.index)
         if prev is not None and mb in prev.pending:
-            eng.restore(eng.ticket(prev.group, mb))  # type: ignore[arg-type]
+            # (if its slot still holds another restore, this layer's own backward waits for it)
+            eng.restore_ahead(eng.ticket(prev.group, mb))  # type: ignore[arg-type]
         out: list[torch.Tensor | None] = [None] * len(self.params)
         if self.bwd is not None:
             if grad.data_ptr() != self.static_grad_out.data_ptr():

@@ -645,6 +645,8 @@ class ResidentBanks(Residency):
         s = self.engine.h2d_stream
         self.fence_restore(bank, s)
         self.backend.wait_event(s, t.d2h_done)  # this activation's own trip to the host
+        if bank.d2h_done is not None and bank.d2h_done is not t.d2h_done:
+            self.backend.wait_event(s, bank.d2h_done)  # a later occupant's copy out
         copy_in(s)
         bank.restored_for = t
 
@@ -780,7 +782,8 @@ class RemapSlots(Residency):
         if fence is not None:
             u.fences.append(fence)
         if u.users == 0 and u.mapped is not None:
-            if last or u is not self._current:
+            soon = any(m.index in self._prefetched for m in u.members)  # a forward is coming
+            if (last or u is not self._current) and not soon:
                 self._unmap(u)
             else:
                 self._lingering.add(u)
@@ -846,11 +849,15 @@ class RemapSlots(Residency):
         self._holder[g.index] = t
         eng, read = self.engine, self._read.get(g.index)
 
+        wrote = self._d2h.get(g.index)
+
         def copy() -> None:
-            s = eng.h2d_stream
+            s, b = eng.h2d_stream, self.backend
             if read is not None:
-                self.backend.wait_event(s, read)  # the backward that last read the slot
-            self.backend.wait_event(s, t.d2h_done)  # this activation's own trip to the host
+                b.wait_event(s, read)  # the backward that last read the slot
+            b.wait_event(s, t.d2h_done)  # this activation's own trip to the host
+            if wrote is not None and wrote is not t.d2h_done:
+                b.wait_event(s, wrote)  # a later forward's copy out still reading the slot
             copy_in(s)
 
         if mapped.done() and mapped.exception() is None:
@@ -872,8 +879,8 @@ class RemapSlots(Residency):
         except BaseException:
             g = t.group
             u = self._unit(g)
-            if mapped is not None:
-                self._failed(u, mapped)
+            if mapped is not None and mapped.exception() is not None:
+                self._failed(u, mapped)  # nothing is mapped; a copy that failed leaves it mapped
             self._holder.pop(g.index, None)
             self._let_go(u, None, last=False)  # the hold ends; nothing was copied in
             raise
@@ -1055,8 +1062,9 @@ class OffloadEngine:
     def after_forward(self, t: Ticket) -> None:
         """After the forward replay: queue the slot's copy out; let the slot go after it."""
         g, slots = t.group, self._slots()
-        t._go(slots.offload_call)
+        nxt = _step(t._owner, t.state, slots.offload_call)  # refused before anything is queued
         if g.empty:
+            t.state = nxt
             return
         b = self.backend
         fwd_done = b.record_event(b.new_event())
@@ -1075,6 +1083,9 @@ class OffloadEngine:
         if self.debug_checksums:
             t.checksums = self._checksums(g)
         slots.after_offload(g, t)
+        # Only now: should anything above fail, the ticket is still READY, and abandoning it
+        # (a forget) lets the slot go.
+        t.state = nxt
 
     # -- backward ------------------------------------------------------------------------
 
@@ -1095,9 +1106,10 @@ class OffloadEngine:
         self._check_open("restore")
         if t.state is State.RESTORING or t.state is State.RESTORED:
             return
-        t._go("restore")
+        nxt = _step(t._owner, t.state, "restore")  # refused here before anything is queued
         if not t.group.empty:
             self._slots().restore(t, lambda s: self._copy_in(t, s))
+        t.state = nxt
 
     def restore_ahead(self, t: Ticket) -> bool:
         """Look-ahead: start ``t``'s restore now if it is waiting on the host and its slot
@@ -1221,6 +1233,10 @@ class OffloadEngine:
             slots.restored(t)
         except BaseException:  # the mapping failed: nothing was mapped for it
             prev = State.RELEASED
+        if prev is State.RESTORING and t.restore_done is not None:
+            # The copy into the slot may still run: what lets the slot go comes after it.
+            b = self.backend
+            b.wait_event(b.current_stream(), t.restore_done)
         if t.stash is not None:
             g._give_stash(t.stash, t.restore_done or t.d2h_done)
             t.stash = None

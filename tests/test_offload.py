@@ -541,6 +541,137 @@ def test_empty_groups_cost_nothing(engine_clean):
 # --------------------------------------------------------------------------- failure and recovery
 
 
+def _captured_groups(b: graphslot.Backend, n: int, mode: str = "remap"):
+    """An engine with ``n`` one-tensor groups (one remap unit), captured and ready."""
+    eng = OffloadEngine(b, mode)
+    groups = []
+    for i in range(n):
+        g = eng.group(f"g{i}")
+        g.discover(torch.zeros(64, device=b.device))
+        g.allocate(bank_index=i)
+        groups.append(g)
+    for g in groups:
+        g.begin_capture()
+        g.save_tensor(torch.ones(64, device=b.device))
+        g.finish_capture()
+    return eng, groups
+
+
+def _forward(eng: OffloadEngine, g, mb: int, value: float):
+    t = eng.before_forward(g, mb)
+    g.views[0].fill_(value)  # what the forward replay writes
+    eng.after_forward(t)
+    return t
+
+
+@pytest.mark.parametrize("mode", ["resident", "remap"])
+def test_a_restore_waits_for_a_later_forwards_copy_out_of_the_same_slot(engine_clean, mode):
+    b = engine_clean
+    eng, (g0, g1) = _captured_groups(b, 2, mode)
+    try:
+        t1 = _forward(eng, g0, 1, 1.0)
+        _forward(eng, g1, 1, 1.0)
+        eng.settle()
+        spin(b, 0.3, eng.d2h_stream)  # the next copy out starts late
+        t2 = _forward(eng, g0, 2, 2.0)  # (remap: g0 is not its unit's last member, so it stays mapped)
+        eng.restore(t1)  # microbatch 1's bytes go back into g0's slot...
+        eng.wait_restored(t1)
+        eng.consumed(t1)
+        b.synchronize()
+        # ...only after microbatch 2's copy out of that slot read what its forward wrote
+        assert torch.all(t2.stash.host.view(torch.float32)[:64] == 2.0)
+    finally:
+        eng.close()
+
+
+def test_a_forward_whose_copy_out_fails_gives_its_slot_back_when_abandoned(engine_clean, monkeypatch):
+    b = engine_clean
+    eng, groups = _captured_groups(b, 2)
+    try:
+        g = groups[0]
+        monkeypatch.setattr(g, "_take_stash", lambda: (_ for _ in ()).throw(MemoryError("no pinned memory")))
+        t = eng.before_forward(g, 1)
+        with pytest.raises(MemoryError):
+            eng.after_forward(t)
+        assert t.state is State.READY  # nothing moved: it never left the device
+        monkeypatch.undo()
+        eng.abandon(t)
+        eng.settle()
+        assert not eng.in_flight() and b.ledger.mapped_bytes == 0
+        assert all(u.users == 0 and u.mapped is None for u in eng.residency.units)
+    finally:
+        eng.close()
+
+
+def test_a_restore_whose_copy_fails_leaves_its_unit_usable(engine_clean, monkeypatch):
+    b = engine_clean
+    eng, (g,) = _captured_groups(b, 1)
+    try:
+        t = _forward(eng, g, 1, 3.0)
+        eng.settle()
+        real = b.copy_async
+
+        def failing(dst, src, stream=None):
+            if stream is eng.h2d_stream:
+                raise RuntimeError("copy refused")
+            return real(dst, src, stream)
+
+        monkeypatch.setattr(b, "copy_async", failing)
+        with pytest.raises(RuntimeError, match="copy refused"):
+            eng.wait_restored(t)
+        monkeypatch.undo()
+        eng.wait_restored(t)  # the retry maps (or finds mapped) and copies in
+        b.synchronize()
+        assert torch.all(g.views[0] == 3.0)
+        eng.consumed(t)
+        eng.settle()
+        assert b.ledger.mapped_bytes == 0
+    finally:
+        eng.close()
+
+
+def test_abandoning_a_restore_under_way_lets_the_slot_go_only_after_its_copy(engine_clean, monkeypatch):
+    b = engine_clean
+    eng, (g,) = _captured_groups(b, 1)
+    try:
+        t = _forward(eng, g, 1, 3.0)
+        eng.settle()
+        done_at_unmap: list[bool] = []
+        real = b.unmap
+
+        def unmap(res, off, size):
+            done_at_unmap.append(t.restore_done is not None and b.query_event(t.restore_done))
+            return real(res, off, size)
+
+        monkeypatch.setattr(b, "unmap", unmap)
+        spin(b, 0.3, eng.h2d_stream)  # the copy in starts late
+        eng.restore(t)
+        eng.abandon(t)
+        eng.settle()
+        assert done_at_unmap == [True]
+    finally:
+        eng.close()
+
+
+def test_a_restore_the_slot_cannot_take_leaves_the_ticket_as_it_was(engine_clean):
+    b = engine_clean
+    eng, (g,) = _captured_groups(b, 1)
+    try:
+        t1, t2 = _forward(eng, g, 1, 1.0), _forward(eng, g, 2, 2.0)
+        eng.restore(t2)  # holds the slot until its backward
+        with pytest.raises(StateError, match="still holds the restore of microbatch 2"):
+            eng.restore(t1)
+        assert t1.state is State.RELEASED and not eng.restore_ahead(t1)
+        eng.wait_restored(t2)
+        eng.consumed(t2)
+        eng.wait_restored(t1)  # now it can
+        b.synchronize()
+        assert torch.all(g.views[0] == 1.0)
+        eng.consumed(t1)
+    finally:
+        eng.close()
+
+
 def test_failed_remap_during_restore_keeps_the_host_copy_and_a_retry_succeeds(engine_clean):
     b = engine_clean
     eng, g = _allocated_group(b, n=2)
