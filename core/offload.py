@@ -577,6 +577,9 @@ class Residency:
         """``t`` (last in state ``prev``) will never be consumed: let its slot go."""
         raise NotImplementedError
 
+    def nothing_in_flight(self) -> None:
+        """The last ticket in flight was abandoned: whatever a pass prepared goes too."""
+
     def close(self) -> None:
         """Release what this residency made (the engine has settled)."""
 
@@ -686,6 +689,7 @@ class RemapUnit:
     users: int = 0  #: forwards writing a member's slot and restores holding one
     mapped: Future[Any] | None = None  #: the current mapping's map job; None: unmapped
     fences: list[Any] = field(default_factory=list)  #: events the next unmap waits for
+    unmapping: Future[Any] | None = None  #: the last unmap queued (its error surfaces at drain)
     captured: int = 0  #: members whose graphs are captured (build time)
 
 
@@ -792,7 +796,7 @@ class RemapSlots(Residency):
         res, fences = u.reservation, u.fences
         u.mapped, u.fences = None, []
         self._lingering.discard(u)
-        self.worker.submit(lambda: self._unmap_after(res, fences))
+        u.unmapping = self.worker.submit(lambda: self._unmap_after(res, fences))
 
     def _unmap_lingering(self) -> None:
         busy = {id(self.engine.groups[i].unit) for i in self._prefetched}
@@ -901,18 +905,31 @@ class RemapSlots(Residency):
         else:
             self.release_spare_when_idle()
 
+    def nothing_in_flight(self) -> None:
+        # The last ticket was abandoned (a dropped or interrupted pass): a map queued for
+        # the next layer of that pass has no forward to wait for.
+        self._prefetched.clear()
+        self.release_spare_when_idle()
+
     def release_spare_when_idle(self) -> None:
         """Nothing in flight and no forward's map queued (an evaluation forward's next
-        layer would take the pages straight back): unmap what lingers and give the free
-        list back, queued after every unmap, so it runs once they are done."""
+        layer would take the pages straight back): unmap every unit nobody holds and give
+        the free list back, queued after every unmap, so it runs once they are done."""
         if not self.engine._pending and not self._prefetched:
-            for u in list(self._lingering):
-                self._unmap(u)
+            for u in self.units:
+                if u.mapped is not None and u.users == 0:
+                    self._unmap(u)
             self._current = None
             self.worker.submit(self._release_spare)
 
     def drain(self) -> None:
+        """Wait for queued driver work; raises the first unmap that failed since the last
+        drain (nobody else waits for an unmap, so its error would go unseen)."""
         self.worker.drain()
+        for u in self.units:
+            job, u.unmapping = u.unmapping, None
+            if job is not None and job.exception() is not None:
+                raise job.exception()  # type: ignore[misc]
 
     def close(self) -> None:
         self.worker.close()
@@ -1210,10 +1227,16 @@ class OffloadEngine:
         return list(self._pending.values())
 
     def settle(self) -> None:
-        """Wait for queued driver work (remap) and copies; for tests and teardown."""
-        if isinstance(self.residency, RemapSlots) and not self.closed:
-            self.residency.drain()
-        self.backend.synchronize()
+        """Wait for queued driver work (remap) and copies; for tests and teardown.
+
+        Raises:
+            DriverError: an unmap on the driver worker failed since the last settle.
+        """
+        try:
+            if isinstance(self.residency, RemapSlots) and not self.closed:
+                self.residency.drain()
+        finally:
+            self.backend.synchronize()
 
     def abandon(self, t: Ticket) -> None:
         """``t``'s backward will never run: give back its host buffer and slot, in any state.
@@ -1221,6 +1244,13 @@ class OffloadEngine:
         Copies already queued finish first (their events order the reuse), so nothing is
         freed under a copy or a replay.
         """
+        try:
+            self._abandon(t)
+        finally:
+            if not self._pending and self.residency is not None and not self.closed:
+                self.residency.nothing_in_flight()
+
+    def _abandon(self, t: Ticket) -> None:
         if t.state is State.READY:  # a forward and nothing after it: exactly a forget
             self.forget(t)
             return
@@ -1254,7 +1284,12 @@ class OffloadEngine:
         """
         if self.closed:
             return
-        self.settle()
+        try:
+            self.settle()
+        except Exception as e:  # a failed unmap: close() still releases what the ledger holds
+            failed: Exception | None = e
+        else:
+            failed = None
         self.closed = True
         if self.residency is not None:
             self.residency.close()
@@ -1266,3 +1301,5 @@ class OffloadEngine:
         self._pending.clear()
         # Streams may own threads (the cpu backend's do): let them go with their last user.
         self.d2h_stream = self.h2d_stream = None
+        if failed is not None:
+            raise failed

@@ -672,6 +672,31 @@ def test_a_restore_the_slot_cannot_take_leaves_the_ticket_as_it_was(engine_clean
         eng.close()
 
 
+def test_an_unmap_that_fails_on_the_worker_surfaces_at_settle_and_close_still_releases(engine_clean):
+    b = engine_clean
+    eng, (g,) = _captured_groups(b, 1)
+    b.faults.fail("unmap")
+    t = _forward(eng, g, 1, 3.0)  # its copy out is queued; then the unit's unmap, which fails
+    with pytest.raises(InjectedFault):
+        eng.settle()
+    eng.settle()  # reported once
+    eng.abandon(t)
+    eng.close()  # releases what is still mapped: engine_clean finds nothing left
+
+
+def test_abandoning_the_last_pass_drops_the_map_it_queued_for_its_next_layer(engine_clean):
+    b = engine_clean
+    eng, (g0, g1) = _captured_groups(b, 2)  # one unit
+    try:
+        t = eng.before_forward(g0, 1)
+        eng.prefetch_forward(g1)  # the pass is interrupted before g1's forward
+        eng.abandon(t)
+        eng.settle()
+        assert b.ledger.mapped_bytes == 0 and b.ledger.allocated_bytes == 0
+    finally:
+        eng.close()
+
+
 def test_failed_remap_during_restore_keeps_the_host_copy_and_a_retry_succeeds(engine_clean):
     b = engine_clean
     eng, g = _allocated_group(b, n=2)
