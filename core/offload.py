@@ -1205,6 +1205,10 @@ class OffloadEngine:
         """
         g = self._retire(t, "forget")
         if not g.empty:
+            if t.stash is not None:  # an after_forward that failed part way: a copy may be queued
+                b = self.backend
+                g._give_stash(t.stash, b.record_event(b.new_event(), self.d2h_stream))
+                t.stash = None
             self._free_slot(g, backward=False)
 
     def _free_slot(self, g: OffloadGroup, backward: bool) -> None:

@@ -599,6 +599,17 @@ def test_a_forward_whose_copy_out_fails_gives_its_slot_back_when_abandoned(engin
         eng.settle()
         assert not eng.in_flight() and b.ledger.mapped_bytes == 0
         assert all(u.users == 0 and u.mapped is None for u in eng.residency.units)
+        # a failure after the host buffer was taken: the buffer goes back to the pool
+        real_copy = b.copy_async
+        monkeypatch.setattr(b, "copy_async", lambda *a: (_ for _ in ()).throw(RuntimeError("no copy")))
+        t = eng.before_forward(g, 2)
+        with pytest.raises(RuntimeError, match="no copy"):
+            eng.after_forward(t)
+        monkeypatch.setattr(b, "copy_async", real_copy)
+        eng.abandon(t)
+        assert t.stash is None and len(g._host_pool) == 1
+        _forward(eng, g, 3, 1.0)  # and is used again
+        assert eng.stats["host_buffers_allocated"] == 1
     finally:
         eng.close()
 
