@@ -647,9 +647,9 @@ class ResidentBanks(Residency):
                              f"restore of {o.group.name} (microbatch {o.microbatch})")
         s = self.engine.h2d_stream
         self.fence_restore(bank, s)
-        self.backend.wait_event(s, t.d2h_done)  # this activation's own trip to the host
-        if bank.d2h_done is not None and bank.d2h_done is not t.d2h_done:
-            self.backend.wait_event(s, bank.d2h_done)  # a later occupant's copy out
+        # The bank's latest copy out: this activation's own trip to the host or, queued
+        # after it on the same stream, a later occupant's, which must finish reading first.
+        self.backend.wait_event(s, bank.d2h_done)
         copy_in(s)
         bank.restored_for = t
 
@@ -853,15 +853,16 @@ class RemapSlots(Residency):
         self._holder[g.index] = t
         eng, read = self.engine, self._read.get(g.index)
 
-        wrote = self._d2h.get(g.index)
+        # The slot's latest writer's fence: this activation's own copy out, or a later
+        # forward's (copy out, or an evaluation forward's end), which waited for the one
+        # before it, so it implies this activation's trip to the host too.
+        wrote = self._d2h[g.index]
 
         def copy() -> None:
             s, b = eng.h2d_stream, self.backend
             if read is not None:
                 b.wait_event(s, read)  # the backward that last read the slot
-            b.wait_event(s, t.d2h_done)  # this activation's own trip to the host
-            if wrote is not None and wrote is not t.d2h_done:
-                b.wait_event(s, wrote)  # a later forward's copy out still reading the slot
+            b.wait_event(s, wrote)
             copy_in(s)
 
         if mapped.done() and mapped.exception() is None:
