@@ -489,10 +489,17 @@ class MegatronOffload:
         return result
 
     def _prepare(self, record: list[tuple[Any, ...]]) -> None:
-        """Before Megatron captures: a slot per runner, banks in Megatron's backward order."""
+        """Before Megatron captures: a slot per runner, banks in Megatron's backward order,
+        slots placed in forward order (remap units pack consecutive layers in the order
+        a forward pass meets them, so a pass maps each unit once)."""
         per_layer: dict[int, int] = {}
-        for entry in record:
+        # (runner, layer, graph number, saved tensors), in Megatron's backward order
+        chosen: list[tuple[Any, _Layer, int, list[SavedTensorSpec]]] = []
+        first_fwd: dict[int, int] = {}  # id(runner) -> position of its first forward in the record
+        for pos, entry in enumerate(record):
             runner, kind = entry[0], entry[1]
+            if kind == "fwd":
+                first_fwd.setdefault(id(runner), pos)
             L = self.layers.get(id(getattr(runner, "base_module", None)))
             if kind != "bwd" or L is None:
                 continue
@@ -504,11 +511,19 @@ class MegatronOffload:
                                  "its graphs, so there is nothing to lay out")
             k = per_layer.get(L.number, 0)
             per_layer[L.number] = k + 1
+            chosen.append((runner, L, k, L.specs))
+        # A runner with no recorded forward goes last, in reverse backward order.
+        order = sorted(range(len(chosen)), key=lambda i: (first_fwd.get(id(chosen[i][0]), len(record)), -i))
+        placed: dict[int, _Runner] = {}
+        for i in order:
+            runner, L, k, specs = chosen[i]
             g = self.engine.group(f"layer{L.number}.graph{k}")
-            g.adopt(L.specs)
-            bank = len(self.runners) % 2
+            g.adopt(specs)
+            bank = i % 2  # ping-pong in backward order
             g.allocate(bank_index=bank)
-            r = _Runner(runner, L, g, bank)
+            placed[i] = _Runner(runner, L, g, bank)
+        for i in range(len(chosen)):
+            r, runner = placed[i], chosen[i][0]
             self.runners.append(r)
             self._patches.append(_Patch.set(runner, "func", self._capturing(r, runner.func)))
             self._patches.append(_Patch.set(runner, "create_bwd_graph", self._finishing(r, runner.create_bwd_graph)))

@@ -464,7 +464,7 @@ def te_replay_kwargs(source: OffloadEngine | Backend, stream: Any = None, event:
         UsageError: ``stream`` is a copy stream of the engine, or an event was given with
             an offloading engine.
     """
-    from graphslot.offload import Mode, OffloadEngine
+    from graphslot.offload import OffloadEngine
 
     check_te(te_make_graphed_callables, require=("replay_stream",))
     engine = source if isinstance(source, OffloadEngine) else None
@@ -479,7 +479,7 @@ def te_replay_kwargs(source: OffloadEngine | Backend, stream: Any = None, event:
             if stream is copy or stream == copy:
                 raise UsageError(f"cuda_graph_stream is the offload engine's {name}: graph compute "
                                  "would queue behind activation copies; replay on a compute stream")
-        if event is not None and engine.mode is not Mode.OFF:
+        if event is not None and engine.offloads:
             raise UsageError("cuda_graph_event with an offloading engine: the current stream would "
                              "wait only for the event, so the forward-done fence recorded after the "
                              "call would not cover the graph's last writes and the offload copy "

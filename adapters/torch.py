@@ -59,7 +59,7 @@ from torch import nn
 
 from graphslot.backend import Backend, DeviceGraph
 from graphslot.errors import CaptureMismatchError, StateError, UsageError
-from graphslot.offload import (REMAP_UNIT_BYTES, Mode, OffloadEngine, OffloadGroup, Ticket, never_offloaded,
+from graphslot.offload import (REMAP_UNIT_BYTES, Mode, OffloadEngine, OffloadGroup, never_offloaded,
                                recording_saved_tensors, state_storages)
 from graphslot.selection import get_backend
 
@@ -100,7 +100,8 @@ class _ParamGrad:
 
 
 class _Runner:
-    """One layer: its graphs, static tensors and, for offloaded layers, its group."""
+    """One layer: its graphs, static tensors and its offload group (kept on the device
+    for a layer that does not offload)."""
 
     def __init__(self, stack: GraphedLayers, index: int, module: nn.Module) -> None:
         self.stack = stack
@@ -113,12 +114,8 @@ class _Runner:
         # hooks must run at each real backward, not once baked into a graph, and their
         # gradient accumulators must come from the training stream, not the capture's.
         self._names = [n for n, _ in named]
-        self.group: OffloadGroup | None = None
+        self.group: OffloadGroup
         self.pending: set[int] = set()  # microbatches whose backward has not run
-        # Layers that keep activations in the graph's own memory: what the forward graph
-        # saved (byte views of pool memory) and older microbatches moved out of it.
-        self.saved_views: list[torch.Tensor] = []
-        self.parked: dict[int, list[torch.Tensor]] = {}
         self.static_in: torch.Tensor
         self.wants_grad_in = False
         self.static_out: torch.Tensor
@@ -150,8 +147,7 @@ class _Runner:
         def is_state(t: torch.Tensor) -> bool:
             return never_offloaded(t, dev.type, state)
 
-        if eng.mode is not Mode.OFF and self.index in st.offload_layers:
-            self.group = eng.group(f"layer{self.index}")
+        g = self.group = eng.group(f"layer{self.index}", offload=self.index in st.offload_layers)
 
         # Warm-up: eager iterations on a side stream (libraries initialise, autotuners
         # settle); autograd is untouched. Not on the current stream: if that is the legacy
@@ -171,8 +167,7 @@ class _Runner:
         b.wait_event(b.current_stream(), b.record_event(b.new_event(), side))
         b.synchronize()
 
-        if self.group is not None:
-            g = self.group
+        if g.offload_enabled:
             # Discovery under capture: kernels may save other tensors when captured than
             # when run eagerly (SDPA's memory-efficient kernel saves its RNG seed and
             # offset as device tensors only under capture), so the slot is laid out from
@@ -191,12 +186,12 @@ class _Runner:
             b.synchronize()
             b.empty_cache()
             g.allocate(bank_index=st.bank_index(self.index))
+        else:
+            g.allocate()  # kept on the device: nothing to lay out
 
         fwd = st._new_graph()
-        if self.group is not None:
-            g = self.group
-            g.begin_capture()
-
+        g.begin_capture()
+        if g.offload_enabled:
             def pack(t: torch.Tensor) -> torch.Tensor:
                 return t if is_state(t) else g.save_tensor(t)
 
@@ -251,14 +246,13 @@ class _Runner:
                 "returned its argument without a backward): its parameter accumulators "
                 "then belong to the default stream. Build GraphedLayers before such work "
                 "or drop those references.") from e
-        if self.group is not None:
-            self.group.finish_capture()
+        self.group.finish_capture()
         # Drop the captured autograd graph: its accumulator nodes were made on the capture
         # stream, and training must make its own on the training stream.
         del self._out, self._inputs
         kept = self.__dict__.pop("_kept", None)
-        if kept:
-            self.saved_views = [b.alias_bytes(ptr, n) for ptr, n in kept.values()]
+        if kept is not None:
+            self.group.keep(b.alias_bytes(ptr, n) for ptr, n in kept.values())
 
     def settle_refs(self) -> None:
         """After the build: count the references graphslot itself holds to each buffer."""
@@ -281,15 +275,14 @@ class _Runner:
             self.check_input(x)
         if mb in self.pending:
             raise StateError(f"layer {self.index}: microbatch {mb} ran forward again before its backward")
-        stack._claim(mb)
         if stack._lent:
             stack._give_back(None)
         eng = stack.engine
-        ticket: Ticket | None = None
-        if self.group is not None:
-            ticket = eng.before_forward(self.group, mb)
+        # (moves out what another microbatch keeps in the graphs' memory, if one does)
+        ticket = eng.before_forward(self.group, mb)
+        if self.group.offloads:
             nxt = stack._next_forward(self.index)
-            if nxt is not None and nxt.group is not None:
+            if nxt is not None:
                 eng.prefetch_forward(nxt.group)
         if x.data_ptr() != self.static_in.data_ptr():
             with torch.no_grad():
@@ -301,11 +294,10 @@ class _Runner:
                 stack.probe(f"F{self.index}")
         else:
             self.fwd.replay()
-        if ticket is not None:
-            if training:
-                eng.after_forward(ticket)
-            else:
-                eng.forget(ticket)
+        if training:
+            eng.after_forward(ticket)
+        else:
+            eng.forget(ticket)
         if training:
             self.pending.add(mb)
         return self.static_out
@@ -341,23 +333,17 @@ class _Runner:
                 f"layer {self.index}: microbatch {mb} has no forward waiting for this backward: "
                 "it ran backward already (a second backward through graphed layers, e.g. "
                 "retain_graph=True, is not supported) or close() abandoned it")
-        stack._claim(mb)
         if stack._lent:  # before anything below writes pool memory a lent buffer may share
             stack._give_back(self.index)
-        parked = self.parked.pop(mb, None)
-        if parked is not None:  # this microbatch's activations were moved out: bring them back
-            for dst, src in zip(self.saved_views, parked):
-                dst.copy_(src)
-        t = None
-        if self.group is not None:
-            t = eng.ticket(self.group, mb)
-            eng.wait_restored(t)
+        # (brings back this microbatch's activations if another's graphs ran since)
+        t = eng.ticket(self.group, mb)
+        eng.wait_restored(t)
         # Look-ahead: the next offloaded layer's reload runs under this backward graph
         # (and under every graph up to it, when offloaded layers are spread out).
         prev = stack._next_backward(self.index)
         if prev is not None and mb in prev.pending:
             # (if its slot still holds another restore, this layer's own backward waits for it)
-            eng.restore_ahead(eng.ticket(prev.group, mb))  # type: ignore[arg-type]
+            eng.restore_ahead(eng.ticket(prev.group, mb))
         out: list[torch.Tensor | None] = [None] * len(self.params)
         if self.bwd is not None:
             if grad.data_ptr() != self.static_grad_out.data_ptr():
@@ -376,8 +362,7 @@ class _Runner:
             if lent:
                 stack._lent[self.index] = lent
         self.pending.discard(mb)
-        if t is not None:
-            eng.consumed(t)
+        eng.consumed(t)
         gin = self.grad_in
         if gin is not None:
             # The previous layer reads this buffer straight away, unless another of its
@@ -423,10 +408,6 @@ class _Runner:
                 # with .grad set, it adds this into it.
                 out.append(pg.buf.detach())
         return out
-
-    def park(self, mb: int) -> None:
-        """Move microbatch ``mb``'s activations out of the graph's memory (device to device)."""
-        self.parked[mb] = [v.clone() for v in self.saved_views]
 
 
 class _LayerFunction(torch.autograd.Function):
@@ -497,7 +478,6 @@ class GraphedLayers(nn.Module):
                                     debug_checksums=debug_checksums)
         self.warmup_iters = max(1, int(warmup_iters))
         self._microbatch = 0
-        self._holder: int | None = None  # microbatch whose activations the graphs' memory holds
         self._runners = [_Runner(self, i, m) for i, m in enumerate(self.layers)]
         #: called with a label after each layer's forward and backward replay (for probes)
         self.probe: Callable[[str], None] | None = None
@@ -526,8 +506,7 @@ class GraphedLayers(nn.Module):
         # Dropped without close(): the pages, host buffers and threads go with the stack.
         self._finalizer = weakref.finalize(self, OffloadEngine.close, self.engine)
         self._finalizer.atexit = False
-        self._offloaded = [r for r in self._runners if r.group is not None and not r.group.empty]
-        self._in_pool = [r for r in self._runners if r.saved_views]
+        self._offloaded = [r for r in self._runners if r.group.offloads]
 
     def _new_graph(self) -> DeviceGraph:
         g = self.backend.new_graph(share_pool_with=self._pool_owner)
@@ -564,7 +543,7 @@ class GraphedLayers(nn.Module):
         and by nothing after it when both layers offload every saved tensor (a saved input
         is copied into ``b``'s slot): give its bytes back to the pool, so later captures
         reuse them instead of each boundary holding an activation's worth for good."""
-        if a.group is None or b.group is None or a is self._runners[-1]:
+        if not (a.group.offload_enabled and b.group.offload_enabled) or a is self._runners[-1]:
             return
         view = self.backend.return_to_pool(a.static_out)
         if view is not None:
@@ -637,18 +616,6 @@ class GraphedLayers(nn.Module):
             for pg in self._lent.pop(i):
                 runner.give_back(pg)
 
-    def _claim(self, mb: int) -> None:
-        """Graphs are about to run for microbatch ``mb``: their memory may overwrite what
-        layers that keep activations in it saved for another microbatch, so move those out."""
-        held = self._holder
-        if held == mb:
-            return
-        if held is not None:
-            for r in self._in_pool:
-                if held in r.pending and held not in r.parked:
-                    r.park(held)
-        self._holder = mb
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self._closed:
             raise StateError("GraphedLayers: forward after close(); its slots and graphs are "
@@ -691,13 +658,10 @@ class GraphedLayers(nn.Module):
         eng = self.engine
         for r in self._runners:
             r.pending.discard(mb)
-            r.parked.pop(mb, None)
-            if r.group is not None and not eng.closed:
+            if not eng.closed:
                 t = eng.find(r.group, mb)
                 if t is not None:
                     eng.abandon(t)
-        if self._holder == mb:
-            self._holder = None
         self._in_backward.discard(mb)
 
     def _reap(self) -> None:

@@ -113,7 +113,7 @@ def census(mode: str, shape: BenchShape, b: graphslot.Backend) -> dict[str, Any]
             t = getattr(r, name, None)
             if isinstance(t, torch.Tensor):
                 owners.setdefault(t.untyped_storage().data_ptr(), "static_io")
-        for v in r.saved_views:
+        for v in ([] if r.group.offloads else r.group.views):  # kept in the graphs' memory
             owners.setdefault(v.data_ptr(), "saved_in_pool")
     sums: collections.Counter[str] = collections.Counter()
     others: collections.Counter[str] = collections.Counter()

@@ -7,6 +7,7 @@ enum, :class:`State`, and one transition table, :data:`TRANSITIONS`::
     group:   DISCOVERING --allocate--> ALLOCATED --begin_capture--> CAPTURING --finish_capture--> READY
     ticket:  READY --offload--> RELEASED (remap) | RESIDENT_PENDING (resident)
              --restore--> RESTORING --wait_restored--> RESTORED --consumed--> DONE
+             READY --offload--> KEPT (kept on the device) [--park--> PARKED] --wait_restored--> RESTORED
              READY --forget--> DONE (a forward that no backward follows)
 
 * Discovery: an eager warm-up records each saved tensor's shape, stride, dtype and device.
@@ -23,11 +24,14 @@ enum, :class:`State`, and one transition table, :data:`TRANSITIONS`::
 * Backward restore: backing mapped again (remap) or the bank (resident) at the same VA, a
   host to device copy, and the compute stream waits on the restore event.
 
-Where a slot's pages are between forward and backward is a :class:`Residency`:
-:class:`ResidentBanks` (two mapped banks per slot size, fenced, no driver calls) or
+Where a group's activations are between forward and backward is a :class:`Residency`:
+:class:`ResidentBanks` (two mapped banks per slot size, fenced, no driver calls),
 :class:`RemapSlots` (pages mapped only while a graph uses them, driver calls on one
-serialised worker thread, never inside a host callback or a capture). The engine does the
-copies and keeps the tickets; the residency is all that differs between the modes.
+serialised worker thread, never inside a host callback or a capture), or, for groups that
+do not offload (mode off, or layers left on the device), :class:`KeptOnDevice` (in the
+graph's own memory, moved to a device buffer of their own while another microbatch's
+graphs run). The engine does the copies and keeps the tickets; the residency is all that
+differs between the modes.
 """
 
 from __future__ import annotations
@@ -74,12 +78,18 @@ class Mode(str, enum.Enum):
 
 
 class State(enum.Enum):
+    # Members are singletons: hash them by identity in C, not by name in Python (enum's
+    # default), since every transition looks its state up in the table.
+    __hash__ = object.__hash__
+
     DISCOVERING = "discovering"
     ALLOCATED = "allocated"
     CAPTURING = "capturing"
     READY = "ready"
     RELEASED = "released"
     RESIDENT_PENDING = "resident-pending"
+    KEPT = "kept"  #: in the graph's own memory, on the device
+    PARKED = "parked"  #: kept, moved to a device buffer while other graphs run
     RESTORING = "restoring"
     RESTORED = "restored"
     DONE = "done"
@@ -94,6 +104,7 @@ TRANSITIONS: dict[tuple[State, str], State] = {
     (S.CAPTURING, "save_tensor"): S.CAPTURING,
     (S.CAPTURING, "finish_capture"): S.READY,
     (S.READY, "offload:forward"): S.READY,  # a group runs forwards once it is captured
+    (S.READY, "keep"): S.READY,  # a kept group learns what its backward reads in the graph's memory
     (S.READY, "offload:remap"): S.RELEASED,
     (S.READY, "offload:resident"): S.RESIDENT_PENDING,
     (S.RELEASED, "restore"): S.RESTORING,
@@ -102,6 +113,16 @@ TRANSITIONS: dict[tuple[State, str], State] = {
     (S.RESTORING, "wait_restored"): S.RESTORED,
     (S.RESTORING, "restore_failed"): S.RELEASED,  # remap: the mapping failed; the host copy stays
     (S.RESTORED, "consumed"): S.DONE,
+    # Kept on the device: moved out while another microbatch's graphs run, and back at the
+    # backward itself (nothing to copy ahead, so a restore leaves them where they are).
+    (S.READY, "offload:kept"): S.KEPT,
+    (S.KEPT, "park"): S.PARKED,
+    (S.KEPT, "restore"): S.KEPT,
+    (S.PARKED, "restore"): S.PARKED,
+    (S.KEPT, "wait_restored"): S.RESTORED,
+    (S.PARKED, "wait_restored"): S.RESTORED,
+    (S.KEPT, "abandon"): S.DONE,
+    (S.PARKED, "abandon"): S.DONE,
     (S.READY, "forget"): S.DONE,  # a forward with no backward (evaluation)
     # A forward whose backward will never come (its autograd graph was dropped, or a step
     # was abandoned part way): whatever it holds goes back.
@@ -264,15 +285,24 @@ class DriverWorker:
 
 
 @dataclass(eq=False)
+class SlotFences:
+    """What orders the uses of one slot's bytes (a resident bank's, shared by the groups
+    of its slot class, or a remap slot's): a forward rewrites them only after ``written``,
+    a restore only after ``read`` and ``written``, and neither overwrites ``holder``."""
+
+    written: Any = None  #: the latest writer's end: an occupant's copy out, or an evaluation forward
+    read: Any = None  #: the last backward graph that read them
+    holder: Ticket | None = None  #: a restore whose backward has not run yet
+
+
+@dataclass(eq=False)
 class Bank:
     """A fixed-VA region with resident backing, shared by the groups of one slot class."""
 
     index: int
     reservation: Reservation
     allocation: Allocation | None
-    d2h_done: Any = None  #: last copy of an occupant's bytes to the host
-    consumed: Any = None  #: last backward graph that read the bank
-    restored_for: Ticket | None = None  #: a restore whose backward has not run yet
+    fences: SlotFences = field(default_factory=SlotFences)
 
 
 @dataclass(eq=False)
@@ -312,6 +342,10 @@ class OffloadGroup:
         self.engine = engine
         self.name = name
         self.offload_enabled = offload
+        #: where its activations wait for backward (an offloading residency once its
+        #: allocate() laid out something to offload; until then, and for ever if not,
+        #: the engine's kept-on-device one)
+        self.residency: Residency = engine.kept
         self.state = State.DISCOVERING
         self.specs: list[SavedTensorSpec] = []
         self.nbytes = 0  # slot bytes (all specs, aligned)
@@ -325,6 +359,7 @@ class OffloadGroup:
         self._captured = 0
         self._bytes: tuple[Any, Any] = (None, None)
         self._seen_storages: dict[int, int] = {}  # discovery: data pointer -> storage index
+        self.kept_bytes = 0  # kept groups: bytes their backward reads in the graph's memory
         self.index = len(engine.groups)  # key of this group's tickets in the engine
 
     def __repr__(self) -> str:
@@ -339,6 +374,33 @@ class OffloadGroup:
     @property
     def empty(self) -> bool:
         return not self.specs
+
+    @property
+    def offloads(self) -> bool:
+        """Whether this group's activations leave the device between forward and backward."""
+        return self.residency is not self.engine.kept
+
+    def keep(self, views: Iterable[torch.Tensor]) -> None:
+        """A group that does not offload, once captured: the memory its backward graph
+        reads in the graph's own memory, which other graphs may overwrite. Each view is a
+        contiguous tensor over such bytes; while another microbatch's graphs run they are
+        moved to a device buffer of their own and back before this group's backward.
+
+        Raises:
+            UsageError: the group offloads, or a view is not contiguous.
+            StateError: the group is not captured yet.
+        """
+        if self.offload_enabled:
+            raise UsageError(f"offload group {self.name}: keep() is for groups that do not offload")
+        vs = list(views)
+        for v in vs:
+            if not v.is_contiguous():
+                raise UsageError(f"offload group {self.name}: a kept view must be contiguous, "
+                                 f"got shape {list(v.shape)} stride {list(v.stride())}")
+        self._go("keep")
+        self.views = [v.reshape(-1).view(torch.uint8) for v in vs]
+        self.kept_bytes = sum(v.numel() for v in self.views)
+        self.engine.kept.track(self)
 
     # -- discovery ---------------------------------------------------------------
 
@@ -405,10 +467,15 @@ class OffloadGroup:
             raise StateError(f"offload group {self.name}: allocate must run outside graph capture")
         self._go("allocate")
         self.layout()
-        if self.empty:
-            return  # empty groups cost nothing
         eng = self.engine
-        self.reservation = eng._slots().place(self, bank_index)
+        if not self.offload_enabled and not self.empty:
+            raise UsageError(f"offload group {self.name} does not offload: its saved tensors stay in "
+                             "the graph's memory, so it discovers none (tell it what its backward "
+                             "reads with keep() after the capture)")
+        if self.empty:
+            return  # kept on the device: no slot (empty groups cost nothing)
+        self.residency = eng.residency
+        self.reservation = self.residency.place(self, bank_index)
         va = self.reservation.va + self.slot_offset
         self.views = [eng.backend.tensor_at(va + s.offset, s.shape, s.dtype,
                                             _dense_stride(s) if s.storage < 0 else s.stride)
@@ -485,7 +552,7 @@ class OffloadGroup:
                 f"saw {len(self.specs)}")
         self._go("finish_capture")
         if self.reservation is not None:
-            self.engine._slots().captured(self)
+            self.residency.captured(self)
 
     # -- host buffers ------------------------------------------------------------------
 
@@ -534,6 +601,8 @@ class Residency:
 
     #: the ticket transition of an offload in this residency
     offload_call: str
+    #: the thread its driver calls run on, if it makes any in a step
+    worker: DriverWorker | None = None
 
     def __init__(self, engine: OffloadEngine) -> None:
         self.engine = engine
@@ -542,6 +611,63 @@ class Residency:
     def place(self, g: OffloadGroup, bank_index: int) -> Reservation:
         """Outside capture: the VA ``g``'s slot lives at, mapped for the capture."""
         raise NotImplementedError
+
+    def fences(self, g: OffloadGroup) -> SlotFences:
+        """The fences of the bytes ``g``'s slot occupies."""
+        raise NotImplementedError
+
+    # -- the fences, the same in every residency ---------------------------------------
+
+    def _where(self, g: OffloadGroup) -> str:
+        return f"offload group {g.name}: its slot"
+
+    @staticmethod
+    def _whose(g: OffloadGroup, t: Ticket) -> str:
+        return (f"microbatch {t.microbatch}" if t.group is g else
+                f"{t.group.name} (microbatch {t.microbatch})")
+
+    def _writable(self, g: OffloadGroup) -> SlotFences:
+        """``g``'s fences, or a StateError if a restore its backward awaits is in them."""
+        f = self.fences(g)
+        if f.holder is not None:
+            raise StateError(f"{self._where(g)} holds activations restored for "
+                             f"{self._whose(g, f.holder)} whose backward has not run; a forward "
+                             "cannot overwrite them")
+        return f
+
+    def _restorable(self, t: Ticket) -> SlotFences:
+        """``t``'s slot fences, or a StateError if another restore holds them (the caller
+        makes ``t`` their holder once its restore is under way)."""
+        f = self.fences(t.group)
+        if f.holder is not None and f.holder is not t:
+            raise StateError(f"{self._where(t.group)} still holds the restore of "
+                             f"{self._whose(t.group, f.holder)}")
+        return f
+
+    def fence_forward(self, f: SlotFences) -> None:
+        """Fence 1: the slot's latest writer (its previous occupant's copy out) is done
+        before a forward rewrites it."""
+        if f.written is not None:
+            b = self.backend
+            b.wait_event(b.current_stream(), f.written)
+
+    def fence_restore(self, f: SlotFences, stream: Any) -> None:
+        """Fence 2: the backward graph that last read the slot, and its latest writer, are
+        done before a restore copies into it. The latest writer is this activation's own
+        copy out or a later forward's end, which waited for it (fence 1), so one wait also
+        covers this activation's trip to the host."""
+        b = self.backend
+        if f.read is not None:
+            b.wait_event(stream, f.read)
+        if f.written is not None:
+            b.wait_event(stream, f.written)
+
+    def _freed(self, g: OffloadGroup, done: Any, backward: bool) -> None:
+        f = self.fences(g)
+        if backward:
+            f.read, f.holder = done, None
+        else:
+            f.written = done  # an evaluation forward wrote the slot
 
     def captured(self, g: OffloadGroup) -> None:
         """``g``'s graphs are captured."""
@@ -563,7 +689,8 @@ class Residency:
 
     def can_restore(self, t: Ticket) -> bool:
         """Whether ``t``'s restore could start now without waiting for another ticket."""
-        return True
+        held = self.fences(t.group).holder
+        return held is None or held is t
 
     def restored(self, t: Ticket) -> None:
         """The host side of ``t``'s restore is done (remap: its mapping); raises if it failed."""
@@ -575,20 +702,106 @@ class Residency:
 
     def abandon(self, g: OffloadGroup, t: Ticket, prev: State) -> None:
         """``t`` (last in state ``prev``) will never be consumed: let its slot go."""
-        raise NotImplementedError
+        if self.fences(g).holder is t:  # its restore holds the slot
+            self.engine._free_slot(g, backward=True)
 
     def nothing_in_flight(self) -> None:
         """The last ticket in flight was abandoned: whatever a pass prepared goes too."""
+
+    def drain(self) -> None:
+        """Wait for the driver work this residency queued; raise what failed unseen."""
 
     def close(self) -> None:
         """Release what this residency made (the engine has settled)."""
 
 
+class KeptOnDevice(Residency):
+    """Activations that never leave the device: they stay in the graph's own memory, where
+    the backward graph reads them. That memory is shared by every graph of the engine's
+    user, so before graphs replay for another microbatch, the activations of the
+    microbatch that holds it (still waiting for their backwards) are moved to device
+    buffers of their own (*parked*), and each is moved back right before its backward
+    replays. One microbatch at a time, as in plain training, costs nothing: a pipeline
+    schedule's several forwards in flight cost a device-to-device copy each way.
+    Copies run on the current (compute) stream, in its order with the replays."""
+
+    offload_call = "offload:kept"
+
+    def __init__(self, engine: OffloadEngine) -> None:
+        super().__init__(engine)
+        self.holder: int | None = None  #: the microbatch whose activations the graphs' memory holds
+        self.groups: list[OffloadGroup] = []  #: kept groups whose backward reads that memory
+
+    def track(self, g: OffloadGroup) -> None:
+        if g.views and g not in self.groups:
+            self.groups.append(g)
+
+    def place(self, g: OffloadGroup, bank_index: int) -> Reservation:
+        raise StateError(f"offload group {g.name}: kept on the device, it has no slot")
+
+    def can_restore(self, t: Ticket) -> bool:
+        return True
+
+    def claim(self, microbatch: int) -> None:
+        """Graphs are about to replay for ``microbatch``: park what the previous holder keeps."""
+        held = self.holder
+        if held == microbatch:
+            return
+        if held is not None:
+            pending = self.engine._pending
+            for g in self.groups:
+                t = pending.get((g.index, held))
+                if t is not None and t.state is State.KEPT:
+                    self._park(t)
+        self.holder = microbatch  # only now: a park that failed is tried again next time
+
+    def _park(self, t: Ticket) -> None:
+        nxt = _step(t._owner, t.state, "park")
+        g, b = t.group, self.backend
+        buf = torch.empty(g.kept_bytes, dtype=torch.uint8, device=b.device)
+        s, pos = b.current_stream(), 0
+        for v in g.views:
+            n = v.numel()
+            b.copy_async(buf[pos:pos + n], v, s)
+            pos += n
+        t.stash = Stash(None, buf)
+        self.engine.stats["parked_bytes"] += g.kept_bytes
+        t.state = nxt
+
+    def before_forward(self, g: OffloadGroup) -> None:
+        pass  # the engine claimed the graphs' memory for this forward's microbatch
+
+    def restore(self, t: Ticket, copy_in: Callable[[Any], None]) -> None:
+        pass  # they come back at the backward itself (restored)
+
+    def restored(self, t: Ticket) -> None:
+        st = t.stash
+        if st is None:
+            return  # never moved: still where the graph wrote them
+        b = self.backend
+        s, pos = b.current_stream(), 0
+        for v in t.group.views:
+            n = v.numel()
+            b.copy_async(v, st.device[pos:pos + n], s)
+            pos += n
+        t.stash = None  # the buffer's uses are all on this stream: the allocator orders its reuse
+
+    def free(self, g: OffloadGroup, done: Any, backward: bool) -> None:
+        pass
+
+    def abandon(self, g: OffloadGroup, t: Ticket, prev: State) -> None:
+        t.stash = None
+
+    def close(self) -> None:
+        self.groups.clear()
+        self.holder = None
+
+
 class ResidentBanks(Residency):
     """Two mapped banks per slot size; groups of one size alternate between them in
-    backward order, so a step makes no driver call. Two fences keep a bank's bytes right:
-    a forward rewrites it only after the previous occupant reached the host, and a
-    restore only after the backward graph that last read it is done."""
+    backward order, so a step makes no driver call. A bank's :class:`SlotFences` keep its
+    bytes right: a forward rewrites it only after the previous occupant reached the host,
+    and a restore only after the backward graph that last read it is done."""
 
     offload_call = "offload:resident"
 
@@ -611,56 +824,27 @@ class ResidentBanks(Residency):
         assert g.bank is not None  # placed at allocate
         return g.bank
 
+    def fences(self, g: OffloadGroup) -> SlotFences:
+        return self._bank(g).fences
+
+    def _where(self, g: OffloadGroup) -> str:
+        return f"offload group {g.name}: bank {self._bank(g).index}"
+
     def before_forward(self, g: OffloadGroup) -> None:
-        bank = self._bank(g)
-        if bank.restored_for is not None:
-            o = bank.restored_for
-            raise StateError(f"offload group {g.name}: bank {bank.index} holds activations "
-                             f"restored for {o.group.name} (microbatch {o.microbatch}) whose "
-                             "backward has not run; a forward cannot overwrite them")
-        self.fence_forward(bank)
-
-    def fence_forward(self, bank: Bank) -> None:
-        """Fence 1: the bank's previous occupant is on the host before a forward rewrites it."""
-        if bank.d2h_done is not None:
-            b = self.backend
-            b.wait_event(b.current_stream(), bank.d2h_done)
-
-    def fence_restore(self, bank: Bank, stream: Any) -> None:
-        """Fence 2: the backward graph that last read the bank is done before a restore."""
-        if bank.consumed is not None:
-            self.backend.wait_event(stream, bank.consumed)
+        self.fence_forward(self._writable(g))
 
     def after_offload(self, g: OffloadGroup, t: Ticket) -> None:
-        self._bank(g).d2h_done = t.d2h_done
-
-    def can_restore(self, t: Ticket) -> bool:
-        held = self._bank(t.group).restored_for
-        return held is None or held is t
+        self.fences(g).written = t.d2h_done
 
     def restore(self, t: Ticket, copy_in: Callable[[Any], None]) -> None:
-        g = t.group
-        bank = self._bank(g)
-        if bank.restored_for is not None and bank.restored_for is not t:
-            o = bank.restored_for
-            raise StateError(f"offload group {g.name}: bank {bank.index} still holds the "
-                             f"restore of {o.group.name} (microbatch {o.microbatch})")
+        f = self._restorable(t)
         s = self.engine.h2d_stream
-        self.fence_restore(bank, s)
-        # The bank's latest copy out: this activation's own trip to the host or, queued
-        # after it on the same stream, a later occupant's, which must finish reading first.
-        self.backend.wait_event(s, bank.d2h_done)
+        self.fence_restore(f, s)
         copy_in(s)
-        bank.restored_for = t
+        f.holder = t
 
     def free(self, g: OffloadGroup, done: Any, backward: bool) -> None:
-        bank = self._bank(g)
-        bank.consumed = done
-        bank.restored_for = None
-
-    def abandon(self, g: OffloadGroup, t: Ticket, prev: State) -> None:
-        if g.bank is not None and g.bank.restored_for is t:
-            self.engine._free_slot(g, backward=True)
+        self._freed(g, done, backward)
 
     def close(self) -> None:
         b = self.backend
@@ -716,21 +900,26 @@ class RemapSlots(Residency):
     def __init__(self, engine: OffloadEngine, unit_bytes: int) -> None:
         super().__init__(engine)
         self.unit_bytes = unit_bytes
-        self.worker = DriverWorker(self.backend)
+        self._worker = DriverWorker(self.backend)
+        self.worker = self._worker
         self.units: list[RemapUnit] = []
         self._open: RemapUnit | None = None  # the unit new slots are packed into (build)
         self._current: RemapUnit | None = None  # the unit the latest pass went to
         self._lingering: set[RemapUnit] = set()  # mapped, unused, the pass may come back
         self._spare: dict[int, list[Allocation]] = {}  # unmapped pages by size (worker only)
         self._prefetched: set[int] = set()  # groups whose next forward's map is queued
-        self._holder: dict[int, Ticket] = {}  # group index -> restore its backward awaits
-        self._d2h: dict[int, Any] = {}  # group index -> its slot's last copy out
-        self._read: dict[int, Any] = {}  # group index -> last backward graph that read it
+        self._fences: dict[int, SlotFences] = {}  # group index -> its slot's fences
 
     @staticmethod
     def _unit(g: OffloadGroup) -> RemapUnit:
         assert g.unit is not None  # placed at allocate
         return g.unit
+
+    def fences(self, g: OffloadGroup) -> SlotFences:
+        f = self._fences.get(g.index)
+        if f is None:
+            f = self._fences[g.index] = SlotFences()
+        return f
 
     # -- build ---------------------------------------------------------------------------
 
@@ -769,7 +958,7 @@ class RemapSlots(Residency):
         """``u``'s map job, queued unless ``u`` is mapped or queued; the pass is at ``u``."""
         if u.mapped is None:
             res, size = u.reservation, u.size
-            u.mapped = self.worker.submit(lambda: self._map(res, size))
+            u.mapped = self._worker.submit(lambda: self._map(res, size))
             self.engine.stats["remaps"] += 1
         if u is not self._current:
             self._current = u
@@ -796,7 +985,7 @@ class RemapSlots(Residency):
         res, fences = u.reservation, u.fences
         u.mapped, u.fences = None, []
         self._lingering.discard(u)
-        u.unmapping = self.worker.submit(lambda: self._unmap_after(res, fences))
+        u.unmapping = self._worker.submit(lambda: self._unmap_after(res, fences))
 
     def _unmap_lingering(self) -> None:
         busy = {id(self.engine.groups[i].unit) for i in self._prefetched}
@@ -813,11 +1002,7 @@ class RemapSlots(Residency):
         self._prefetched.add(g.index)
 
     def before_forward(self, g: OffloadGroup) -> None:
-        held = self._holder.get(g.index)
-        if held is not None:
-            raise StateError(f"offload group {g.name}: its slot holds activations restored for "
-                             f"microbatch {held.microbatch} whose backward has not run; a forward "
-                             "cannot overwrite them")
+        f = self._writable(g)
         u = self._unit(g)
         self._prefetched.discard(g.index)
         job = self._map_job(u)
@@ -827,42 +1012,27 @@ class RemapSlots(Residency):
             self._failed(u, job)
             raise
         self._hold(u)
-        d2h = self._d2h.get(g.index)
-        if d2h is not None:  # the unit may have stayed mapped since this slot's last copy out
-            b = self.backend
-            b.wait_event(b.current_stream(), d2h)
+        self.fence_forward(f)  # the unit may have stayed mapped since this slot's last copy out
 
     def after_offload(self, g: OffloadGroup, t: Ticket) -> None:
         u = self._unit(g)
-        self._d2h[g.index] = t.d2h_done
+        self.fences(g).written = t.d2h_done
         self._let_go(u, t.d2h_done, last=g is u.members[-1])
-
-    def can_restore(self, t: Ticket) -> bool:
-        held = self._holder.get(t.group.index)
-        return held is None or held is t
 
     def restore(self, t: Ticket, copy_in: Callable[[Any], None]) -> None:
         g = t.group
-        held = self._holder.get(g.index)
-        if held is not None and held is not t:
-            raise StateError(f"offload group {g.name}: its slot still holds the restore of "
-                             f"microbatch {held.microbatch}")
+        held = self._restorable(t)
         u = self._unit(g)
         mapped = self._map_job(u)
         self._hold(u)
-        self._holder[g.index] = t
-        eng, read = self.engine, self._read.get(g.index)
-
-        # The slot's latest writer's fence: this activation's own copy out, or a later
-        # forward's (copy out, or an evaluation forward's end), which waited for the one
-        # before it, so it implies this activation's trip to the host too.
-        wrote = self._d2h[g.index]
+        held.holder = t
+        eng = self.engine
+        # The fences as they are now: the copy may run later, on the worker.
+        f = dataclasses.replace(held)
 
         def copy() -> None:
-            s, b = eng.h2d_stream, self.backend
-            if read is not None:
-                b.wait_event(s, read)  # the backward that last read the slot
-            b.wait_event(s, wrote)
+            s = eng.h2d_stream
+            self.fence_restore(f, s)
             copy_in(s)
 
         if mapped.done() and mapped.exception() is None:
@@ -873,7 +1043,7 @@ class RemapSlots(Residency):
             mapped.result()  # queued before this job, so done; raises if the map failed
             copy()
 
-        t.restore_job, t.map_job = self.worker.submit(job), mapped
+        t.restore_job, t.map_job = self._worker.submit(job), mapped
 
     def restored(self, t: Ticket) -> None:
         if t.restore_job is None:
@@ -886,23 +1056,19 @@ class RemapSlots(Residency):
             u = self._unit(g)
             if mapped is not None and mapped.exception() is not None:
                 self._failed(u, mapped)  # nothing is mapped; a copy that failed leaves it mapped
-            self._holder.pop(g.index, None)
+            self.fences(g).holder = None
             self._let_go(u, None, last=False)  # the hold ends; nothing was copied in
             raise
 
     def free(self, g: OffloadGroup, done: Any, backward: bool) -> None:
         u = self._unit(g)
-        if backward:
-            self._holder.pop(g.index, None)
-            self._read[g.index] = done
-        else:
-            self._d2h[g.index] = done  # an evaluation forward wrote it: the same fence
+        self._freed(g, done, backward)
         self._let_go(u, done, last=g is (u.members[0] if backward else u.members[-1]))
         self.release_spare_when_idle()
 
     def abandon(self, g: OffloadGroup, t: Ticket, prev: State) -> None:
-        if prev in (State.RESTORING, State.RESTORED):
-            self.engine._free_slot(g, backward=True)  # its restore holds the unit
+        if self.fences(g).holder is t:  # its restore holds the unit
+            self.engine._free_slot(g, backward=True)
         else:
             self.release_spare_when_idle()
 
@@ -921,19 +1087,19 @@ class RemapSlots(Residency):
                 if u.mapped is not None and u.users == 0:
                     self._unmap(u)
             self._current = None
-            self.worker.submit(self._release_spare)
+            self._worker.submit(self._release_spare)
 
     def drain(self) -> None:
         """Wait for queued driver work; raises the first unmap that failed since the last
         drain (nobody else waits for an unmap, so its error would go unseen)."""
-        self.worker.drain()
+        self._worker.drain()
         for u in self.units:
             job, u.unmapping = u.unmapping, None
             if job is not None and job.exception() is not None:
                 raise job.exception()  # type: ignore[misc]
 
     def close(self) -> None:
-        self.worker.close()
+        self._worker.close()
         self._release_spare()  # the worker is gone: nobody else touches the free list
         b = self.backend
         for u in self.units:
@@ -965,7 +1131,7 @@ class RemapSlots(Residency):
 
     def _unmap_after(self, res: Reservation, events: list[Any]) -> None:
         for ev in events:  # an event wait before unmapping what a kernel may touch
-            self.worker.wait_event(ev)
+            self._worker.wait_event(ev)
         m = res.mapping_at(0)
         if m is None:
             raise StateError(f"offload engine: nothing is mapped at the slot 0x{res.va:x} to unmap")
@@ -986,7 +1152,8 @@ class OffloadEngine:
 
     Args:
         backend: the device backend.
-        mode: :class:`Mode` (``"resident"`` or ``"remap"``; ``"off"`` makes no slots).
+        mode: :class:`Mode` (``"resident"`` or ``"remap"``; ``"off"`` keeps every
+            group's activations on the device, in the graphs' own memory).
         min_bytes: saved tensors smaller than this stay on the device (in a device stash).
         remap_unit_bytes: remap mode packs the slots of consecutive groups into one
             mapping of up to this many bytes, so small layers share their driver calls
@@ -1016,10 +1183,12 @@ class OffloadEngine:
         self.d2h_stream = backend.new_stream()
         self.h2d_stream = backend.new_stream()
         self._pending: dict[tuple[int, int], Ticket] = {}  # (group index, microbatch) -> ticket
-        #: where slots live between forward and backward (None: mode off, no slots)
-        self.residency: Residency | None = (ResidentBanks(self) if self.mode is Mode.RESIDENT else
-                                            RemapSlots(self, remap_unit_bytes) if self.mode is Mode.REMAP
-                                            else None)
+        #: where the activations of groups that do not offload wait (every group in mode off)
+        self.kept = KeptOnDevice(self)
+        #: where offloaded groups' slots live between forward and backward (mode off: ``kept``)
+        self.residency: Residency = {Mode.RESIDENT: lambda: ResidentBanks(self),
+                                     Mode.REMAP: lambda: RemapSlots(self, remap_unit_bytes),
+                                     Mode.OFF: lambda: self.kept}[self.mode]()
         self.stats: Counter[str] = Counter()
         #: a :class:`graphslot.trace.Timeline` to record copy spans on, or None
         self.timeline: Any = None
@@ -1028,17 +1197,19 @@ class OffloadEngine:
     @property
     def worker(self) -> DriverWorker | None:
         """The driver worker thread (remap mode), or None."""
-        return self.residency.worker if isinstance(self.residency, RemapSlots) else None
+        return self.residency.worker
+
+    @property
+    def offloads(self) -> bool:
+        """Whether this engine's groups may move activations off the device (not mode off)."""
+        return self.residency is not self.kept
 
     def group(self, name: str, offload: bool = True) -> OffloadGroup:
-        g = OffloadGroup(self, name, offload and self.mode is not Mode.OFF)
+        """A new group; ``offload=False`` (or mode off): its activations stay on the device
+        (see :meth:`OffloadGroup.keep`)."""
+        g = OffloadGroup(self, name, offload and self.offloads)
         self.groups.append(g)
         return g
-
-    def _slots(self) -> Residency:
-        if self.residency is None:
-            raise StateError("offload engine: mode off keeps no slots")
-        return self.residency
 
     @property
     def resident_device_bytes(self) -> int:
@@ -1060,29 +1231,29 @@ class OffloadEngine:
 
     def prefetch_forward(self, g: OffloadGroup) -> None:
         """Start making ``g``'s slot writable for its next forward (remap: map it)."""
-        if not g.empty and self.residency is not None:
-            self.residency.prefetch_forward(g)
+        g.residency.prefetch_forward(g)
 
     def before_forward(self, g: OffloadGroup, microbatch: int) -> Ticket:
         """Make ``g``'s slot writable for a forward replay; returns that forward's ticket."""
         self._check_open("forward")
-        g._go("offload:forward")
+        if g.state is not State.READY:
+            g._go("offload:forward")  # refused, naming the state
         key = (g.index, microbatch)
         if key in self._pending:
             raise StateError(f"offload group {g.name}: microbatch {microbatch} ran forward again "
                              "before its backward")
         t = Ticket(g, microbatch)
-        if not g.empty:
-            self._slots().before_forward(g)
+        self.kept.claim(microbatch)  # the replay may overwrite what another microbatch keeps
+        g.residency.before_forward(g)
         self._pending[key] = t
         return t
 
     def after_forward(self, t: Ticket) -> None:
         """After the forward replay: queue the slot's copy out; let the slot go after it."""
-        g, slots = t.group, self._slots()
+        g, slots = t.group, t.group.residency
         nxt = _step(t._owner, t.state, slots.offload_call)  # refused before anything is queued
-        if g.empty:
-            t.state = nxt
+        if slots is self.kept:
+            t.state = nxt  # nothing leaves the device
             return
         b = self.backend
         fwd_done = b.record_event(b.new_event())
@@ -1125,8 +1296,7 @@ class OffloadEngine:
         if t.state is State.RESTORING or t.state is State.RESTORED:
             return
         nxt = _step(t._owner, t.state, "restore")  # refused here before anything is queued
-        if not t.group.empty:
-            self._slots().restore(t, lambda s: self._copy_in(t, s))
+        t.group.residency.restore(t, lambda s: self._copy_in(t, s))
         t.state = nxt
 
     def restore_ahead(self, t: Ticket) -> bool:
@@ -1137,7 +1307,7 @@ class OffloadEngine:
             return True
         if t.state not in (State.RELEASED, State.RESIDENT_PENDING):
             return False
-        if not t.group.empty and not self._slots().can_restore(t):
+        if not t.group.residency.can_restore(t):
             return False
         self.restore(t)
         return True
@@ -1163,15 +1333,16 @@ class OffloadEngine:
         if t.state is not State.RESTORING:
             self.restore(t)
         g = t.group
-        if not g.empty:
-            try:
-                self._slots().restored(t)
-            except BaseException:
+        self.kept.claim(t.microbatch)  # the backward replay may overwrite what another keeps
+        try:
+            g.residency.restored(t)
+        except BaseException:
+            if t.state is State.RESTORING:
                 t._go("restore_failed")  # nothing lost: the stash still holds the bytes
-                raise
+            raise
         t._go("wait_restored")
-        if g.empty:
-            return
+        if t.restore_done is None:
+            return  # nothing was copied in for it (kept on the device, or nothing saved)
         b = self.backend
         b.wait_event(b.current_stream(), t.restore_done)
         if self.debug_checksums:
@@ -1192,7 +1363,7 @@ class OffloadEngine:
     def consumed(self, t: Ticket) -> None:
         """After the backward replay read the slot: free the bank/slot and the stash."""
         g = self._retire(t, "consumed")
-        if g.empty:
+        if not g.offloads:
             return
         assert t.stash is not None  # offloaded at after_forward
         g._give_stash(t.stash, t.restore_done)
@@ -1205,7 +1376,7 @@ class OffloadEngine:
         The slot is free again once the forward is done (remap: released after it).
         """
         g = self._retire(t, "forget")
-        if not g.empty:
+        if g.offloads:
             if t.stash is not None:  # an after_forward that failed part way: a copy may be queued
                 b = self.backend
                 g._give_stash(t.stash, b.record_event(b.new_event(), self.d2h_stream))
@@ -1215,7 +1386,7 @@ class OffloadEngine:
     def _free_slot(self, g: OffloadGroup, backward: bool) -> None:
         """The slot's last user so far is queued: the residency lets it go after that."""
         b = self.backend
-        self._slots().free(g, b.record_event(b.new_event()), backward)
+        g.residency.free(g, b.record_event(b.new_event()), backward)
 
     # -- inspection ----------------------------------------------------------------------
 
@@ -1238,7 +1409,7 @@ class OffloadEngine:
             DriverError: an unmap on the driver worker failed since the last settle.
         """
         try:
-            if isinstance(self.residency, RemapSlots) and not self.closed:
+            if not self.closed:
                 self.residency.drain()
         finally:
             self.backend.synchronize()
@@ -1252,7 +1423,7 @@ class OffloadEngine:
         try:
             self._abandon(t)
         finally:
-            if not self._pending and self.residency is not None and not self.closed:
+            if not self._pending and not self.closed:
                 self.residency.nothing_in_flight()
 
     def _abandon(self, t: Ticket) -> None:
@@ -1261,9 +1432,10 @@ class OffloadEngine:
             return
         prev = t.state
         g = self._retire(t, "abandon")
-        if g.empty:
+        slots = g.residency
+        if slots is self.kept:
+            slots.abandon(g, t, prev)
             return
-        slots = self._slots()
         try:
             slots.restored(t)
         except BaseException:  # the mapping failed: nothing was mapped for it
@@ -1296,8 +1468,8 @@ class OffloadEngine:
         else:
             failed = None
         self.closed = True
-        if self.residency is not None:
-            self.residency.close()
+        self.residency.close()
+        self.kept.close()
         for g in self.groups:
             g.reservation = None
             g.views = []

@@ -245,6 +245,31 @@ def test_bad_arguments_are_named(local_gpt, host):
     assert gsm.active() is None
 
 
+def test_slots_are_placed_in_forward_order_and_banks_alternate_in_backward_order(local_gpt, host):
+    """Megatron records backward graphs last layer first; remap units must still pack
+    consecutive layers in the order a forward pass meets them, or a forward pass would
+    map a unit, leave it and map it again."""
+    from types import SimpleNamespace
+
+    from graphslot.offload import SavedTensorSpec
+
+    off = gsm.enable(local_gpt, mode="remap", backend=host)
+    try:
+        layers = {L.number: L for L in off.layers.values()}
+        for L in layers.values():
+            L.specs = [SavedTensorSpec.of(torch.empty(4096, dtype=torch.float32))]
+        runner = {n: SimpleNamespace(base_module=layers[n].module, func=None, create_bwd_graph=None,
+                                     replay_graph_capture=None) for n in layers}
+        off._prepare([(runner[1], "fwd"), (runner[2], "fwd"), (runner[2], "bwd"), (runner[1], "bwd")])
+        assert [g.name for g in off.engine.groups] == ["layer1.graph0", "layer2.graph0"]
+        units = off.engine.residency.units
+        assert len(units) == 1 and [g.name for g in units[0].members] == ["layer1.graph0", "layer2.graph0"]
+        assert [(r.layer.number, r.bank) for r in off.runners] == [(2, 0), (1, 1)]  # backward order
+    finally:
+        off.disable()
+    assert host.ledger.mapped_bytes == 0 and host.ledger.reserved_bytes == 0
+
+
 def test_enable_refuses_fp8_parameters_by_name(local_gpt, host, monkeypatch):
     monkeypatch.setattr(local_gpt.config, "fp8", "hybrid")
     monkeypatch.setattr(local_gpt.config, "fp8_param", True, raising=False)

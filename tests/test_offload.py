@@ -152,6 +152,96 @@ def test_layers_kept_on_the_device_take_several_microbatches_in_flight(engine_cl
         assert_bitwise(scheduled(model, b, 2, order), want)
 
 
+def test_without_parking_a_second_microbatch_overwrites_the_first(engine_clean, monkeypatch):
+    """The control for the test above: moving kept activations out is what keeps them."""
+    b = engine_clean
+    base, _ = small(b, 4)
+    order = "F0 F1 B0 B1"
+    want = scheduled(copy.deepcopy(base), b, 1, order)
+    model = copy.deepcopy(base)
+    with graphed(model, b, "off") as stack:
+        monkeypatch.setattr(stack.engine.kept, "claim", lambda mb: None)
+        got = scheduled(model, b, 1, order)
+    assert not all(torch.equal(x, y) for x, y in zip(got, want))
+
+
+def test_kept_activations_move_out_for_another_microbatch_and_back_for_their_backward(engine_clean):
+    b = engine_clean
+    eng = OffloadEngine(b, "resident")
+    try:
+        g = eng.group("kept", offload=False)
+        assert not g.offload_enabled and not g.offloads
+        g.allocate()
+        g.begin_capture()
+        g.finish_capture()
+        mem = torch.zeros(1000, dtype=torch.uint8, device=b.device)  # "the graph's memory"
+        g.keep([mem[:600], mem[600:].view(torch.int32)])
+        assert g.kept_bytes == 1000 and eng.kept.groups == [g]
+
+        def forward(mb: int, fill: int):
+            t = eng.before_forward(g, mb)
+            mem.fill_(fill)  # what the replay writes
+            eng.after_forward(t)
+            return t
+
+        t1 = forward(1, 11)
+        assert t1.state is State.KEPT and eng.resident_device_bytes == b.ledger.mapped_bytes
+        t2 = forward(2, 22)  # microbatch 1 moved out before this replay wrote
+        assert t1.state is State.PARKED and t2.state is State.KEPT
+        assert eng.stats["parked_bytes"] == 1000
+        assert eng.resident_device_bytes == b.ledger.mapped_bytes + 1000
+        eng.wait_restored(eng.ticket(g, 1))  # microbatch 2 moves out, microbatch 1 comes back
+        b.synchronize()
+        assert t1.state is State.RESTORED and bool((mem == 11).all())
+        eng.consumed(t1)
+        assert t2.state is State.PARKED
+        eng.wait_restored(eng.ticket(g, 2))
+        b.synchronize()
+        assert bool((mem == 22).all())
+        eng.consumed(t2)
+        assert not eng.in_flight() and eng.resident_device_bytes == b.ledger.mapped_bytes
+        assert eng.stats["parked_bytes"] == 2000  # each moved out once
+        # One microbatch at a time moves nothing.
+        for mb in (3, 4):
+            t = forward(mb, mb)
+            eng.wait_restored(eng.ticket(g, mb))
+            eng.consumed(t)
+        assert eng.stats["parked_bytes"] == 2000
+        # A parked forward that is abandoned drops its buffer.
+        forward(5, 5)
+        forward(6, 6)
+        eng.abandon(eng.ticket(g, 5))
+        eng.abandon(eng.ticket(g, 6))
+        assert not eng.in_flight() and eng.resident_device_bytes == b.ledger.mapped_bytes
+    finally:
+        eng.close()
+
+
+def test_kept_groups_refuse_what_they_cannot_do(engine_clean):
+    b = engine_clean
+    eng = OffloadEngine(b, "remap")
+    try:
+        off = eng.group("offloads")
+        with pytest.raises(UsageError, match="keep\\(\\) is for groups that do not offload"):
+            off.keep([])
+        kept = eng.group("kept", offload=False)
+        with pytest.raises(StateError, match="cannot keep in state discovering"):
+            kept.keep([])
+        kept.discover(torch.ones(4, device=b.device))
+        with pytest.raises(UsageError, match="does not offload: its saved tensors stay in the graph's memory"):
+            kept.allocate()
+        kept2 = eng.group("kept2", offload=False)
+        kept2.allocate()
+        kept2.begin_capture()
+        kept2.finish_capture()
+        with pytest.raises(UsageError, match="a kept view must be contiguous"):
+            kept2.keep([torch.zeros(4, 4, device=b.device).t()])
+        assert b.ledger.mapped_bytes == 0
+    finally:
+        eng.close()
+    assert OffloadEngine(b, "off").group("g").offloads is False
+
+
 # --------------------------------------------------------------------------- fences
 
 
@@ -752,14 +842,15 @@ def test_offloading_a_subset_of_layers_reloads_ahead_across_the_others(engine_cl
         for r in stack._runners:
             real = r.bwd.replay
             monkeypatch.setattr(r.bwd, "replay", (lambda real, n: lambda: (log.append(f"bwd layer{n}"), real())[1])(real, r.index))
-        assert [g.name for g in eng.groups] == ["layer0", "layer2"]
-        assert [g.bank.index for g in eng.groups] == [1, 0]  # bank 0 goes to the first reloaded
+        offloaded = [g for g in eng.groups if g.offloads]
+        assert [g.name for g in offloaded] == ["layer0", "layer2"]
+        assert [g.bank.index for g in offloaded] == [1, 0]  # bank 0 goes to the first reloaded
         assert_bitwise(train(model, b, 3), want)
         first = log[: log.index("bwd layer0") + 1]
         assert first.index("restore layer2") < first.index("bwd layer3")  # reached across layer 3
         assert first.index("restore layer0") < first.index("bwd layer1")
         # Layers 1 and 3 keep theirs in the graph's memory, and still take a second one.
-        assert [r.index for r in stack._in_pool] == [1, 3]
+        assert sorted(g.name for g in eng.kept.groups) == ["layer1", "layer3"]
         model(*model.batch(0, b.device))
         model(*model.batch(1, b.device))
 
