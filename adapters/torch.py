@@ -68,6 +68,21 @@ __all__ = ["GraphedLayers"]
 _use_count: Callable[[int], int] | None = getattr(torch._C, "_storage_Use_Count", None)
 
 
+def _tracked_objects() -> list[Any]:
+    """Every object the garbage collector tracks, frozen ones included: gc.get_objects()
+    skips what gc.freeze() set aside, and training loops freeze after their first steps,
+    with whatever they keep (a ``.grad`` an optimizer holds) among the frozen."""
+    if not gc.get_freeze_count():
+        return gc.get_objects()
+    gc.unfreeze()
+    try:
+        return gc.get_objects()
+    finally:
+        # Frozen again, with what was young now too: those are only spared cycle
+        # collection (this runs once per parameter whose old gradient someone kept).
+        gc.freeze()
+
+
 def _storage_id(t: torch.Tensor) -> int:
     return int(t.untyped_storage()._cdata)
 
@@ -389,7 +404,7 @@ class _Runner:
         bytes before the graph overwrites them, and hand this parameter copies from now on."""
         with warnings.catch_warnings():  # isinstance() wakes deprecated module attributes
             warnings.simplefilter("ignore")
-            held = [o for o in gc.get_objects() if isinstance(o, torch.Tensor) and o is not pg.buf
+            held = [o for o in _tracked_objects() if isinstance(o, torch.Tensor) and o is not pg.buf
                     and o.device == pg.buf.device and o.data_ptr() == pg.ptr]
         for o in held:
             if o.untyped_storage()._cdata == pg.storage:

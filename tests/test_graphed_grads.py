@@ -9,6 +9,7 @@ and an optimizer that keeps references to ``.grad`` between steps.
 from __future__ import annotations
 
 import copy
+import gc
 from typing import Callable
 
 import pytest
@@ -100,6 +101,30 @@ def test_an_optimizer_that_keeps_references_to_grad(clean, mode):
     model = copy.deepcopy(base)
     with graphed(model, b, mode):
         assert_bitwise(run(model, b, 4, 1, True, _KeepsGrads), want)
+
+
+class _KeepsGradsAndFreezes(_KeepsGrads):
+    """Keeps references to ``.grad`` and then freezes the garbage collector, as training
+    loops do after their first steps to cut collection pauses: what it kept is frozen."""
+
+    def step(self, closure=None):  # type: ignore[override]
+        super().step()
+        gc.freeze()
+
+
+@pytest.mark.parametrize("mode", ["off", "resident"])
+def test_kept_references_to_grad_are_found_when_the_collector_is_frozen(clean, mode):
+    b = clean
+    base = small(b)
+    want = run(copy.deepcopy(base), b, 4, 1, True, _KeepsGradsAndFreezes)
+    model = copy.deepcopy(base)
+    frozen = gc.get_freeze_count()
+    try:
+        with graphed(model, b, mode):
+            assert_bitwise(run(model, b, 4, 1, True, _KeepsGradsAndFreezes), want)
+    finally:
+        if not frozen:
+            gc.unfreeze()  # as it was before the test
 
 
 class _Scaled(nn.Module):
