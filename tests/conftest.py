@@ -46,6 +46,13 @@ def regions(clean):
     return b
 
 
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """The model-based tests take minutes each where every other test takes seconds: run
+    them first, so that with several workers (tox's cpu env) the short tests fill in
+    beside them instead of leaving one worker alone with them at the end."""
+    items.sort(key=lambda item: 0 if item.path.name == "test_stateful.py" else 1)  # stable
+
+
 def pytest_collection_finish(session: pytest.Session) -> None:
     """What exists once every test module is imported (torch, hypothesis, pytest's own
     objects: millions) lives for the whole run: keep it out of every garbage collection
