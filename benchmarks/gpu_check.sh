@@ -1,0 +1,69 @@
+#!/usr/bin/env bash
+# The cuda suite and the bench on a GPU machine, in parts that each fit one device call
+# (a call may last ten minutes; each part takes about six on an H200):
+#
+#   benchmarks/gpu_check.sh PART
+#
+#   a       test_offload, test_graphed_grads, test_arena, test_conformance, test_cpu_strict,
+#           test_cli_args, test_bench
+#   b       test_cuda_capture, test_reliability, test_adapter_megatron (needs .wheels/)
+#   c       every other test module (test_stateful with GRAPHSLOT_STATEFUL_EXAMPLES,
+#           default 25 per mode here)
+#   te      test_adapter_te against real TransformerEngine (after the kit's five parts:
+#           carry .te/base; see ../shared/te/README.md)
+#   bench   graphslot bench, default shape, JSON
+#   launch  graphslot bench --preset launch, JSON, plus a device timeline of remap
+#
+# Logs and results go to $OUT (the device tool brings that folder back, also when a part
+# runs out of time), so nothing is piped through a filter that a timeout would cut off;
+# a bench's JSON is the last line of its log.
+set -uo pipefail
+part=${1:?"which part: a, b, c, te, bench or launch"}
+out=${OUT:-/tmp/graphslot-gpu-check}
+mkdir -p "$out"
+cd "$(dirname "$0")/.."
+
+python3 -m pip install -q --no-deps --no-build-isolation -e . > "$out/install.log" 2>&1 || {
+  cat "$out/install.log"; exit 1; }
+if compgen -G ".wheels/*.whl" > /dev/null; then
+  python3 -m pip install -q --no-deps .wheels/*.whl >> "$out/install.log" 2>&1
+fi
+export GRAPHSLOT_BACKEND=cuda PYTHONUNBUFFERED=1
+
+a=(tests/test_offload.py tests/test_graphed_grads.py tests/test_arena.py tests/test_conformance.py
+   tests/test_cpu_strict.py tests/test_cli_args.py tests/test_bench.py)
+b=(tests/test_cuda_capture.py tests/test_reliability.py tests/test_adapter_megatron.py)
+named=" ${a[*]} ${b[*]} tests/test_adapter_te.py "
+c=()
+for f in tests/test_*.py; do
+  [[ $named == *" $f "* ]] || c+=("$f")
+done
+
+run() {  # run NAME COMMAND...: the command's output lands in $OUT/NAME.log as it comes
+  local name=$1; shift
+  echo "== $name: $*" | tee "$out/$name.log"
+  "$@" >> "$out/$name.log" 2>&1
+  local rc=$?
+  tail -n 25 "$out/$name.log"
+  echo "== $name: exit $rc"
+  return $rc
+}
+
+case $part in
+  a) run a python3 -m pytest -x -q -rs "${a[@]}" ;;
+  b) run b python3 -m pytest -x -q -rs "${b[@]}" ;;
+  c) GRAPHSLOT_STATEFUL_EXAMPLES=${GRAPHSLOT_STATEFUL_EXAMPLES:-25} run c python3 -m pytest -x -q -rs "${c[@]}" ;;
+  te)
+    # shellcheck disable=SC1091
+    source .te/base/install.sh || exit 1
+    run te python3 -m pytest -x -q -rs tests/test_adapter_te.py ;;
+  bench)
+    run bench python3 -m graphslot.cli bench --json --quiet --plot "$out/bench_default.png" \
+      --trace "$out/bench_default_trace.json" ;;
+  launch)
+    run launch python3 -m graphslot.cli bench --preset launch --json --quiet \
+      --plot "$out/bench_launch.png" &&
+      run launch_remap python3 -m graphslot.cli bench --preset launch --configs graph_remap \
+        --json --quiet --trace "$out/launch_remap_trace.json" ;;
+  *) echo "unknown part '$part': choose a, b, c, te, bench or launch" >&2; exit 2 ;;
+esac
