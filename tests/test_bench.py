@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import re
 import sys
+import warnings
 
 import pytest
 import torch
@@ -117,6 +118,25 @@ def test_bench_runs_every_configuration_on_small_shapes(backend, tmp_path):
     tracks = {e["tid"] for e in events if e["ph"] == "X"}
     assert {1, 2, 3} <= tracks  # compute, d2h and h2d streams
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_each_configuration_reports_the_warnings_it_raised(backend, monkeypatch):
+    """A warning lands under the configuration that raised it (here: only the eager
+    forward warns), so a stray warning in a bench run can be told apart by configuration."""
+    from graphslot.cli import bench
+
+    real = bench._forward
+
+    def warning_forward(layers, x):
+        warnings.warn("eager forward ran", RuntimeWarning)
+        return real(layers, x)
+
+    monkeypatch.setattr(bench, "_forward", warning_forward)
+    r = run_bench(backend, BenchShape.preset("tiny"), steps=1, warmup=1, progress=False,
+                  configs=("eager", "graph"))
+    assert r["configs"]["eager"]["warnings"] == ["RuntimeWarning: eager forward ran"]
+    assert r["configs"]["graph"]["warnings"] == []
+    assert "eager warned: RuntimeWarning: eager forward ran" in bench._table(r)
 
 
 def test_bench_command_prints_one_json_object(backend, capsys):

@@ -93,16 +93,6 @@ class _KeepsGrads(torch.optim.Optimizer):
                 self.kept[id(p)] = p.grad  # a reference, not a copy
 
 
-@pytest.mark.parametrize("mode", ["off", "resident"])
-def test_an_optimizer_that_keeps_references_to_grad(clean, mode):
-    b = clean
-    base = small(b)
-    want = run(copy.deepcopy(base), b, 4, 1, True, _KeepsGrads)
-    model = copy.deepcopy(base)
-    with graphed(model, b, mode):
-        assert_bitwise(run(model, b, 4, 1, True, _KeepsGrads), want)
-
-
 class _KeepsGradsAndFreezes(_KeepsGrads):
     """Keeps references to ``.grad`` and then freezes the garbage collector, as training
     loops do after their first steps to cut collection pauses: what it kept is frozen."""
@@ -113,15 +103,16 @@ class _KeepsGradsAndFreezes(_KeepsGrads):
 
 
 @pytest.mark.parametrize("mode", ["off", "resident"])
-def test_kept_references_to_grad_are_found_when_the_collector_is_frozen(clean, mode):
+@pytest.mark.parametrize("optimizer", [_KeepsGrads, _KeepsGradsAndFreezes], ids=["keeps", "keeps-and-freezes-gc"])
+def test_an_optimizer_that_keeps_references_to_grad(clean, mode, optimizer):
     b = clean
     base = small(b)
-    want = run(copy.deepcopy(base), b, 4, 1, True, _KeepsGradsAndFreezes)
+    want = run(copy.deepcopy(base), b, 4, 1, True, optimizer)
     model = copy.deepcopy(base)
     frozen = gc.get_freeze_count()
     try:
         with graphed(model, b, mode):
-            assert_bitwise(run(model, b, 4, 1, True, _KeepsGradsAndFreezes), want)
+            assert_bitwise(run(model, b, 4, 1, True, optimizer), want)
     finally:
         if not frozen:
             gc.unfreeze()  # as it was before the test

@@ -16,13 +16,15 @@ and reports for each: median step time, driver-level peak device memory, activat
 bytes left on the device at the forward/backward boundary, bytes offloaded, achieved
 copy bandwidth, exposed copy time and efficiency against the ideal bound
 (per phase, the larger of the compute time and offloaded bytes over the copy ceiling),
-and ``memory_breakdown``: what the device holds after the step's backward, by owner
-(see :func:`memory_breakdown`).
+``memory_breakdown``: what the device holds after the step's backward, by owner
+(see :func:`memory_breakdown`), and ``warnings``: what the configuration warned while it
+was built and run.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import gc
 import json
@@ -30,8 +32,9 @@ import math
 import statistics
 import sys
 import time
+import warnings
 from dataclasses import asdict, dataclass
-from typing import Any, Callable, ClassVar, Sequence
+from typing import Any, Callable, ClassVar, Iterator, Sequence
 
 import torch
 
@@ -231,15 +234,18 @@ def run_bench(b: Backend, shape: BenchShape, *, steps: int = 10, warmup: int = 3
             out["configs"][name] = {"reason": reason}
             bar.skip(warmup + steps + 2)
             continue
-        built = _build(r, name, timings)
-        if isinstance(built, str):
-            out["configs"][name] = {"reason": built}
-            continue
-        stack, fwd, kw = built
-        out["configs"][name], traces[name], curves[name] = _measure(r, name, stack, fwd, timings)
-        if name == "graph_auto":
-            out["configs"][name]["offload_layers"] = kw["offload_layers"]
-        _tear_down(r, name, stack)
+        seen: list[str] = []
+        with _recording_warnings(seen):
+            built = _build(r, name, timings)
+            if isinstance(built, str):
+                out["configs"][name] = {"reason": built}
+                continue
+            stack, fwd, kw = built
+            out["configs"][name], traces[name], curves[name] = _measure(r, name, stack, fwd, timings)
+            if name == "graph_auto":
+                out["configs"][name]["offload_layers"] = kw["offload_layers"]
+            _tear_down(r, name, stack)
+        out["configs"][name]["warnings"] = seen
         del stack, fwd, built
         gc.collect()
         b.empty_cache()
@@ -249,6 +255,22 @@ def run_bench(b: Backend, shape: BenchShape, *, steps: int = 10, warmup: int = 3
     bar.close()
     _finish(out, r, timings, traces, curves, trace_path, plot_path)
     return out
+
+
+@contextlib.contextmanager
+def _recording_warnings(into: list[str]) -> Iterator[None]:
+    """Collect the warnings one configuration raises (each message once, first line), so
+    the report says which configuration raised what. Warnings that torch raises once per
+    process show under the first configuration that triggers them."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            yield
+        finally:
+            for w in caught:
+                msg = f"{w.category.__name__}: {str(w.message).strip().splitlines()[0]}"
+                if msg not in into:
+                    into.append(msg)
 
 
 def _prepare(b: Backend, shape: BenchShape, steps: int, warmup: int, n_configs: int,
@@ -618,7 +640,8 @@ def _table(r: dict[str, Any]) -> str:
                      f(c.get("efficiency"), ".2f")])
     body = table(rows, ("config", "step ms", "peak dev", "act@bound", "offload", "D2H GB/s",
                         "H2D GB/s", "exposed", "eff"), "lrrrrrrrr")
-    return "\n".join([*head, body, *skipped])
+    warned = [f"{name} warned: {w}" for name, c in r["configs"].items() for w in c.get("warnings", ())]
+    return "\n".join([*head, body, *skipped, *warned])
 
 
 def _is_oom(e: BaseException) -> bool:
