@@ -36,7 +36,9 @@ Parameters and buffers are never offloaded. Several microbatches may be in fligh
 their backward on every layer: offloaded layers keep each microbatch in the engine's
 host buffers; layers whose activations stay on the device keep the newest microbatch in
 the graph's own memory and move older ones to device buffers of their own only when
-another microbatch's graphs are about to run. Gradient accumulation, ``loss.backward()``
+another microbatch's graphs are about to run (the engine's ``KeptOnDevice`` residency:
+every layer has an offload group, kept on the device or offloaded). Gradient
+accumulation, ``loss.backward()``
 and any optimizer work as usual. A forward under ``torch.no_grad()`` offloads nothing.
 
 Limits, as for device graphs in general: each layer takes one tensor and returns one

@@ -1330,9 +1330,9 @@ class OffloadEngine:
         In remap mode a failed mapping surfaces here; the host copy is kept and
         :meth:`restore` may be called again.
         """
-        if t.state is not State.RESTORING:
-            self.restore(t)
         g = t.group
+        if t.state is not State.RESTORING and g.residency is not self.kept:
+            self.restore(t)  # (kept activations have nothing to restore ahead of this)
         self.kept.claim(t.microbatch)  # the backward replay may overwrite what another keeps
         try:
             g.residency.restored(t)
