@@ -1186,9 +1186,9 @@ class OffloadEngine:
         #: where the activations of groups that do not offload wait (every group in mode off)
         self.kept = KeptOnDevice(self)
         #: where offloaded groups' slots live between forward and backward (mode off: ``kept``)
-        self.residency: Residency = {Mode.RESIDENT: lambda: ResidentBanks(self),
-                                     Mode.REMAP: lambda: RemapSlots(self, remap_unit_bytes),
-                                     Mode.OFF: lambda: self.kept}[self.mode]()
+        self.residency: Residency = (ResidentBanks(self) if self.mode is Mode.RESIDENT else
+                                     RemapSlots(self, remap_unit_bytes) if self.mode is Mode.REMAP
+                                     else self.kept)
         self.stats: Counter[str] = Counter()
         #: a :class:`graphslot.trace.Timeline` to record copy spans on, or None
         self.timeline: Any = None
