@@ -954,16 +954,28 @@ class RemapSlots(Residency):
 
     # -- passes --------------------------------------------------------------------------
 
-    def _map_job(self, u: RemapUnit) -> Future[Any]:
-        """``u``'s map job, queued unless ``u`` is mapped or queued; the pass is at ``u``."""
+    def _queue_map(self, u: RemapUnit) -> Future[Any]:
         if u.mapped is None:
             res, size = u.reservation, u.size
             u.mapped = self._worker.submit(lambda: self._map(res, size))
             self.engine.stats["remaps"] += 1
+        return u.mapped
+
+    def _map_job(self, u: RemapUnit, step: int) -> Future[Any]:
+        """``u``'s map job, queued unless ``u`` is mapped or queued; the pass is at ``u`` and
+        goes on in direction ``step`` (+1 forward, -1 backward)."""
+        job = self._queue_map(u)
         if u is not self._current:
             self._current = u
             self._unmap_lingering()  # the pass left them
-        return u.mapped
+            # Entering a unit of packed small slots: queue the next one's map now, so the
+            # worker has done it (a map and an access grant, more than a small layer's
+            # compute) by the time the pass gets there. At most one unit target more is
+            # mapped; a unit of one large slot is never mapped ahead (its memory counts).
+            i = self.units.index(u) + step
+            if 0 <= i < len(self.units) and self.units[i].size <= self.unit_bytes:
+                self._queue_map(self.units[i])
+        return job
 
     def _hold(self, u: RemapUnit) -> None:
         u.users += 1
@@ -998,14 +1010,14 @@ class RemapSlots(Residency):
             u.mapped = None  # nothing is mapped: the next use queues a new map
 
     def prefetch_forward(self, g: OffloadGroup) -> None:
-        self._map_job(self._unit(g))
+        self._map_job(self._unit(g), +1)
         self._prefetched.add(g.index)
 
     def before_forward(self, g: OffloadGroup) -> None:
         f = self._writable(g)
         u = self._unit(g)
         self._prefetched.discard(g.index)
-        job = self._map_job(u)
+        job = self._map_job(u, +1)
         try:
             job.result()
         except BaseException:
@@ -1023,7 +1035,7 @@ class RemapSlots(Residency):
         g = t.group
         held = self._restorable(t)
         u = self._unit(g)
-        mapped = self._map_job(u)
+        mapped = self._map_job(u, -1)
         self._hold(u)
         held.holder = t
         eng = self.engine
