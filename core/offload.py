@@ -755,15 +755,22 @@ class KeptOnDevice(Residency):
                     self._park(t)
         self.holder = microbatch  # only now: a park that failed is tried again next time
 
+    @staticmethod
+    def _packed(g: OffloadGroup, buf: torch.Tensor) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """(view, its place in ``buf``) for each of ``g``'s kept views, packed end to end."""
+        pos = 0
+        for v in g.views:
+            n = v.numel()
+            yield v, buf[pos:pos + n]
+            pos += n
+
     def _park(self, t: Ticket) -> None:
         nxt = _step(t._owner, t.state, "park")
         g, b = t.group, self.backend
         buf = torch.empty(g.kept_bytes, dtype=torch.uint8, device=b.device)
-        s, pos = b.current_stream(), 0
-        for v in g.views:
-            n = v.numel()
-            b.copy_async(buf[pos:pos + n], v, s)
-            pos += n
+        s = b.current_stream()
+        for v, place in self._packed(g, buf):
+            b.copy_async(place, v, s)
         t.stash = Stash(None, buf)
         self.engine.stats["parked_bytes"] += g.kept_bytes
         t.state = nxt
@@ -779,11 +786,9 @@ class KeptOnDevice(Residency):
         if st is None:
             return  # never moved: still where the graph wrote them
         b = self.backend
-        s, pos = b.current_stream(), 0
-        for v in t.group.views:
-            n = v.numel()
-            b.copy_async(v, st.device[pos:pos + n], s)
-            pos += n
+        s = b.current_stream()
+        for v, place in self._packed(t.group, st.device):
+            b.copy_async(v, place, s)
         t.stash = None  # the buffer's uses are all on this stream: the allocator orders its reuse
 
     def free(self, g: OffloadGroup, done: Any, backward: bool) -> None:
@@ -1343,7 +1348,7 @@ class OffloadEngine:
         :meth:`restore` may be called again.
         """
         g = t.group
-        if t.state is not State.RESTORING and g.residency is not self.kept:
+        if t.state is not State.RESTORING and g.offloads:
             self.restore(t)  # (kept activations have nothing to restore ahead of this)
         self.kept.claim(t.microbatch)  # the backward replay may overwrite what another keeps
         try:
