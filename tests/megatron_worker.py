@@ -33,6 +33,31 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def _census(segs: list) -> dict:
+    """Live bytes of the pool's segments by the innermost Megatron or graphslot frame that
+    allocated them (the rest by their innermost Python frame), largest first."""
+    import collections
+
+    def where(frames: list) -> str:
+        py = [f for f in frames or [] if f.get("filename", "").endswith(".py")]
+        mine = [f for f in py if "megatron" in f["filename"] or "graphslot" in f["filename"]
+                or "/adapters/" in f["filename"] or "/core/" in f["filename"]]
+        f = (mine or py or [{"filename": "?", "line": 0, "name": "(no python frame)"}])[0]
+        return f"{f['filename'].rsplit('/', 1)[-1]}:{f['line']}:{f['name']}"
+
+    by: collections.Counter = collections.Counter()
+    count: collections.Counter = collections.Counter()
+    for seg in segs:
+        for blk in seg["blocks"]:
+            if blk["state"] == "active_allocated":
+                k = where(blk.get("frames"))
+                by[k] += blk["size"]
+                count[k] += 1
+            else:
+                by["(free in the pool)"] += blk["size"]
+    return {k: {"bytes": v, "blocks": count[k]} for k, v in by.most_common(25)}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--mode", choices=["eager", "graphs", "resident", "remap"], required=True)
@@ -52,6 +77,8 @@ def main() -> None:
     ap.add_argument("--fp8", default="", help="fp8 compute with this Megatron fp8_recipe (needs --spec te)")
     ap.add_argument("--deterministic", action="store_true",
                     help="deterministic_mode and NVTE_ALLOW_NONDETERMINISTIC_ALGO=0")
+    ap.add_argument("--census", action="store_true",
+                    help="record allocations and report what Megatron's graph pool holds, by allocating frame")
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
     if a.fp8 and a.spec != "te":
@@ -135,6 +162,8 @@ def main() -> None:
         out = model(tokens, position_ids, mask, labels=labels)
         return out, partial(loss_func)
 
+    if a.census:
+        torch.cuda.memory._record_memory_history(max_entries=1_000_000)
     fwd_bwd = get_forward_backward_func()
     losses: list[float] = []
     times: list[float] = []
@@ -173,6 +202,8 @@ def main() -> None:
                 if pool is not None and tuple(x.get("segment_pool_id", ())) == tuple(pool)]
         graph_pool = {"segments": len(segs), "reserved_bytes": sum(x["total_size"] for x in segs),
                       "active_bytes": sum(x["active_size"] for x in segs)}
+        if a.census:
+            graph_pool["by_frame"] = _census(segs)
     digest = hashlib.sha256()  # every parameter's bytes after the last step, in model order
     for p in params:
         digest.update(p.detach().contiguous().view(-1).view(torch.uint8).cpu().numpy().tobytes())

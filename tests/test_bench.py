@@ -107,6 +107,13 @@ def test_bench_runs_every_configuration_on_small_shapes(backend, tmp_path):
             assert mb["host_pinned_bytes"] >= 0.9 * r["saved_activation_bytes"] / (1 if name == "graph_remap" else 1)
         if name == "graph_resident":
             assert mb["slot_bytes"] > 0  # the two banks stay mapped
+        if c["peak_device_bytes"] is not None:
+            # The peak is the allocator's peak reserved plus graphslot's peak pages: at
+            # least what both hold after the step; the driver's context is reported apart.
+            held = sum(mb[k] for k in ("weights_bytes", "grad_bytes", "graph_pool_bytes",
+                                       "slot_bytes", "other_bytes"))
+            assert c["peak_device_bytes"] >= held, (name, c["peak_device_bytes"], mb)
+            assert c["context_bytes"] >= 0
     cf = r["configs"]
     saved = r["saved_activation_bytes"]
     assert cf["eager"]["activation_bytes_at_boundary"] == saved == cf["graph"]["activation_bytes_at_boundary"]
@@ -139,6 +146,30 @@ def test_each_configuration_reports_the_warnings_it_raised(backend, monkeypatch)
     assert "eager warned: RuntimeWarning: eager forward ran" in bench._table(r)
 
 
+def test_rounds_time_every_configuration_again_in_turn(backend, monkeypatch):
+    """With rounds, each configuration is built and timed once per round, the
+    configurations taking turns, and its step time is the median of its rounds."""
+    from graphslot.cli import bench
+
+    order: list[str] = []
+    real = bench._timed_steps
+
+    def timed(r, name, stack, step):
+        order.append(name)
+        return real(r, name, stack, step)
+
+    monkeypatch.setattr(bench, "_timed_steps", timed)
+    r = run_bench(backend, BenchShape.preset("tiny"), steps=1, warmup=0, progress=False,
+                  configs=("eager", "graph"), rounds=3)
+    assert order == ["eager", "graph"] * 3
+    assert r["rounds"] == 3
+    for c in r["configs"].values():
+        assert len(c["step_ms_rounds"]) == 3 and all(t > 0 for t in c["step_ms_rounds"])
+        assert c["step_ms"] == sorted(c["step_ms_rounds"])[1]
+    with pytest.raises(graphslot.UsageError, match="rounds"):
+        run_bench(backend, BenchShape.preset("tiny"), rounds=0, progress=False)
+
+
 def test_bench_command_prints_one_json_object(backend, capsys):
     rc = cli.main(["bench", "--preset", "tiny", "--steps", "1", "--warmup", "1", "--quiet", "--json",
                    "--configs", "eager,graph_resident"])
@@ -151,7 +182,7 @@ def test_bench_command_prints_one_json_object(backend, capsys):
 @pytest.mark.parametrize("argv,needle", [
     (["--layers", "0"], "--layers"), (["--heads", "0"], "--heads"), (["--hidden", "7", "--heads", "4"], "multiple"),
     (["--batch", "-2"], "--batch"), (["--steps", "0"], "--steps"), (["--configs", "bogus"], "bogus"),
-    (["--configs", ""], "--configs"), (["--warmup", "-1"], "--warmup")])
+    (["--configs", ""], "--configs"), (["--warmup", "-1"], "--warmup"), (["--rounds", "0"], "--rounds")])
 def test_bench_refuses_bad_arguments_with_exit_2(backend, capsys, argv, needle):
     rc = cli.main(["bench", "--preset", "tiny", "--quiet", *argv])
     err = capsys.readouterr().err.strip()

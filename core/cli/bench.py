@@ -12,7 +12,9 @@ graph_remap    graphed, every layer offloaded, pages released between phases
 graph_auto     graphed, resident, offloading as many layers as compute can hide
 ============== ==============================================================
 
-and reports for each: median step time, driver-level peak device memory, activation
+and reports for each: median step time, peak device memory (the allocator's peak reserved
+bytes plus graphslot's peak physical pages; ``context_bytes``, the driver memory outside
+both, apart, since it depends on what ran earlier in the process), activation
 bytes left on the device at the forward/backward boundary, bytes offloaded, achieved
 copy bandwidth, exposed copy time and efficiency against the ideal bound
 (per phase, the larger of the compute time and offloaded bytes over the copy ceiling),
@@ -39,6 +41,7 @@ from typing import Any, Callable, ClassVar, Iterator, Sequence
 import torch
 
 from ..backend import Backend
+from ..errors import UsageError
 from ..memory import report, saved_activation_bytes
 from ..sizes import format_bytes
 from ..trace import Timeline
@@ -197,7 +200,8 @@ class _Inputs:
 
 def run_bench(b: Backend, shape: BenchShape, *, steps: int = 10, warmup: int = 3,
               configs: tuple[str, ...] = CONFIGS, trace_path: str | None = None,
-              plot_path: str | None = None, progress: bool = True) -> dict[str, Any]:
+              plot_path: str | None = None, progress: bool = True,
+              rounds: int = 1) -> dict[str, Any]:
     """Run the comparison on backend ``b`` (see the module docstring).
 
     Args:
@@ -209,6 +213,10 @@ def run_bench(b: Backend, shape: BenchShape, *, steps: int = 10, warmup: int = 3
         trace_path: where to write a Chrome/Perfetto trace of one offloading step.
         plot_path: where to write a PNG of device memory over one step (needs matplotlib).
         progress: show a progress bar on stderr (needs tqdm, the ``cli`` extra).
+        rounds: time every configuration this many times, the configurations taking turns
+            (built and timed again in each later round), so that a slow spell of the machine
+            falls on all of them alike; ``step_ms`` is the median of the rounds' medians,
+            ``step_ms_rounds`` lists them. Memory, phases and the trace come from round one.
 
     Returns:
         The JSON-able report: ``backend``, ``device``, ``shape``, ``copy_ceiling_gbps``,
@@ -217,10 +225,12 @@ def run_bench(b: Backend, shape: BenchShape, *, steps: int = 10, warmup: int = 3
     Raises:
         UsageError: ``progress`` and tqdm is not installed.
     """
-    r = _prepare(b, shape, steps, warmup, len(configs), progress)
+    if rounds < 1:
+        raise UsageError(f"rounds must be at least 1, got {rounds}")
+    r = _prepare(b, shape, steps, warmup, len(configs), progress, rounds)
     out: dict[str, Any] = {
         "backend": b.name, "device": b.info()["device"], "shape": shape.as_dict(),
-        "steps": steps, "copy_ceiling_gbps": r.ceil_gbps, "copy": r.ceiling,
+        "steps": steps, "rounds": rounds, "copy_ceiling_gbps": r.ceil_gbps, "copy": r.ceiling,
         "saved_activation_bytes": r.saved, "configs": {},
     }
     bar = r.bar
@@ -252,9 +262,42 @@ def run_bench(b: Backend, shape: BenchShape, *, steps: int = 10, warmup: int = 3
         if name == "save_on_cpu" and b.name != "cpu":
             out["configs"][name]["d2h_gbps"] = out["configs"][name]["h2d_gbps"] = None
             out["configs"][name]["copy_note"] = "copies issued by torch inside autograd; not timed"
+    for _ in range(rounds - 1):
+        _another_round(r, out["configs"], timings)
+    if rounds > 1:
+        for name, c in out["configs"].items():
+            if "step_ms_rounds" in c:
+                c["step_ms"] = timings[name]["step_ms"] = statistics.median(c["step_ms_rounds"])
     bar.close()
     _finish(out, r, timings, traces, curves, trace_path, plot_path)
     return out
+
+
+def _another_round(r: _Inputs, results: dict[str, dict[str, Any]],
+                   timings: dict[str, dict[str, float]]) -> None:
+    """Build and time every configuration that ran once more, in the same order; append
+    each median step to its ``step_ms_rounds``."""
+    for name, c in results.items():
+        if "reason" in c:
+            continue
+        c.setdefault("step_ms_rounds", [c["step_ms"]])
+        with warnings.catch_warnings():  # round one reported them
+            warnings.simplefilter("ignore")
+            built = _build(r, name, timings)
+            assert not isinstance(built, str)  # it was built in round one
+            stack, fwd, _kw = built
+
+            def step() -> None:
+                y = fwd()
+                y.backward(r.gy)
+                r.zero_grads()
+
+            step_ms, _, _ = _timed_steps(r, name, stack, step)
+            c["step_ms_rounds"].append(step_ms)
+            _tear_down(r, name, stack)
+        del stack, fwd, built, step
+        gc.collect()
+        r.b.empty_cache()
 
 
 @contextlib.contextmanager
@@ -274,7 +317,7 @@ def _recording_warnings(into: list[str]) -> Iterator[None]:
 
 
 def _prepare(b: Backend, shape: BenchShape, steps: int, warmup: int, n_configs: int,
-             progress: bool) -> _Inputs:
+             progress: bool, rounds: int = 1) -> _Inputs:
     """The layers and data every configuration runs on, and the copy ceiling."""
     dtype = shape.dtype
     torch.manual_seed(0)
@@ -289,7 +332,7 @@ def _prepare(b: Backend, shape: BenchShape, steps: int, warmup: int, n_configs: 
     copy_n = min(GiB, max(MiB, layer_bytes))
     ceiling = copy_bandwidth(b, copy_n)
     ceil_gbps = min(ceiling["d2h_gbps"], ceiling["h2d_gbps"])
-    bar = Progress(n_configs * (warmup + steps + 2), progress)
+    bar = Progress(n_configs * (warmup + steps + 2 + (rounds - 1) * (warmup + steps)), progress)
     return _Inputs(b, shape, steps, warmup, layers, params, x, gy, saved, layer_bytes,
                    ceiling, ceil_gbps, bar)
 
@@ -350,7 +393,7 @@ def _measure(r: _Inputs, name: str, stack: Any, fwd: Callable[[], torch.Tensor],
     # One step for memory: peaks from a known baseline, and the boundary.
     curve: list[tuple[str, int]] = []
     breakdown: dict[str, int | None] = {}
-    peak, boundary = _memory_step(b, fwd, gy, stack, r.layers,
+    peak, context, boundary = _memory_step(b, fwd, gy, stack, r.layers,
                                   r.saved if name in ("eager", "torch_graphed", "graph") else 0,
                                   curve, r.zero_grads, breakdown)
     bar.update(f"{name}: memory")
@@ -365,7 +408,7 @@ def _measure(r: _Inputs, name: str, stack: Any, fwd: Callable[[], torch.Tensor],
         offloaded = r.saved
     result = {
         "step_ms": step_ms, "fwd_ms": fwd_ms, "bwd_ms": bwd_ms,
-        "peak_device_bytes": peak, "activation_bytes_at_boundary": boundary,
+        "peak_device_bytes": peak, "context_bytes": context, "activation_bytes_at_boundary": boundary,
         "offloaded_bytes": offloaded, "d2h_gbps": d2h, "h2d_gbps": h2d,
         "memory_breakdown": breakdown, "driver_calls_per_layer_step": calls,
     }
@@ -459,9 +502,9 @@ def _memory_step(b: Backend, fwd: Callable[[], torch.Tensor], gy: torch.Tensor, 
                  layers: Sequence[torch.nn.Module], saved_on_device: int,
                  curve: list[tuple[str, int]],
                  zero_grads: Callable[[], None],
-                 breakdown: dict[str, int | None]) -> tuple[int | None, int]:
-    """One step with memory probes after every layer; returns (peak, boundary bytes) and
-    fills ``breakdown`` (:func:`memory_breakdown` after the backward)."""
+                 breakdown: dict[str, int | None]) -> tuple[int | None, int | None, int]:
+    """One step with memory probes after every layer; returns (peak, context, boundary
+    bytes) and fills ``breakdown`` (:func:`memory_breakdown` after the backward)."""
 
     def in_use() -> int:
         # Bytes held, not reserved: what the allocator hands out plus graphslot's pages
@@ -523,10 +566,14 @@ def _memory_step(b: Backend, fwd: Callable[[], torch.Tensor], gy: torch.Tensor, 
     zero_grads()
     stats = b.allocator_stats()
     if stats["peak_reserved_bytes"] is None or before.allocator_reserved_bytes is None:
-        return None, boundary  # this backend's allocator keeps no peak
-    peak = (before.driver_used_bytes + (stats["peak_reserved_bytes"] - before.allocator_reserved_bytes)
-            + (b.ledger.peak_allocated_bytes - before.allocated_bytes))
-    return peak, boundary
+        return None, None, boundary  # this backend's allocator keeps no peak
+    # What this configuration holds at most: the allocator's peak reserved bytes plus
+    # graphslot's peak physical pages (each peak on its own, so never less than the real
+    # peak). Driver memory outside both (the context, library handles, kernels loaded so
+    # far) is the process's, grows with whatever ran earlier in it, and is reported apart.
+    peak = stats["peak_reserved_bytes"] + b.ledger.peak_allocated_bytes
+    context = max(0, before.driver_used_bytes - before.allocator_reserved_bytes - before.allocated_bytes)
+    return peak, context, boundary
 
 
 def memory_breakdown(b: Backend, layers: Sequence[torch.nn.Module], stack: Any = None) -> dict[str, int | None]:
@@ -666,6 +713,8 @@ def check_args(args: argparse.Namespace) -> tuple[BenchShape, tuple[str, ...]]:
         raise ValueError(f"--steps must be at least 1, got {args.steps}")
     if args.warmup < 0:
         raise ValueError(f"--warmup must be at least 0, got {args.warmup}")
+    if args.rounds < 1:
+        raise ValueError(f"--rounds must be at least 1, got {args.rounds}")
     configs = (tuple(c.strip() for c in args.configs.split(",") if c.strip())
                if args.configs is not None else CONFIGS)
     unknown = [c for c in configs if c not in CONFIGS]
@@ -691,7 +740,8 @@ def main(args: argparse.Namespace) -> int:
     b = get_backend(args.backend)
     try:
         r = run_bench(b, shape, steps=args.steps, warmup=args.warmup, configs=configs,
-                      trace_path=args.trace, plot_path=args.plot, progress=not args.quiet)
+                      trace_path=args.trace, plot_path=args.plot, progress=not args.quiet,
+                      rounds=args.rounds)
     except (RuntimeError, MemoryError) as e:
         if not _is_oom(e):
             raise
@@ -718,6 +768,8 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--attention", default=None, choices=("sdpa", "math"))
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--rounds", type=int, default=1,
+                   help="time every configuration this many times, taking turns (median of rounds)")
     p.add_argument("--configs", default=None, help=f"comma-separated subset of {','.join(CONFIGS)}")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=main)
