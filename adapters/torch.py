@@ -502,9 +502,11 @@ class GraphedLayers(nn.Module):
         # the backwards in reverse), as torch.cuda.make_graphed_callables does: memory a
         # graph frees at capture is reused only by graphs that replay after it.
         self._pool_owner: DeviceGraph | None = None
-        # One side stream for every warm-up: libraries cache per-stream state (cuBLAS
-        # keeps a workspace of tens of MiB for each stream it has run on).
-        self._warmup_stream = self.backend.new_stream()
+        # The backend's one side stream for every warm-up of every stack: libraries keep
+        # per-stream state for the process's life (cuBLAS a workspace of tens of MiB for
+        # each stream and thread), so a stream of the stack's own would leave that behind
+        # with each stack built.
+        self._warmup_stream = self.backend.side_stream()
         #: gradient buffers handed out as .grad since the last replay that could overwrite them
         self._lent: dict[int, list[_ParamGrad]] = {}  # by layer
         self._lock = threading.Condition()

@@ -408,6 +408,20 @@ class Backend(abc.ABC):
         #: page-locked host bytes of live buffers made by :meth:`pinned_empty`
         self.pinned_bytes = 0
         self._pinned_lock = threading.Lock()
+        self._side: Any = None
+
+    def side_stream(self) -> Any:
+        """This backend's one stream for eager side work, such as the warm-up iterations
+        before a capture (made on first use, the same object afterwards).
+
+        Libraries keep state per stream for as long as the process lives (cuBLAS and
+        cuBLASLt a workspace of tens of MiB for each stream and thread that ran a matmul),
+        so work that needs a stream other than the current one, over and over (every
+        graphed stack built), shares this one and pays that state once."""
+        with self._lock:
+            if self._side is None:
+                self._side = self.new_stream()
+            return self._side
 
     # ------------------------------------------------------------------ what a backend supplies
     # Besides :attr:`driver`: capture state, streams and events (torch's protocol), copies,

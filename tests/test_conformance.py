@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 
 import pytest
@@ -197,6 +198,24 @@ def test_current_stream_and_stream_context(clean):
     with b.stream(s):
         assert b.current_stream() == s
     assert b.current_stream() == before
+
+
+def test_the_side_stream_is_one_stream_of_its_own_for_the_backend(clean):
+    """Eager side work (warm-ups) shares one stream per backend, even from several
+    threads, and it is not the stream work is issued on by default."""
+    b = clean
+    got: list = []
+    ts = [threading.Thread(target=lambda: got.append(b.side_stream())) for _ in range(4)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    s = b.side_stream()
+    assert all(x is s for x in got) and s != b.current_stream()
+    with b.stream(s):  # work queued on it runs and can be waited for
+        x = torch.ones(1024, device=b.device) * 3
+    b.synchronize_event(b.record_event(b.new_event(), s))
+    assert float(x.sum()) == 3 * 1024
 
 
 # --------------------------------------------------------------------------- memory returns
