@@ -11,8 +11,10 @@
 #           default 25 per mode here)
 #   te      test_adapter_te against real TransformerEngine (after the kit's five parts:
 #           carry .te/base; see ../shared/te/README.md)
-#   bench   graphslot bench, default shape, JSON
-#   launch  graphslot bench --preset launch, JSON, plus a device timeline of remap
+#   bench   graphslot bench --isolate, default shape, JSON (each configuration in a process
+#           of its own, so none carries what an earlier one left in the process)
+#   launch  graphslot bench --preset launch --isolate --rounds 3, JSON (that preset's step
+#           times move by a third between runs), plus a device timeline of remap
 #
 # Logs and results go to $OUT (the device tool brings that folder back, also when a part
 # runs out of time), so nothing is piped through a filter that a timeout would cut off;
@@ -58,10 +60,10 @@ case $part in
     source .te/base/install.sh || exit 1
     run te python3 -m pytest -x -q -rs tests/test_adapter_te.py ;;
   bench)
-    run bench python3 -m graphslot.cli bench --json --quiet --plot "$out/bench_default.png" \
+    run bench python3 -m graphslot.cli bench --isolate --json --quiet --plot "$out/bench_default.png" \
       --trace "$out/bench_default_trace.json" ;;
   launch)
-    run launch python3 -m graphslot.cli bench --preset launch --json --quiet \
+    run launch python3 -m graphslot.cli bench --preset launch --isolate --rounds 3 --json --quiet \
       --plot "$out/bench_launch.png" &&
       run launch_remap python3 -m graphslot.cli bench --preset launch --configs graph_remap \
         --json --quiet --trace "$out/launch_remap_trace.json" ;;

@@ -210,3 +210,45 @@ def test_bench_without_its_output_libraries_is_a_clear_error(backend, capsys, mo
     other = "--json" if module == "tabulate" else "--quiet"
     assert rc == 1 and cap.out == "", cap
     assert f"needs {module}" in cap.err and "graphslot[cli]" in cap.err and other in cap.err, cap.err
+
+
+def test_isolated_configurations_each_run_in_a_process_of_their_own(backend, tmp_path):
+    """With isolate, every configuration runs in a bench process of its own (none is
+    charged for what an earlier one left behind), and the report still compares them:
+    graph_auto gets graph's timings in its process, the ideal is derived across them."""
+    import os
+
+    pytest.importorskip("matplotlib")
+    plot = tmp_path / "mem.png"
+    r = run_bench(backend, BenchShape.preset("tiny"), steps=1, warmup=0, progress=False,
+                  configs=("eager", "graph", "graph_auto"), isolate=True, plot_path=str(plot))
+    assert r["isolated"] is True and set(r["configs"]) == {"eager", "graph", "graph_auto"}
+    pids = set()
+    for name, c in r["configs"].items():
+        assert "reason" not in c, (name, c)
+        assert c["step_ms"] > 0 and c["ideal_ms"] > 0 and c["memory_curve"], name
+        pids.add(c["pid"])
+    assert len(pids) == 3 and os.getpid() not in pids
+    assert "offload_layers" in r["configs"]["graph_auto"]
+    assert r["copy_ceiling_gbps"] > 0 and r["saved_activation_bytes"] > 0
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_an_isolated_configuration_that_fails_says_why(backend, monkeypatch):
+    """A configuration whose process fails carries the process's last error line as its
+    reason; the others still report."""
+    from graphslot.cli import bench
+
+    real = bench._child_argv
+
+    def argv(shape, steps, warmup, configs, trace_path):
+        a = real(shape, steps, warmup, configs, trace_path)
+        if configs == "graph":
+            a[a.index("--layers") + 1] = "0"  # the child refuses this shape
+        return a
+
+    monkeypatch.setattr(bench, "_child_argv", argv)
+    r = run_bench(backend, BenchShape.preset("tiny"), steps=1, warmup=0, progress=False,
+                  configs=("eager", "graph"), isolate=True)
+    assert "--layers must be at least 1" in r["configs"]["graph"]["reason"]
+    assert r["configs"]["eager"]["step_ms"] > 0

@@ -31,6 +31,7 @@ import functools
 import gc
 import json
 import math
+import os
 import statistics
 import sys
 import time
@@ -201,7 +202,7 @@ class _Inputs:
 def run_bench(b: Backend, shape: BenchShape, *, steps: int = 10, warmup: int = 3,
               configs: tuple[str, ...] = CONFIGS, trace_path: str | None = None,
               plot_path: str | None = None, progress: bool = True,
-              rounds: int = 1) -> dict[str, Any]:
+              rounds: int = 1, isolate: bool = False) -> dict[str, Any]:
     """Run the comparison on backend ``b`` (see the module docstring).
 
     Args:
@@ -217,6 +218,10 @@ def run_bench(b: Backend, shape: BenchShape, *, steps: int = 10, warmup: int = 3
             (built and timed again in each later round), so that a slow spell of the machine
             falls on all of them alike; ``step_ms`` is the median of the rounds' medians,
             ``step_ms_rounds`` lists them. Memory, phases and the trace come from round one.
+        isolate: run each configuration (in each round) in a process of its own, so that
+            none is charged for what an earlier one left in the process (libraries'
+            per-stream state, the allocator's segments); this process only gathers the
+            reports. graph_auto's process runs graph first for its timings.
 
     Returns:
         The JSON-able report: ``backend``, ``device``, ``shape``, ``copy_ceiling_gbps``,
@@ -227,6 +232,8 @@ def run_bench(b: Backend, shape: BenchShape, *, steps: int = 10, warmup: int = 3
     """
     if rounds < 1:
         raise UsageError(f"rounds must be at least 1, got {rounds}")
+    if isolate:
+        return _run_isolated(b, shape, steps, warmup, configs, trace_path, plot_path, progress, rounds)
     r = _prepare(b, shape, steps, warmup, len(configs), progress, rounds)
     out: dict[str, Any] = {
         "backend": b.name, "device": b.info()["device"], "shape": shape.as_dict(),
@@ -270,6 +277,90 @@ def run_bench(b: Backend, shape: BenchShape, *, steps: int = 10, warmup: int = 3
                 c["step_ms"] = timings[name]["step_ms"] = statistics.median(c["step_ms_rounds"])
     bar.close()
     _finish(out, r, timings, traces, curves, trace_path, plot_path)
+    return out
+
+
+def _child_argv(shape: BenchShape, steps: int, warmup: int, configs: str,
+                trace_path: str | None) -> list[str]:
+    """The command line of a bench process that runs ``configs`` on ``shape``."""
+    argv = [sys.executable, "-m", "graphslot.cli", "bench", "--json", "--quiet",
+            "--configs", configs, "--steps", str(steps), "--warmup", str(warmup)]
+    for k, v in shape.as_dict().items():
+        argv += [f"--{k}", str(v)]
+    if trace_path:
+        argv += ["--trace", trace_path]
+    return argv
+
+
+def _run_child(b: Backend, argv: list[str]) -> dict[str, Any]:
+    """Run one bench process on ``b``'s backend; its report, or why it could not run."""
+    import subprocess
+
+    env = {**os.environ, "GRAPHSLOT_BACKEND": b.name}
+    done = subprocess.run(argv, env=env, capture_output=True, text=True)
+    if done.returncode != 0:
+        why = (done.stderr.strip().splitlines() or [f"exit status {done.returncode}"])[-1]
+        return {"reason": f"its process failed: {why}"}
+    try:
+        out: dict[str, Any] = json.loads(done.stdout)
+    except ValueError:
+        return {"reason": "its process printed no report"}
+    return out
+
+
+def _run_isolated(b: Backend, shape: BenchShape, steps: int, warmup: int,
+                  configs: tuple[str, ...], trace_path: str | None, plot_path: str | None,
+                  progress: bool, rounds: int) -> dict[str, Any]:
+    """:func:`run_bench` with every configuration in a process of its own (``isolate``)."""
+    bar = Progress(len(configs) * rounds, progress)
+    out: dict[str, Any] = {"backend": b.name, "device": b.info()["device"], "shape": shape.as_dict(),
+                           "steps": steps, "rounds": rounds, "isolated": True, "configs": {}}
+    trace_for = next((n for n in ("graph_auto", "graph_resident", "graph_remap") if n in configs), None)
+    ceilings: list[dict[str, Any]] = []
+    for rnd in range(rounds):
+        for name in configs:
+            reason = _unsupported(b, name)
+            if reason:
+                out["configs"].setdefault(name, {"reason": reason})
+                bar.update(f"{name}: skipped")
+                continue
+            bar.update(f"{name}: round {rnd + 1}/{rounds}, own process", advance=False)
+            run = "graph,graph_auto" if name == "graph_auto" else name
+            child = _run_child(b, _child_argv(shape, steps, warmup, run,
+                                              trace_path if rnd == 0 and name == trace_for else None))
+            c = child.get("configs", {}).get(name) if "reason" not in child else child
+            if c is None:
+                c = {"reason": "its process reported nothing for it"}
+            if rnd == 0:
+                out["configs"][name] = c
+                if "reason" not in c:
+                    ceilings.append(child["copy"])
+                    out.setdefault("saved_activation_bytes", child["saved_activation_bytes"])
+                    if name == trace_for and trace_path:
+                        out["trace"] = {"config": name, "path": trace_path}
+            elif "reason" not in c and "reason" not in out["configs"][name]:
+                first = out["configs"][name]
+                first.setdefault("step_ms_rounds", [first["step_ms"]]).append(c["step_ms"])
+            bar.update(f"{name}: round {rnd + 1}/{rounds} done")
+    bar.close()
+    timings: dict[str, dict[str, float]] = {}
+    for name, c in out["configs"].items():
+        if "reason" in c:
+            continue
+        if "step_ms_rounds" in c:
+            c["step_ms"] = statistics.median(c["step_ms_rounds"])
+        timings[name] = {k: c[k] for k in ("step_ms", "fwd_ms", "bwd_ms")}
+    out.setdefault("copy_ceiling_gbps", None)
+    out.setdefault("saved_activation_bytes", None)
+    if ceilings:  # each process measured the copy ceiling; the report takes their median
+        out["copy"] = {k: statistics.median(c[k] for c in ceilings) for k in ceilings[0]}
+        out["copy_ceiling_gbps"] = min(out["copy"]["d2h_gbps"], out["copy"]["h2d_gbps"])
+        _derive(out, timings, out["copy_ceiling_gbps"])
+    if plot_path:
+        curves = {n: [(p[0], p[1]) for p in c.get("memory_curve", [])]
+                  for n, c in out["configs"].items() if "reason" not in c}
+        _plot(curves, plot_path, b.name)
+        out["plot"] = plot_path
     return out
 
 
@@ -411,6 +502,7 @@ def _measure(r: _Inputs, name: str, stack: Any, fwd: Callable[[], torch.Tensor],
         "peak_device_bytes": peak, "context_bytes": context, "activation_bytes_at_boundary": boundary,
         "offloaded_bytes": offloaded, "d2h_gbps": d2h, "h2d_gbps": h2d,
         "memory_breakdown": breakdown, "driver_calls_per_layer_step": calls,
+        "memory_curve": [[label, n] for label, n in curve], "pid": os.getpid(),
     }
     return result, tl, curve
 
@@ -669,9 +761,11 @@ def _plot(curves: dict[str, list[tuple[str, int]]], path: str, backend: str) -> 
 
 
 def _table(r: dict[str, Any]) -> str:
-    head = [f"graphslot bench on {r['backend']} ({r['device']}); shape {r['shape']}",
-            f"copy ceiling {r['copy_ceiling_gbps']:.1f} GB/s; saved activations "
-            f"{format_bytes(r['saved_activation_bytes'])} per step"]
+    head = [f"graphslot bench on {r['backend']} ({r['device']}); shape {r['shape']}"
+            + ("; each configuration in a process of its own" if r.get("isolated") else "")]
+    if r.get("copy_ceiling_gbps") is not None:
+        head.append(f"copy ceiling {r['copy_ceiling_gbps']:.1f} GB/s; saved activations "
+                    f"{format_bytes(r['saved_activation_bytes'])} per step")
 
     def f(v: float | None, fmt: str = ".1f") -> str:
         return "-" if v is None else format(v, fmt)
@@ -741,7 +835,7 @@ def main(args: argparse.Namespace) -> int:
     try:
         r = run_bench(b, shape, steps=args.steps, warmup=args.warmup, configs=configs,
                       trace_path=args.trace, plot_path=args.plot, progress=not args.quiet,
-                      rounds=args.rounds)
+                      rounds=args.rounds, isolate=args.isolate)
     except (RuntimeError, MemoryError) as e:
         if not _is_oom(e):
             raise
@@ -770,6 +864,8 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--rounds", type=int, default=1,
                    help="time every configuration this many times, taking turns (median of rounds)")
+    p.add_argument("--isolate", action="store_true",
+                   help="run each configuration in a process of its own")
     p.add_argument("--configs", default=None, help=f"comma-separated subset of {','.join(CONFIGS)}")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=main)
