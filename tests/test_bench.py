@@ -214,41 +214,82 @@ def test_bench_without_its_output_libraries_is_a_clear_error(backend, capsys, mo
 
 def test_isolated_configurations_each_run_in_a_process_of_their_own(backend, tmp_path):
     """With isolate, every configuration runs in a bench process of its own (none is
-    charged for what an earlier one left behind), and the report still compares them:
-    graph_auto gets graph's timings in its process, the ideal is derived across them."""
+    charged for what an earlier one left behind); graph_auto's process times graph for it."""
     import os
 
     pytest.importorskip("matplotlib")
     plot = tmp_path / "mem.png"
     r = run_bench(backend, BenchShape.preset("tiny"), steps=1, warmup=0, progress=False,
-                  configs=("eager", "graph", "graph_auto"), isolate=True, plot_path=str(plot))
-    assert r["isolated"] is True and set(r["configs"]) == {"eager", "graph", "graph_auto"}
-    pids = set()
-    for name, c in r["configs"].items():
-        assert "reason" not in c, (name, c)
-        assert c["step_ms"] > 0 and c["ideal_ms"] > 0 and c["memory_curve"], name
-        pids.add(c["pid"])
-    assert len(pids) == 3 and os.getpid() not in pids
-    assert "offload_layers" in r["configs"]["graph_auto"]
+                  configs=("eager", "graph_auto"), isolate=True, plot_path=str(plot))
+    cf = r["configs"]
+    assert r["isolated"] is True and set(cf) == {"eager", "graph_auto"}
+    assert len({c["pid"] for c in cf.values()} | {os.getpid()}) == 3
+    for name, c in cf.items():
+        assert "reason" not in c and c["memory_curve"] and c["ideal_ms"] > 0, (name, c)
+    assert "offload_layers" in cf["graph_auto"]
     assert r["copy_ceiling_gbps"] > 0 and r["saved_activation_bytes"] > 0
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_isolated_rounds_gather_what_each_process_reported(backend, monkeypatch):
+    """The gathering side of isolate, with made-up process reports: a configuration's step
+    is the median of the rounds that count; a round that failed, or in which graph_auto
+    picked other layers than in round one, is listed and not counted; a configuration that
+    failed in round one is not run again; the ideal is derived across the processes."""
+    from graphslot.cli import bench
+
+    steps = {"eager": iter([30.0, 10.0, 20.0]), "graph": iter([5.0, 7.0, 6.0]),
+             "graph_auto": iter([8.0, 9.0, 1.0]), "graph_remap": iter([99.0])}
+    layers = iter([[0], [1], [0]])
+    runs: list[str] = []
+
+    def fake(b, argv):
+        configs = argv[argv.index("--configs") + 1].split(",")
+        name = configs[-1]
+        runs.append(name)
+        if name == "graph_remap":
+            return {"reason": "its process failed: out of luck"}
+        if name == "graph" and len(runs) > 4 and runs.count("graph") == 3:
+            return {"reason": "its process failed: a later round"}
+        rep = {"fwd_ms": 2.0 if name == "graph" else 3.0, "bwd_ms": 4.0 if name == "graph" else 5.0,
+               "step_ms": next(steps[name]), "offloaded_bytes": 10**6 if name == "graph_auto" else 0}
+        cfgs = {name: rep}
+        if name == "graph_auto":
+            rep["offload_layers"] = next(layers)
+            cfgs["graph"] = {"fwd_ms": 1.0, "bwd_ms": 1.5, "step_ms": 3.0}
+        return {"configs": cfgs, "copy": {"d2h_gbps": 1.0, "h2d_gbps": 2.0, "both_total_gbps": 2.5},
+                "saved_activation_bytes": 123}
+
+    monkeypatch.setattr(bench, "_run_child", fake)
+    r = run_bench(backend, BenchShape.preset("tiny"), progress=False, isolate=True, rounds=3,
+                  configs=("eager", "graph", "graph_auto", "graph_remap"))
+    cf = r["configs"]
+    assert runs.count("graph_remap") == 1 and "out of luck" in cf["graph_remap"]["reason"]
+    assert cf["eager"]["step_ms_rounds"] == [30.0, 10.0, 20.0] and cf["eager"]["step_ms"] == 20.0
+    assert cf["graph"]["step_ms_rounds"] == [5.0, 7.0] and cf["graph"]["step_ms"] == 6.0
+    assert cf["graph"]["rounds_not_counted"] == ["round 3: its process failed: a later round"]
+    assert cf["graph_auto"]["step_ms_rounds"] == [8.0, 1.0]
+    assert cf["graph_auto"]["rounds_not_counted"][0].startswith("round 2: picked offload layers [1]")
+    assert r["copy_ceiling_gbps"] == 1.0 and r["saved_activation_bytes"] == 123
+    copy = 10**6 / 1e6  # bytes over 1 GB/s, in ms
+    assert cf["graph_auto"]["ideal_ms"] == pytest.approx(max(2.0, copy) + max(4.0, copy))
+    assert cf["eager"]["ideal_ms"] == pytest.approx(2.0 + 4.0)  # graph's phases, the fastest
+
+
 def test_an_isolated_configuration_that_fails_says_why(backend, monkeypatch):
     """A configuration whose process fails carries the process's last error line as its
-    reason; the others still report."""
+    reason."""
     from graphslot.cli import bench
 
     real = bench._child_argv
 
     def argv(shape, steps, warmup, configs, trace_path):
         a = real(shape, steps, warmup, configs, trace_path)
-        if configs == "graph":
-            a[a.index("--layers") + 1] = "0"  # the child refuses this shape
+        a[a.index("--layers") + 1] = "0"  # the process refuses this shape
         return a
 
     monkeypatch.setattr(bench, "_child_argv", argv)
     r = run_bench(backend, BenchShape.preset("tiny"), steps=1, warmup=0, progress=False,
-                  configs=("eager", "graph"), isolate=True)
+                  configs=("graph",), isolate=True)
     assert "--layers must be at least 1" in r["configs"]["graph"]["reason"]
-    assert r["configs"]["eager"]["step_ms"] > 0
+    assert r["copy_ceiling_gbps"] is None

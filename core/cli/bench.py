@@ -13,8 +13,10 @@ graph_auto     graphed, resident, offloading as many layers as compute can hide
 ============== ==============================================================
 
 and reports for each: median step time, peak device memory (the allocator's peak reserved
-bytes plus graphslot's peak physical pages; ``context_bytes``, the driver memory outside
-both, apart, since it depends on what ran earlier in the process), activation
+bytes plus graphslot's peak physical pages; ``context_bytes``, the device memory in use
+outside both when the step began, apart: the CUDA context, library handles and loaded
+kernels, and whatever other processes hold on the device, so it depends on what ran
+before), activation
 bytes left on the device at the forward/backward boundary, bytes offloaded, achieved
 copy bandwidth, exposed copy time and efficiency against the ideal bound
 (per phase, the larger of the compute time and offloaded bytes over the copy ceiling),
@@ -301,25 +303,38 @@ def _run_child(b: Backend, argv: list[str]) -> dict[str, Any]:
     if done.returncode != 0:
         why = (done.stderr.strip().splitlines() or [f"exit status {done.returncode}"])[-1]
         return {"reason": f"its process failed: {why}"}
+    # The report is the last thing printed (indented JSON: it begins with a line "{");
+    # a library may have printed before it.
+    start = done.stdout.rfind("\n{\n") + 1 if not done.stdout.startswith("{\n") else 0
     try:
-        out: dict[str, Any] = json.loads(done.stdout)
+        out, _ = json.JSONDecoder().raw_decode(done.stdout, start)
     except ValueError:
-        return {"reason": "its process printed no report"}
-    return out
+        tail = (done.stderr.strip().splitlines() or ["nothing on stderr"])[-1]
+        return {"reason": f"its process printed no report ({tail})"}
+    return dict(out)
 
 
 def _run_isolated(b: Backend, shape: BenchShape, steps: int, warmup: int,
                   configs: tuple[str, ...], trace_path: str | None, plot_path: str | None,
                   progress: bool, rounds: int) -> dict[str, Any]:
-    """:func:`run_bench` with every configuration in a process of its own (``isolate``)."""
+    """:func:`run_bench` with every configuration in a process of its own (``isolate``).
+
+    Later rounds run again only what ran in round one; graph_auto picks its layers from
+    graph's timing in its own process, so a later round counts only if it picked the same."""
+    index = getattr(b.device, "index", None)
+    if index not in (None, 0):
+        raise UsageError(f"isolate starts its processes on the backend's default device; "
+                         f"{b.device} is not it (make it device 0, e.g. with CUDA_VISIBLE_DEVICES)")
     bar = Progress(len(configs) * rounds, progress)
     out: dict[str, Any] = {"backend": b.name, "device": b.info()["device"], "shape": shape.as_dict(),
                            "steps": steps, "rounds": rounds, "isolated": True, "configs": {}}
     trace_for = next((n for n in ("graph_auto", "graph_resident", "graph_remap") if n in configs), None)
     ceilings: list[dict[str, Any]] = []
+    graph_for_auto: dict[str, Any] | None = None  # graph's timing from graph_auto's process
     for rnd in range(rounds):
         for name in configs:
-            reason = _unsupported(b, name)
+            first = out["configs"].get(name)
+            reason = _unsupported(b, name) or (first or {}).get("reason")
             if reason:
                 out["configs"].setdefault(name, {"reason": reason})
                 bar.update(f"{name}: skipped")
@@ -331,19 +346,28 @@ def _run_isolated(b: Backend, shape: BenchShape, steps: int, warmup: int,
             c = child.get("configs", {}).get(name) if "reason" not in child else child
             if c is None:
                 c = {"reason": "its process reported nothing for it"}
-            if rnd == 0:
+            bar.update(f"{name}: round {rnd + 1}/{rounds} done")
+            if first is None:  # round one
                 out["configs"][name] = c
                 if "reason" not in c:
                     ceilings.append(child["copy"])
                     out.setdefault("saved_activation_bytes", child["saved_activation_bytes"])
+                    if name == "graph_auto":
+                        graph_for_auto = child["configs"]["graph"]
                     if name == trace_for and trace_path:
                         out["trace"] = {"config": name, "path": trace_path}
-            elif "reason" not in c and "reason" not in out["configs"][name]:
-                first = out["configs"][name]
+                continue
+            if "reason" not in c and c.get("offload_layers") != first.get("offload_layers"):
+                c = {"reason": f"picked offload layers {c['offload_layers']}, not round one's "
+                               f"{first['offload_layers']}"}
+            if "reason" in c:  # the round does not count; the report says why
+                first.setdefault("rounds_not_counted", []).append(f"round {rnd + 1}: {c['reason']}")
+            else:
                 first.setdefault("step_ms_rounds", [first["step_ms"]]).append(c["step_ms"])
-            bar.update(f"{name}: round {rnd + 1}/{rounds} done")
     bar.close()
     timings: dict[str, dict[str, float]] = {}
+    if graph_for_auto is not None and "graph" not in configs:  # graph_auto's own baseline
+        timings["graph"] = {k: graph_for_auto[k] for k in ("step_ms", "fwd_ms", "bwd_ms")}
     for name, c in out["configs"].items():
         if "reason" in c:
             continue
@@ -370,6 +394,7 @@ def _another_round(r: _Inputs, results: dict[str, dict[str, Any]],
     each median step to its ``step_ms_rounds``."""
     for name, c in results.items():
         if "reason" in c:
+            r.bar.skip(r.warmup + r.steps)
             continue
         c.setdefault("step_ms_rounds", [c["step_ms"]])
         with warnings.catch_warnings():  # round one reported them
@@ -661,8 +686,9 @@ def _memory_step(b: Backend, fwd: Callable[[], torch.Tensor], gy: torch.Tensor, 
         return None, None, boundary  # this backend's allocator keeps no peak
     # What this configuration holds at most: the allocator's peak reserved bytes plus
     # graphslot's peak physical pages (each peak on its own, so never less than the real
-    # peak). Driver memory outside both (the context, library handles, kernels loaded so
-    # far) is the process's, grows with whatever ran earlier in it, and is reported apart.
+    # peak). Device memory in use outside both (this process's context, library handles
+    # and kernels loaded so far, and whatever other processes hold on the device) is
+    # reported apart: it grows with what ran before, here or elsewhere.
     peak = stats["peak_reserved_bytes"] + b.ledger.peak_allocated_bytes
     context = max(0, before.driver_used_bytes - before.allocator_reserved_bytes - before.allocated_bytes)
     return peak, context, boundary
