@@ -114,6 +114,12 @@ def test_bench_runs_every_configuration_on_small_shapes(backend, tmp_path):
                                        "slot_bytes", "other_bytes"))
             assert c["peak_device_bytes"] >= held, (name, c["peak_device_bytes"], mb)
             assert c["context_bytes"] >= 0
+            parts = c["peak_parts"]
+            assert c["peak_device_bytes"] == parts["allocator_reserved_bytes"] + parts["graphslot_pages_bytes"]
+            # graphslot's pages at the peak: at least the banks that stay mapped
+            assert parts["graphslot_pages_bytes"] >= mb["slot_bytes"], (name, parts, mb)
+        else:
+            assert c["peak_parts"] is None
     cf = r["configs"]
     saved = r["saved_activation_bytes"]
     assert cf["eager"]["activation_bytes_at_boundary"] == saved == cf["graph"]["activation_bytes_at_boundary"]

@@ -509,7 +509,7 @@ def _measure(r: _Inputs, name: str, stack: Any, fwd: Callable[[], torch.Tensor],
     # One step for memory: peaks from a known baseline, and the boundary.
     curve: list[tuple[str, int]] = []
     breakdown: dict[str, int | None] = {}
-    peak, context, boundary = _memory_step(b, fwd, gy, stack, r.layers,
+    parts, context, boundary = _memory_step(b, fwd, gy, stack, r.layers,
                                   r.saved if name in ("eager", "torch_graphed", "graph") else 0,
                                   curve, r.zero_grads, breakdown)
     bar.update(f"{name}: memory")
@@ -524,7 +524,8 @@ def _measure(r: _Inputs, name: str, stack: Any, fwd: Callable[[], torch.Tensor],
         offloaded = r.saved
     result = {
         "step_ms": step_ms, "fwd_ms": fwd_ms, "bwd_ms": bwd_ms,
-        "peak_device_bytes": peak, "context_bytes": context, "activation_bytes_at_boundary": boundary,
+        "peak_device_bytes": None if parts is None else sum(parts.values()), "peak_parts": parts,
+        "context_bytes": context, "activation_bytes_at_boundary": boundary,
         "offloaded_bytes": offloaded, "d2h_gbps": d2h, "h2d_gbps": h2d,
         "memory_breakdown": breakdown, "driver_calls_per_layer_step": calls,
         "memory_curve": [[label, n] for label, n in curve], "pid": os.getpid(),
@@ -619,9 +620,11 @@ def _memory_step(b: Backend, fwd: Callable[[], torch.Tensor], gy: torch.Tensor, 
                  layers: Sequence[torch.nn.Module], saved_on_device: int,
                  curve: list[tuple[str, int]],
                  zero_grads: Callable[[], None],
-                 breakdown: dict[str, int | None]) -> tuple[int | None, int | None, int]:
-    """One step with memory probes after every layer; returns (peak, context, boundary
-    bytes) and fills ``breakdown`` (:func:`memory_breakdown` after the backward)."""
+                 breakdown: dict[str, int | None]
+                 ) -> tuple[dict[str, int] | None, int | None, int]:
+    """One step with memory probes after every layer; returns (the peak's two parts,
+    context, boundary bytes) and fills ``breakdown`` (:func:`memory_breakdown` after the
+    backward). The parts are None where the backend's allocator keeps no peak."""
 
     def in_use() -> int:
         # Bytes held, not reserved: what the allocator hands out plus graphslot's pages
@@ -689,9 +692,10 @@ def _memory_step(b: Backend, fwd: Callable[[], torch.Tensor], gy: torch.Tensor, 
     # peak). Device memory in use outside both (this process's context, library handles
     # and kernels loaded so far, and whatever other processes hold on the device) is
     # reported apart: it grows with what ran before, here or elsewhere.
-    peak = stats["peak_reserved_bytes"] + b.ledger.peak_allocated_bytes
+    parts = {"allocator_reserved_bytes": stats["peak_reserved_bytes"],
+             "graphslot_pages_bytes": b.ledger.peak_allocated_bytes}
     context = max(0, before.driver_used_bytes - before.allocator_reserved_bytes - before.allocated_bytes)
-    return peak, context, boundary
+    return parts, context, boundary
 
 
 def memory_breakdown(b: Backend, layers: Sequence[torch.nn.Module], stack: Any = None) -> dict[str, int | None]:
