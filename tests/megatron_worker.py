@@ -77,6 +77,9 @@ def main() -> None:
     ap.add_argument("--fp8", default="", help="fp8 compute with this Megatron fp8_recipe (needs --spec te)")
     ap.add_argument("--deterministic", action="store_true",
                     help="deterministic_mode and NVTE_ALLOW_NONDETERMINISTIC_ALGO=0")
+    ap.add_argument("--keep-graph-buffers", action="store_true",
+                    help="make Megatron's make_weakref the identity: its graphs then own every "
+                         "buffer they captured (with TE importable it weak-references them)")
     ap.add_argument("--census", action="store_true",
                     help="record allocations and report what Megatron's graph pool holds, by allocating frame")
     ap.add_argument("--out", required=True)
@@ -103,6 +106,10 @@ def main() -> None:
     from megatron.core.transformer.module import Float16Module
     from megatron.core.transformer.transformer_config import TransformerConfig
 
+    if a.keep_graph_buffers:
+        from megatron.core.transformer import cuda_graphs
+
+        cuda_graphs.make_weakref = lambda ten, inplace=True: ten
     parallel_state.initialize_model_parallel(1, 1)
     graphs = a.mode != "eager"
     te_spec = a.spec == "te"
@@ -211,7 +218,7 @@ def main() -> None:
         "mode": a.mode, "steps": a.steps, "losses": losses, "step_s": times,
         "params_sha256": digest.hexdigest(),
         "spec": a.spec, "dtype": "bf16" if config.bf16 else "fp32", "fp8": a.fp8 or None,
-        "deterministic": a.deterministic,
+        "deterministic": a.deterministic, "keep_graph_buffers": a.keep_graph_buffers,
         "median_step_ms_after_capture": 1000 * sorted(times[3:])[len(times[3:]) // 2] if len(times) > 3 else None,
         "driver_used_bytes": total - free, "driver_used_peak_bytes": used_peak,
         "torch_reserved_bytes": torch.cuda.memory_reserved(), "graph_pool": graph_pool,
