@@ -1,9 +1,10 @@
 """Shared variant pools and planned partial-graph I/O (graphslot.arena), on every backend.
 
 Memory is measured at the lowest level each backend offers: on cpu the process's
-proportional set size (Pss) for its own memory plus the kernel's count of the pages
-behind graphslot's memfds (a page mapped at three addresses counts once); on cuda the
-driver's used memory.
+proportional set size of anonymous memory (Pss_Anon: not the libraries' pages, whose
+share moves as other processes come and go) plus the kernel's count of the pages behind
+graphslot's memfds (a page mapped at three addresses counts once); on cuda the driver's
+used memory.
 """
 
 from __future__ import annotations

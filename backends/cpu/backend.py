@@ -126,9 +126,11 @@ class CpuBackend(Backend, RegionGraphBackend):
             _libc.malloc_trim(0)  # glibc keeps freed heap pages resident otherwise
 
     def footprint_bytes(self) -> int | None:
-        # Proportional set size, with graphslot's memfd pages counted from the kernel:
-        # shared pages count once however often they are mapped, but Pss sees them only
-        # once a mapping touched them (create commits all of them at once).
+        # The process's anonymous memory (proportional), with graphslot's memfd pages
+        # counted from the kernel: shared pages count once however often they are mapped,
+        # but Pss sees them only once a mapping touched them (create commits all of them at
+        # once). File-backed pages (the libraries) are left out: their proportional share
+        # moves whenever another process maps or unmaps the same files.
         fields = {}
         with open("/proc/self/smaps_rollup") as f:
             for line in f:
@@ -136,7 +138,10 @@ class CpuBackend(Backend, RegionGraphBackend):
                 if rest.strip().endswith("kB"):
                     fields[key] = int(rest.split()[0]) * 1024
         memfd = sum(os.fstat(a.handle.fd).st_blocks * 512 for a in self.ledger.allocations)
-        return fields["Pss"] - fields["Pss_Shmem"] + memfd
+        own = fields.get("Pss_Anon")
+        if own is None:  # kernels before 5.9: all but shmem
+            own = fields["Pss"] - fields["Pss_Shmem"]
+        return own + memfd
 
     def allocator_stats(self, reset_peak: bool = False) -> dict[str, int | None]:
         # torch's host allocator keeps no statistics; graph pools are ours and exact.
