@@ -160,9 +160,9 @@ def test_rounds_time_every_configuration_again_in_turn(backend, monkeypatch):
     order: list[str] = []
     real = bench._timed_steps
 
-    def timed(r, name, stack, step):
+    def timed(r, name, stack, fwd):
         order.append(name)
-        return real(r, name, stack, step)
+        return real(r, name, stack, fwd)
 
     monkeypatch.setattr(bench, "_timed_steps", timed)
     r = run_bench(backend, BenchShape.preset("tiny"), steps=1, warmup=0, progress=False,

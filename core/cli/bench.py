@@ -273,10 +273,7 @@ def run_bench(b: Backend, shape: BenchShape, *, steps: int = 10, warmup: int = 3
             out["configs"][name]["copy_note"] = "copies issued by torch inside autograd; not timed"
     for _ in range(rounds - 1):
         _another_round(r, out["configs"], timings)
-    if rounds > 1:
-        for name, c in out["configs"].items():
-            if "step_ms_rounds" in c:
-                c["step_ms"] = timings[name]["step_ms"] = statistics.median(c["step_ms_rounds"])
+    _median_of_rounds(out["configs"], timings)
     bar.close()
     _finish(out, r, timings, traces, curves, trace_path, plot_path)
     return out
@@ -366,14 +363,12 @@ def _run_isolated(b: Backend, shape: BenchShape, steps: int, warmup: int,
                 first.setdefault("step_ms_rounds", [first["step_ms"]]).append(c["step_ms"])
     bar.close()
     timings: dict[str, dict[str, float]] = {}
+    _median_of_rounds(out["configs"], timings)
     if graph_for_auto is not None and "graph" not in configs:  # graph_auto's own baseline
         timings["graph"] = {k: graph_for_auto[k] for k in ("step_ms", "fwd_ms", "bwd_ms")}
     for name, c in out["configs"].items():
-        if "reason" in c:
-            continue
-        if "step_ms_rounds" in c:
-            c["step_ms"] = statistics.median(c["step_ms_rounds"])
-        timings[name] = {k: c[k] for k in ("step_ms", "fwd_ms", "bwd_ms")}
+        if "reason" not in c:
+            timings[name] = {k: c[k] for k in ("step_ms", "fwd_ms", "bwd_ms")}
     out.setdefault("copy_ceiling_gbps", None)
     out.setdefault("saved_activation_bytes", None)
     if ceilings:  # each process measured the copy ceiling; the report takes their median
@@ -386,6 +381,15 @@ def _run_isolated(b: Backend, shape: BenchShape, steps: int, warmup: int,
         _plot(curves, plot_path, b.name)
         out["plot"] = plot_path
     return out
+
+
+def _median_of_rounds(results: dict[str, dict[str, Any]], timings: dict[str, dict[str, float]]) -> None:
+    """Each configuration timed in several rounds takes the median of them as its step."""
+    for name, c in results.items():
+        if "step_ms_rounds" in c:
+            c["step_ms"] = statistics.median(c["step_ms_rounds"])
+            if name in timings:
+                timings[name]["step_ms"] = c["step_ms"]
 
 
 def _another_round(r: _Inputs, results: dict[str, dict[str, Any]],
@@ -402,16 +406,10 @@ def _another_round(r: _Inputs, results: dict[str, dict[str, Any]],
             built = _build(r, name, timings)
             assert not isinstance(built, str)  # it was built in round one
             stack, fwd, _kw = built
-
-            def step() -> None:
-                y = fwd()
-                y.backward(r.gy)
-                r.zero_grads()
-
-            step_ms, _, _ = _timed_steps(r, name, stack, step)
+            step_ms, _, _ = _timed_steps(r, name, stack, fwd)
             c["step_ms_rounds"].append(step_ms)
             _tear_down(r, name, stack)
-        del stack, fwd, built, step
+        del stack, fwd, built
         gc.collect()
         r.b.empty_cache()
 
@@ -495,13 +493,7 @@ def _measure(r: _Inputs, name: str, stack: Any, fwd: Callable[[], torch.Tensor],
     """Time, trace and measure configuration ``name``: its report entry, its timeline and
     its memory curve; records its phase times in ``timings``."""
     b, gy, bar = r.b, r.gy, r.bar
-
-    def step() -> None:
-        y = fwd()
-        y.backward(gy)
-        r.zero_grads()
-
-    step_ms, offloaded, calls = _timed_steps(r, name, stack, step)
+    step_ms, offloaded, calls = _timed_steps(r, name, stack, fwd)
     tl, fwd_ms, bwd_ms = _timeline_step(r, stack, fwd)
     timings[name] = {"step_ms": step_ms, "fwd_ms": fwd_ms, "bwd_ms": bwd_ms}
     bar.update(f"{name}: timeline")
@@ -533,10 +525,18 @@ def _measure(r: _Inputs, name: str, stack: Any, fwd: Callable[[], torch.Tensor],
     return result, tl, curve
 
 
-def _timed_steps(r: _Inputs, name: str, stack: Any, step: Callable[[], None]) -> tuple[float, int, float]:
-    """Warm-up steps, then timed ones: the median step in ms, the bytes offloaded per step
-    and the VMM driver calls per layer and step."""
+def _timed_steps(r: _Inputs, name: str, stack: Any, fwd: Callable[[], torch.Tensor]
+                 ) -> tuple[float, int, float]:
+    """Warm-up training steps (``fwd``, its backward, gradients dropped), then timed ones:
+    the median step in ms, the bytes offloaded per step and the VMM driver calls per layer
+    and step."""
     b, bar, warmup, steps = r.b, r.bar, r.warmup, r.steps
+
+    def step() -> None:
+        y = fwd()
+        y.backward(r.gy)
+        r.zero_grads()
+
     for i in range(warmup):
         step()
         bar.update(f"{name}: warm-up {i + 1}/{warmup}")
