@@ -224,15 +224,6 @@ def test_shared_variants_cost_the_largest_not_the_sum(regions):
     layer, xs = variants(b, seed=3)
     kw = ordinary_capture_kwargs(b)
     slack = 48 * MiB if b.name == "cuda" else 8 * MiB
-    # One throwaway capture first: a process's first capture also pays for what lives as
-    # long as the process (thread pools, allocator arenas), which neither side may count.
-    warm = VariantGraphs(b, capacity=512 * MiB)
-    for p in PATHS:
-        warm.capture(p, getattr(layer, p), xs[p])
-        warm.replay(p)
-    warm.close()
-    del warm
-
     before = used_bytes(b)
     vg = VariantGraphs(b, capacity=512 * MiB)
     for p in PATHS:
