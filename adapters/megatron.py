@@ -38,7 +38,12 @@ Layers from Megatron's local spec and from its TransformerEngine spec are served
 fp32/bf16/fp16 and with fp8 compute; :func:`check_config` names what is refused and why
 (fp8/fp4 parameters, fp8 attention, unverified recipes, fp4, ``delay_wgrad_compute``, ...).
 With TransformerEngine importable, Megatron itself releases graph input and output buffers
-across graphs through TE's weak references, which graphslot leaves alone.
+across graphs through TE's weak references, which graphslot leaves alone. Megatron 0.19.2
+also releases, right after a layer's forward capture, a graph input that its
+``save_for_backward`` observer did not see saved. Torch's own norms save their input in C++,
+unseen, so a layer graphslot does not offload may read an overwritten input in its backward
+graph. A layer graphslot offloads is not affected: its slot holds a copy of every saved
+tensor.
 """
 
 from __future__ import annotations

@@ -58,6 +58,58 @@ def _census(segs: list) -> dict:
     return {k: {"bytes": v, "blocks": count[k]} for k, v in by.most_common(25)}
 
 
+def _watch_weakrefs():
+    """Watch Megatron's ``make_weakref`` around each forward graph capture: the buffers a
+    captured forward saved for backward that it gives back to the pool at the end of that
+    forward capture, before the backward capture, while graphs captured in between (and so
+    replayed in between) may take those bytes. Returns the function that reports them."""
+    import torch
+    from megatron.core.transformer import cuda_graphs
+
+    if not hasattr(cuda_graphs, "make_weakref"):  # Megatron-Core before 0.17
+        return lambda: {"make_weakref": False}
+    saved: dict[int, int] = {}  # storage pointer -> bytes, saved by the forward being captured
+    early: dict[int, int] = {}  # of those, given back before their backward capture
+    released: list[int] = [0]  # every buffer make_weakref gave back
+    seen: list[int] = [0]  # saved tensors the hook saw (0: another hook hid them)
+    make_weakref = cuda_graphs.make_weakref
+    create_fwd_graph = cuda_graphs._CudaGraphRunner.create_fwd_graph
+
+    def watching_make_weakref(ten, inplace=True):
+        if torch.is_tensor(ten) and getattr(ten, "is_from_global_mempool", False) \
+                and getattr(cuda_graphs, "HAVE_TE_GRAPHS", False):
+            released[0] += 1
+            p = ten.untyped_storage().data_ptr()
+            if p in saved:
+                early[p] = saved[p]
+        return make_weakref(ten, inplace)
+
+    def pack(t):
+        seen[0] += 1
+        st = t.untyped_storage()
+        if t.is_cuda and st.nbytes():
+            saved[st.data_ptr()] = st.nbytes()
+        return t.detach()  # the same bytes; no reference back to the node (no cycle)
+
+    def watching_create_fwd_graph(self, *args, **kwargs):
+        saved.clear()  # this forward's saves; the weak references at its end are checked
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                return create_fwd_graph(self, *args, **kwargs)
+        finally:
+            saved.clear()
+
+    cuda_graphs.make_weakref = watching_make_weakref
+    cuda_graphs._CudaGraphRunner.create_fwd_graph = watching_create_fwd_graph
+
+    def report() -> dict:
+        return {"make_weakref": True, "te_graphs": bool(getattr(cuda_graphs, "HAVE_TE_GRAPHS", False)),
+                "released": released[0], "saved_tensors_seen": seen[0], "saved_and_released_before_backward_capture": len(early),
+                "saved_and_released_before_backward_capture_bytes": sum(early.values())}
+
+    return report
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--mode", choices=["eager", "graphs", "resident", "remap"], required=True)
@@ -80,6 +132,10 @@ def main() -> None:
     ap.add_argument("--keep-graph-buffers", action="store_true",
                     help="make Megatron's make_weakref the identity: its graphs then own every "
                          "buffer they captured (with TE importable it weak-references them)")
+    ap.add_argument("--report-weakrefs", action="store_true",
+                    help="report the graph buffers Megatron releases with make_weakref that a captured "
+                         "forward saved for its backward (the tensors its save_for_backward observer "
+                         "cannot see, such as what torch's own norms save in C++)")
     ap.add_argument("--census", action="store_true",
                     help="record allocations and report what Megatron's graph pool holds, by allocating frame")
     ap.add_argument("--out", required=True)
@@ -110,6 +166,7 @@ def main() -> None:
         from megatron.core.transformer import cuda_graphs
 
         cuda_graphs.make_weakref = lambda ten, inplace=True: ten
+    weakrefs = _watch_weakrefs() if a.report_weakrefs else None
     parallel_state.initialize_model_parallel(1, 1)
     graphs = a.mode != "eager"
     te_spec = a.spec == "te"
@@ -226,6 +283,8 @@ def main() -> None:
         "shape": {k: getattr(a, k) for k in ("layers", "hidden", "heads", "seq", "batch", "microbatches", "vocab")},
         "torch": torch.__version__, "device": torch.cuda.get_device_name(0),
     }
+    if weakrefs is not None:
+        res["weakrefs"] = weakrefs()
     import sys
 
     import megatron.core
