@@ -11,6 +11,12 @@
 #           default 25 per mode here)
 #   te      test_adapter_te against real TransformerEngine (after the kit's five parts:
 #           carry .te/base; see ../shared/te/README.md)
+#   megatron_te  with TE importable (carry .te/base and .wheels): the four Megatron training
+#           tests (local spec, TE spec bf16, fp8 per served recipe), their runs' JSON in
+#           $OUT/megatron; about six minutes
+#   weakrefs with TE importable: the local-spec GPT four ways, 20 steps each (local graphs
+#           alone, watched with --report-weakrefs, with Megatron's make_weakref as the
+#           identity, and graphslot remap), and whose losses equal whose
 #   bench   graphslot bench --isolate, default shape, JSON (each configuration in a process
 #           of its own, so none carries what an earlier one left in the process)
 #   launch  graphslot bench --preset launch --isolate --rounds 3, JSON (that preset's step
@@ -20,7 +26,7 @@
 # runs out of time), so nothing is piped through a filter that a timeout would cut off;
 # a bench's JSON is the last line of its log.
 set -uo pipefail
-part=${1:?"which part: a, b, c, te, bench or launch"}
+part=${1:?"which part: a, b, c, te, megatron_te, weakrefs, bench or launch"}
 out=${OUT:-/tmp/graphslot-gpu-check}
 mkdir -p "$out"
 cd "$(dirname "$0")/.."
@@ -59,6 +65,29 @@ case $part in
     # shellcheck disable=SC1091
     source .te/base/install.sh || exit 1
     run te python3 -m pytest -x -q -rs tests/test_adapter_te.py ;;
+  megatron_te)
+    # shellcheck disable=SC1091
+    source .te/base/install.sh || exit 1
+    GRAPHSLOT_RESULTS_DIR="$out/megatron" run megatron_te python3 -m pytest -q -rs -s \
+      tests/test_adapter_megatron.py -k "train" ;;
+  weakrefs)
+    # shellcheck disable=SC1091
+    source .te/base/install.sh || exit 1
+    mkdir -p "$out/weakrefs"
+    for r in "graphs --mode graphs" "watched --mode graphs --report-weakrefs" \
+             "kept --mode graphs --keep-graph-buffers" "remap --mode remap"; do
+      set -- $r; name=$1; shift
+      run "weakrefs_$name" python3 tests/megatron_worker.py --steps 20 "$@" --out "$out/weakrefs/$name.json"
+    done
+    python3 - "$out/weakrefs" <<'PY'
+import json, pathlib, sys
+runs = {p.stem: json.loads(p.read_text()) for p in sorted(pathlib.Path(sys.argv[1]).glob("*.json"))}
+ref = runs.get("kept")
+for name, r in runs.items():
+    same = ref is not None and r["losses"] == ref["losses"] and r["params_sha256"] == ref["params_sha256"]
+    print(f"{name}: bitwise equal to kept: {same}; last loss {r['losses'][-1]!r}; {r.get('weakrefs', '')}")
+PY
+    ;;
   bench)
     run bench python3 -m graphslot.cli bench --isolate --json --quiet --plot "$out/bench_default.png" \
       --trace "$out/bench_default_trace.json" ;;
@@ -67,5 +96,5 @@ case $part in
       --plot "$out/bench_launch.png" &&
       run launch_remap python3 -m graphslot.cli bench --preset launch --configs graph_remap \
         --json --quiet --trace "$out/launch_remap_trace.json" ;;
-  *) echo "unknown part '$part': choose a, b, c, te, bench or launch" >&2; exit 2 ;;
+  *) echo "unknown part '$part': choose a, b, c, te, megatron_te, weakrefs, bench or launch" >&2; exit 2 ;;
 esac
