@@ -92,7 +92,7 @@ def _watch_weakrefs():
         return t.detach()  # the same bytes; no reference back to the node (no cycle)
 
     def watching_create_fwd_graph(self, *args, **kwargs):
-        saved.clear()  # this forward's saves; the weak references at its end are checked
+        # This forward's saves only: the weak references at its end are checked against them.
         try:
             with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
                 return create_fwd_graph(self, *args, **kwargs)

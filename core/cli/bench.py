@@ -279,6 +279,15 @@ def run_bench(b: Backend, shape: BenchShape, *, steps: int = 10, warmup: int = 3
     return out
 
 
+#: the configurations whose timeline ``--trace`` writes, the first of them that ran
+_TRACED = ("graph_auto", "graph_resident", "graph_remap")
+
+
+def _phases(c: dict[str, Any]) -> dict[str, float]:
+    """A configuration's step and phase times, as :func:`_derive` reads them."""
+    return {k: c[k] for k in ("step_ms", "fwd_ms", "bwd_ms")}
+
+
 def _child_argv(shape: BenchShape, steps: int, warmup: int, configs: str,
                 trace_path: str | None) -> list[str]:
     """The command line of a bench process that runs ``configs`` on ``shape``."""
@@ -325,7 +334,7 @@ def _run_isolated(b: Backend, shape: BenchShape, steps: int, warmup: int,
     bar = Progress(len(configs) * rounds, progress)
     out: dict[str, Any] = {"backend": b.name, "device": b.info()["device"], "shape": shape.as_dict(),
                            "steps": steps, "rounds": rounds, "isolated": True, "configs": {}}
-    trace_for = next((n for n in ("graph_auto", "graph_resident", "graph_remap") if n in configs), None)
+    trace_for = next((n for n in _TRACED if n in configs), None)
     ceilings: list[dict[str, Any]] = []
     graph_for_auto: dict[str, Any] | None = None  # graph's timing from graph_auto's process
     for rnd in range(rounds):
@@ -362,13 +371,10 @@ def _run_isolated(b: Backend, shape: BenchShape, steps: int, warmup: int,
             else:
                 first.setdefault("step_ms_rounds", [first["step_ms"]]).append(c["step_ms"])
     bar.close()
-    timings: dict[str, dict[str, float]] = {}
-    _median_of_rounds(out["configs"], timings)
+    _median_of_rounds(out["configs"], {})
+    timings = {name: _phases(c) for name, c in out["configs"].items() if "reason" not in c}
     if graph_for_auto is not None and "graph" not in configs:  # graph_auto's own baseline
-        timings["graph"] = {k: graph_for_auto[k] for k in ("step_ms", "fwd_ms", "bwd_ms")}
-    for name, c in out["configs"].items():
-        if "reason" not in c:
-            timings[name] = {k: c[k] for k in ("step_ms", "fwd_ms", "bwd_ms")}
+        timings["graph"] = _phases(graph_for_auto)
     out.setdefault("copy_ceiling_gbps", None)
     out.setdefault("saved_activation_bytes", None)
     if ceilings:  # each process measured the copy ceiling; the report takes their median
@@ -595,7 +601,7 @@ def _finish(out: dict[str, Any], r: _Inputs, timings: dict[str, dict[str, float]
     """Derived figures, the trace of one offloading configuration and the memory plot."""
     _derive(out, timings, r.ceil_gbps)
     if trace_path:
-        pick = next((n for n in ("graph_auto", "graph_resident", "graph_remap") if n in traces), None)
+        pick = next((n for n in _TRACED if n in traces), None)
         if pick:
             traces[pick].write(trace_path)
             out["trace"] = {"config": pick, "path": trace_path}
