@@ -169,7 +169,9 @@ class _Runner:
         # Warm-up: eager iterations on a side stream (libraries initialise, autotuners
         # settle); autograd is untouched. Not on the current stream: if that is the legacy
         # default stream, an accumulator node the warm-up leaves alive would tie it to the
-        # capture, which CUDA refuses.
+        # capture, which CUDA refuses. Every capture runs on that same stream: per-stream
+        # library state (cuBLAS's workspace for each stream and thread) then exists from
+        # the warm-up, in the ordinary pool, and no capture allocates another in a pool.
         side = st._warmup_stream
         b.wait_event(side, b.record_event(b.new_event()))
         with b.stream(side):
@@ -196,7 +198,7 @@ class _Runner:
                     g.discover(t)
 
             probe_graph = b.new_graph()  # a pool of its own, gone with it
-            with probe_graph.capture():
+            with probe_graph.capture(side):
                 with recording_saved_tensors(discover):  # autograd keeps none of them
                     out = call()
             del out, probe_graph
@@ -212,7 +214,7 @@ class _Runner:
             def pack(t: torch.Tensor) -> torch.Tensor:
                 return t if is_state(t) else g.save_tensor(t)
 
-            with fwd.capture():
+            with fwd.capture(side):
                 with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
                     out = call()
                 g.forward_captured()
@@ -226,7 +228,7 @@ class _Runner:
                     kept.setdefault(s.data_ptr(), (s.data_ptr(), s.nbytes()))
                 return t.detach()  # the same memory, no grad_fn: no cycle (see recording_saved_tensors)
 
-            with fwd.capture():
+            with fwd.capture(side):
                 with torch.autograd.graph.saved_tensors_hooks(note, lambda t: t):
                     out = call()
             self._kept = kept
@@ -247,7 +249,7 @@ class _Runner:
         try:
             if differentiable:
                 bwd = self.stack._new_graph()
-                with bwd.capture():
+                with bwd.capture(self.stack._warmup_stream):
                     grads = torch.autograd.grad(out, inputs, static_grad_out, allow_unused=True)
                 self.bwd = bwd
                 grad_list = list(grads)
