@@ -6,6 +6,7 @@ enum, :class:`State`, and one transition table, :data:`TRANSITIONS`::
 
     group:   DISCOVERING --allocate--> ALLOCATED --begin_capture--> CAPTURING --finish_capture--> READY
     ticket:  READY --offload--> HELD --offload--> RELEASED (remap) | RESIDENT_PENDING (resident)
+             (remap leaves HELD at once; resident when the engine is next asked for more)
              --restore--> RESTORING --wait_restored--> RESTORED --consumed--> DONE
              HELD --restore--> RESTORING (its own backward came next: nothing is copied)
              READY --offload--> KEPT (kept on the device) [--park--> PARKED] --wait_restored--> RESTORED
@@ -17,10 +18,11 @@ enum, :class:`State`, and one transition table, :data:`TRANSITIONS`::
   backward graph records the slot's address. Count, order, shape, stride, dtype, device and
   ``data_ptr() == slot VA`` are checked.
 * Forward offload: after the forward replay, a copy stream waits only on a forward-done
-  event and copies the slot to a host buffer. No host synchronisation. The newest forward's
-  copy is queued only when the engine is next asked for anything else (*held*): if that
-  is its own backward (the last layer of a pass), the activations never leave the slot,
-  and neither copy runs.
+  event and copies the slot to a host buffer. No host synchronisation. Resident banks
+  *hold* the newest forward: its copy is queued by the next forward, a restore of another
+  ticket, ``settle`` or ``close``; when its own backward comes first (the last layer of a
+  pass), the activations never leave the bank and neither copy runs. Remap queues every
+  copy at once (a held slot would stay mapped between the passes).
 * Remap mode releases the physical backing once that copy finished (small slots of
   consecutive layers share one mapping, a *unit*, so they share its driver calls);
   resident (ping-pong) mode keeps two banks mapped per slot class and never calls the
@@ -610,6 +612,9 @@ class Residency:
 
     #: the ticket transition of an offload in this residency
     offload_call: str
+    #: whether the newest forward may stay in its slot until the engine's next call (its
+    #: bytes are mapped anyway), so that a backward coming next needs no copy either way
+    holds_newest = False
     #: the thread its driver calls run on, if it makes any in a step
     worker: DriverWorker | None = None
 
@@ -823,6 +828,7 @@ class ResidentBanks(Residency):
     and a restore only after the backward graph that last read it is done."""
 
     offload_call = "offload:resident"
+    holds_newest = True
 
     def __init__(self, engine: OffloadEngine) -> None:
         super().__init__(engine)
@@ -1283,8 +1289,13 @@ class OffloadEngine:
         return t
 
     def after_forward(self, t: Ticket) -> None:
-        """After the forward replay: the ticket is held; its copy out is queued when the
-        engine is next asked for anything but its restore, and the slot goes after it."""
+        """After the forward replay: queue the slot's copy out; the slot goes after it.
+
+        Resident banks hold the newest forward instead: its copy out is queued by the next
+        forward, a restore of another ticket, :meth:`settle` or :meth:`close`, and not at all
+        when its own restore comes first (its bank is mapped anyway). Remap queues it at
+        once: holding would keep a unit mapped between the passes, where remap holds none.
+        """
         g, slots = t.group, t.group.residency
         if slots is self.kept:
             t._go(slots.offload_call)  # nothing leaves the device
@@ -1295,17 +1306,19 @@ class OffloadEngine:
         t.fwd_done = b.record_event(b.new_event())
         t.state = nxt
         self._held = t
+        if not slots.holds_newest:
+            self._let_held_go()
 
     def _let_held_go(self) -> None:
         """Queue the held ticket's copy out (if one is held): something else comes first."""
         t = self._held
         if t is None:
             return
-        self._held = None
         g, slots = t.group, t.group.residency
         nxt = _step(t._owner, t.state, slots.offload_call)
         b = self.backend
-        t.stash = g._take_stash()
+        if t.stash is None:  # (a copy out that failed before took it already)
+            t.stash = g._take_stash()
         src_host, src_dev = g._slot_bytes_view()
         s = self.d2h_stream
         b.wait_event(s, t.fwd_done)  # the copy stream waits only on the forward
@@ -1320,9 +1333,10 @@ class OffloadEngine:
         if self.debug_checksums:
             t.checksums = self._checksums(g)
         slots.after_offload(g, t)
-        # Only now: should anything above fail, the ticket is still HELD, and abandoning it
-        # lets the slot go (its stash with it).
+        # Only now: should anything above fail, the ticket is still held (the next call
+        # tries again), and abandoning it lets the slot go, its stash with it.
         t.state = nxt
+        self._held = None
 
     # -- backward ------------------------------------------------------------------------
 
@@ -1345,8 +1359,13 @@ class OffloadEngine:
             return
         if t.state is State.HELD:  # its backward came before anything else: nothing to copy
             nxt = _step(t._owner, t.state, "restore")
-            self._held = None
+            if self._held is not t:  # never: a held ticket is the engine's newest
+                raise StateError(f"{t._owner()}: held, but not the engine's newest forward")
             t.group.residency.keep_in_place(t)
+            self._held = None
+            # The backward waits for the forward that wrote the slot (the same stream in
+            # both adapters, but nothing here relies on that).
+            t.restore_done = t.fwd_done
             t.state = nxt
             self.stats["held_bytes"] += t.group.host_bytes
             return
@@ -1401,7 +1420,7 @@ class OffloadEngine:
             return  # nothing was copied in for it (kept on the device, or nothing saved)
         b = self.backend
         b.wait_event(b.current_stream(), t.restore_done)
-        if self.debug_checksums:
+        if self.debug_checksums and t.stash is not None:  # (a held ticket was never copied)
             got = self._checksums(g)
             if got != t.checksums:
                 bad = [i for i, (x, y) in enumerate(zip(got, t.checksums)) if x != y]
