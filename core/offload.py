@@ -5,8 +5,10 @@ Its life, and the life of each forward pass through it (a *ticket*), follow one 
 enum, :class:`State`, and one transition table, :data:`TRANSITIONS`::
 
     group:   DISCOVERING --allocate--> ALLOCATED --begin_capture--> CAPTURING --finish_capture--> READY
-    ticket:  READY --offload--> RELEASED (remap) | RESIDENT_PENDING (resident)
+    ticket:  READY --offload--> HELD --offload--> RELEASED (remap) | RESIDENT_PENDING (resident)
+             (remap leaves HELD at once; resident when the engine is next asked for more)
              --restore--> RESTORING --wait_restored--> RESTORED --consumed--> DONE
+             HELD --restore--> RESTORING (its own backward came next: nothing is copied)
              READY --offload--> KEPT (kept on the device) [--park--> PARKED] --wait_restored--> RESTORED
              READY --forget--> DONE (a forward that no backward follows)
 
@@ -16,7 +18,11 @@ enum, :class:`State`, and one transition table, :data:`TRANSITIONS`::
   backward graph records the slot's address. Count, order, shape, stride, dtype, device and
   ``data_ptr() == slot VA`` are checked.
 * Forward offload: after the forward replay, a copy stream waits only on a forward-done
-  event and copies the slot to a host buffer. No host synchronisation.
+  event and copies the slot to a host buffer. No host synchronisation. Resident banks
+  *hold* the newest forward: its copy is queued by the next forward, a restore of another
+  ticket, ``settle`` or ``close``; when its own backward comes first (the last layer of a
+  pass), the activations never leave the bank and neither copy runs. Remap queues every
+  copy at once (a held slot would stay mapped between the passes).
 * Remap mode releases the physical backing once that copy finished (small slots of
   consecutive layers share one mapping, a *unit*, so they share its driver calls);
   resident (ping-pong) mode keeps two banks mapped per slot class and never calls the
@@ -86,6 +92,7 @@ class State(enum.Enum):
     ALLOCATED = "allocated"
     CAPTURING = "capturing"
     READY = "ready"
+    HELD = "held"  #: the newest forward's activations, still in its slot, their copy out not queued
     RELEASED = "released"
     RESIDENT_PENDING = "resident-pending"
     KEPT = "kept"  #: in the graph's own memory, on the device
@@ -105,8 +112,10 @@ TRANSITIONS: dict[tuple[State, str], State] = {
     (S.CAPTURING, "finish_capture"): S.READY,
     (S.READY, "offload:forward"): S.READY,  # a group runs forwards once it is captured
     (S.READY, "keep"): S.READY,  # a kept group learns what its backward reads in the graph's memory
-    (S.READY, "offload:remap"): S.RELEASED,
-    (S.READY, "offload:resident"): S.RESIDENT_PENDING,
+    (S.READY, "offload:held"): S.HELD,
+    (S.HELD, "offload:remap"): S.RELEASED,
+    (S.HELD, "offload:resident"): S.RESIDENT_PENDING,
+    (S.HELD, "restore"): S.RESTORING,  # its own backward came next: the slot still holds them
     (S.RELEASED, "restore"): S.RESTORING,
     (S.RESIDENT_PENDING, "restore"): S.RESTORING,
     (S.RESTORING, "restore"): S.RESTORING,  # a look-ahead already started it
@@ -126,6 +135,7 @@ TRANSITIONS: dict[tuple[State, str], State] = {
     (S.READY, "forget"): S.DONE,  # a forward with no backward (evaluation)
     # A forward whose backward will never come (its autograd graph was dropped, or a step
     # was abandoned part way): whatever it holds goes back.
+    (S.HELD, "abandon"): S.DONE,
     (S.RELEASED, "abandon"): S.DONE,
     (S.RESIDENT_PENDING, "abandon"): S.DONE,
     (S.RESTORING, "abandon"): S.DONE,
@@ -322,6 +332,7 @@ class Ticket:
     microbatch: int
     state: State = State.READY
     stash: Stash | None = None
+    fwd_done: Any = None  #: the forward replay's end, which its copy out waits for
     d2h_done: Any = None
     restore_done: Any = None
     restore_job: Future[Any] | None = None
@@ -601,6 +612,9 @@ class Residency:
 
     #: the ticket transition of an offload in this residency
     offload_call: str
+    #: whether the newest forward may stay in its slot until the engine's next call (its
+    #: bytes are mapped anyway), so that a backward coming next needs no copy either way
+    holds_newest = False
     #: the thread its driver calls run on, if it makes any in a step
     worker: DriverWorker | None = None
 
@@ -686,6 +700,11 @@ class Residency:
     def restore(self, t: Ticket, copy_in: Callable[[Any], None]) -> None:
         """Start bringing ``t``'s activations back: ``copy_in(stream)`` queues the copy."""
         raise NotImplementedError
+
+    def keep_in_place(self, t: Ticket) -> None:
+        """``t`` was held and its own backward came next: the slot, still written by its
+        forward (remap: still mapped, by that forward's hold), is now its restore's."""
+        self._restorable(t).holder = t
 
     def can_restore(self, t: Ticket) -> bool:
         """Whether ``t``'s restore could start now without waiting for another ticket."""
@@ -809,6 +828,7 @@ class ResidentBanks(Residency):
     and a restore only after the backward graph that last read it is done."""
 
     offload_call = "offload:resident"
+    holds_newest = True
 
     def __init__(self, engine: OffloadEngine) -> None:
         super().__init__(engine)
@@ -1200,6 +1220,7 @@ class OffloadEngine:
         self.d2h_stream = backend.new_stream()
         self.h2d_stream = backend.new_stream()
         self._pending: dict[tuple[int, int], Ticket] = {}  # (group index, microbatch) -> ticket
+        self._held: Ticket | None = None  # the newest forward, whose copy out is not queued yet
         #: where the activations of groups that do not offload wait (every group in mode off)
         self.kept = KeptOnDevice(self)
         #: where offloaded groups' slots live between forward and backward (mode off: ``kept``)
@@ -1248,11 +1269,13 @@ class OffloadEngine:
 
     def prefetch_forward(self, g: OffloadGroup) -> None:
         """Start making ``g``'s slot writable for its next forward (remap: map it)."""
+        self._let_held_go()
         g.residency.prefetch_forward(g)
 
     def before_forward(self, g: OffloadGroup, microbatch: int) -> Ticket:
         """Make ``g``'s slot writable for a forward replay; returns that forward's ticket."""
         self._check_open("forward")
+        self._let_held_go()  # the replay may write its bank or take its pages' place
         if g.state is not State.READY:
             g._go("offload:forward")  # refused, naming the state
         key = (g.index, microbatch)
@@ -1266,18 +1289,39 @@ class OffloadEngine:
         return t
 
     def after_forward(self, t: Ticket) -> None:
-        """After the forward replay: queue the slot's copy out; let the slot go after it."""
+        """After the forward replay: queue the slot's copy out; the slot goes after it.
+
+        Resident banks hold the newest forward instead: its copy out is queued by the next
+        forward, a restore of another ticket, :meth:`settle` or :meth:`close`, and not at all
+        when its own restore comes first (its bank is mapped anyway). Remap queues it at
+        once: holding would keep a unit mapped between the passes, where remap holds none.
+        """
         g, slots = t.group, t.group.residency
-        nxt = _step(t._owner, t.state, slots.offload_call)  # refused before anything is queued
         if slots is self.kept:
-            t.state = nxt  # nothing leaves the device
+            t._go(slots.offload_call)  # nothing leaves the device
             return
+        self._let_held_go()
+        nxt = _step(t._owner, t.state, "offload:held")  # refused before anything is recorded
         b = self.backend
-        fwd_done = b.record_event(b.new_event())
-        t.stash = g._take_stash()
+        t.fwd_done = b.record_event(b.new_event())
+        t.state = nxt
+        self._held = t
+        if not slots.holds_newest:
+            self._let_held_go()
+
+    def _let_held_go(self) -> None:
+        """Queue the held ticket's copy out (if one is held): something else comes first."""
+        t = self._held
+        if t is None:
+            return
+        g, slots = t.group, t.group.residency
+        nxt = _step(t._owner, t.state, slots.offload_call)
+        b = self.backend
+        if t.stash is None:  # (a copy out that failed before took it already)
+            t.stash = g._take_stash()
         src_host, src_dev = g._slot_bytes_view()
         s = self.d2h_stream
-        b.wait_event(s, fwd_done)  # the copy stream waits only on the forward
+        b.wait_event(s, t.fwd_done)  # the copy stream waits only on the forward
         with self._span("d2h", f"{g.name} mb{t.microbatch}", s, g.host_bytes):
             if src_host is not None:
                 b.copy_async(t.stash.host, src_host, s)
@@ -1289,9 +1333,10 @@ class OffloadEngine:
         if self.debug_checksums:
             t.checksums = self._checksums(g)
         slots.after_offload(g, t)
-        # Only now: should anything above fail, the ticket is still READY, and abandoning it
-        # (a forget) lets the slot go.
+        # Only now: should anything above fail, the ticket is still held (the next call
+        # tries again), and abandoning it lets the slot go, its stash with it.
         t.state = nxt
+        self._held = None
 
     # -- backward ------------------------------------------------------------------------
 
@@ -1312,6 +1357,19 @@ class OffloadEngine:
         self._check_open("restore")
         if t.state is State.RESTORING or t.state is State.RESTORED:
             return
+        if t.state is State.HELD:  # its backward came before anything else: nothing to copy
+            nxt = _step(t._owner, t.state, "restore")
+            if self._held is not t:  # never: a held ticket is the engine's newest
+                raise StateError(f"{t._owner()}: held, but not the engine's newest forward")
+            t.group.residency.keep_in_place(t)
+            self._held = None
+            # The backward waits for the forward that wrote the slot (the same stream in
+            # both adapters, but nothing here relies on that).
+            t.restore_done = t.fwd_done
+            t.state = nxt
+            self.stats["held_bytes"] += t.group.host_bytes
+            return
+        self._let_held_go()  # its copy may go into the held ticket's bank or pages
         nxt = _step(t._owner, t.state, "restore")  # refused here before anything is queued
         t.group.residency.restore(t, lambda s: self._copy_in(t, s))
         t.state = nxt
@@ -1322,7 +1380,7 @@ class OffloadEngine:
         pipeline schedule). Returns whether the restore is under way."""
         if t.state is State.RESTORING or t.state is State.RESTORED:
             return True
-        if t.state not in (State.RELEASED, State.RESIDENT_PENDING):
+        if t.state not in (State.HELD, State.RELEASED, State.RESIDENT_PENDING):
             return False
         if not t.group.residency.can_restore(t):
             return False
@@ -1362,7 +1420,7 @@ class OffloadEngine:
             return  # nothing was copied in for it (kept on the device, or nothing saved)
         b = self.backend
         b.wait_event(b.current_stream(), t.restore_done)
-        if self.debug_checksums:
+        if self.debug_checksums and t.stash is not None:  # (a held ticket was never copied)
             got = self._checksums(g)
             if got != t.checksums:
                 bad = [i for i, (x, y) in enumerate(zip(got, t.checksums)) if x != y]
@@ -1382,9 +1440,9 @@ class OffloadEngine:
         g = self._retire(t, "consumed")
         if not g.offloads:
             return
-        assert t.stash is not None  # offloaded at after_forward
-        g._give_stash(t.stash, t.restore_done)
-        t.stash = None
+        if t.stash is not None:  # None: it was held until its backward, never copied out
+            g._give_stash(t.stash, t.restore_done)
+            t.stash = None
         self._free_slot(g, backward=True)
 
     def forget(self, t: Ticket) -> None:
@@ -1427,6 +1485,7 @@ class OffloadEngine:
         """
         try:
             if not self.closed:
+                self._let_held_go()
                 self.residency.drain()
         finally:
             self.backend.synchronize()
@@ -1446,6 +1505,16 @@ class OffloadEngine:
     def _abandon(self, t: Ticket) -> None:
         if t.state is State.READY:  # a forward and nothing after it: exactly a forget
             self.forget(t)
+            return
+        if t.state is State.HELD:  # still in its slot, nothing queued for it (or a copy out that failed)
+            if self._held is t:
+                self._held = None
+            g = self._retire(t, "abandon")
+            if t.stash is not None:
+                b = self.backend
+                g._give_stash(t.stash, b.record_event(b.new_event(), self.d2h_stream))
+                t.stash = None
+            self._free_slot(g, backward=False)  # as after a forward that no backward follows
             return
         prev = t.state
         g = self._retire(t, "abandon")

@@ -77,7 +77,14 @@ def test_bitwise_equal_with_eager_for_20_steps(engine_clean, mode, layers):
     with graphed(model, b, mode) as stack:
         got = train(model, b, 20)
         assert_bitwise(got, want)
-        assert stack.engine.stats["offloaded_bytes"] > 0
+        stats = stack.engine.stats
+        # Resident: the last layer's backward follows its forward, so its activations stay
+        # in their bank, never copied; every other layer's go to the host and back. Remap
+        # moves them all (it holds no pages between the passes).
+        one = max(g.host_bytes for g in stack.engine.groups)
+        held = 1 if mode == "resident" else 0
+        assert stats["held_bytes"] == 20 * held * one
+        assert stats["offloaded_bytes"] == stats["restored_bytes"] == 20 * (layers - held) * one
 
 
 def test_gradient_accumulation_and_mode_off(engine_clean):
@@ -654,6 +661,67 @@ def _forward(eng: OffloadEngine, g, mb: int, value: float):
     return t
 
 
+def test_remap_queues_every_copy_out_at_once(engine_clean):
+    """Remap holds no pages between the passes, so it never keeps a forward in its slot."""
+    b = engine_clean
+    eng, (g0, g1) = _captured_groups(b, 2, "remap")
+    try:
+        t0 = _forward(eng, g0, 1, 1.0)
+        t1 = _forward(eng, g1, 1, 2.0)
+        assert t0.state is t1.state is State.RELEASED
+        assert eng.stats["offloaded_bytes"] == g0.host_bytes + g1.host_bytes
+        eng.settle()
+        assert b.ledger.mapped_bytes == 0
+        for t in (t1, t0):
+            eng.wait_restored(t)
+            eng.consumed(t)
+        assert eng.stats["held_bytes"] == 0
+    finally:
+        eng.close()
+
+
+def test_resident_holds_the_newest_forward_in_its_bank_until_something_else_comes(engine_clean):
+    b = engine_clean
+    mode = "resident"
+    eng, (g0, g1) = _captured_groups(b, 2, mode)
+    try:
+        t0 = _forward(eng, g0, 1, 1.0)
+        assert t0.state is State.HELD and eng.stats["offloaded_bytes"] == 0
+        t1 = _forward(eng, g1, 1, 2.0)  # another forward first: g0's copy out is queued
+        assert t0.state in (State.RELEASED, State.RESIDENT_PENDING) and t1.state is State.HELD
+        assert eng.stats["offloaded_bytes"] == g0.host_bytes
+        eng.wait_restored(t1)  # its own backward next: no copy either way
+        assert t1.stash is None and eng.stats["held_bytes"] == g1.host_bytes
+        assert eng.stats["restored_bytes"] == 0
+        b.synchronize()
+        assert torch.all(g1.views[0] == 2.0)
+        eng.consumed(t1)
+        b.synchronize()
+        g0.views[0].fill_(9.0)  # the bytes left behind do not matter: the host copy comes back
+        eng.wait_restored(t0)
+        b.synchronize()
+        assert torch.all(g0.views[0] == 1.0)
+        assert eng.stats["restored_bytes"] == eng.stats["offloaded_bytes"] == g0.host_bytes
+        eng.consumed(t0)
+        # A held forward whose backward never comes gives its slot back like any other.
+        t2 = _forward(eng, g0, 2, 3.0)
+        assert t2.state is State.HELD
+        eng.abandon(t2)
+        eng.settle()
+        assert not eng.in_flight() and eng.stats["offloaded_bytes"] == g0.host_bytes
+        # A held ticket is the engine's newest: another one cannot be restored in place.
+        t3 = _forward(eng, g0, 3, 4.0)
+        t3.state, t4 = State.HELD, _forward(eng, g1, 3, 5.0)
+        with pytest.raises(StateError, match="not the engine's newest"):
+            eng.restore(t3)
+        eng.abandon(t4)
+        eng.abandon(t3)
+        eng.settle()
+        assert not eng.in_flight()
+    finally:
+        eng.close()
+
+
 @pytest.mark.parametrize("mode", ["resident", "remap"])
 def test_a_restore_waits_for_a_later_forwards_copy_out_of_the_same_slot(engine_clean, mode):
     b = engine_clean
@@ -674,31 +742,39 @@ def test_a_restore_waits_for_a_later_forwards_copy_out_of_the_same_slot(engine_c
         eng.close()
 
 
-def test_a_forward_whose_copy_out_fails_gives_its_slot_back_when_abandoned(engine_clean, monkeypatch):
+@pytest.mark.parametrize("mode", ["resident", "remap"])
+def test_a_forward_whose_copy_out_fails_gives_its_slot_back_when_abandoned(engine_clean, monkeypatch, mode):
     b = engine_clean
-    eng, groups = _captured_groups(b, 2)
+    eng, groups = _captured_groups(b, 2, mode)
     try:
         g = groups[0]
         monkeypatch.setattr(g, "_take_stash", lambda: (_ for _ in ()).throw(MemoryError("no pinned memory")))
         t = eng.before_forward(g, 1)
-        with pytest.raises(MemoryError):
+        with pytest.raises(MemoryError):  # remap queues the copy out at once, resident at the next call
             eng.after_forward(t)
-        assert t.state is State.READY  # nothing moved: it never left the device
+            eng.settle()
+        assert t.state is State.HELD  # nothing moved: it never left the device
         monkeypatch.undo()
         eng.abandon(t)
         eng.settle()
-        assert not eng.in_flight() and b.ledger.mapped_bytes == 0
-        assert all(u.users == 0 and u.mapped is None for u in eng.residency.units)
+        assert not eng.in_flight()
+        if mode == "remap":
+            assert b.ledger.mapped_bytes == 0
+            assert all(u.users == 0 and u.mapped is None for u in eng.residency.units)
         # a failure after the host buffer was taken: the buffer goes back to the pool
         real_copy = b.copy_async
         monkeypatch.setattr(b, "copy_async", lambda *a: (_ for _ in ()).throw(RuntimeError("no copy")))
         t = eng.before_forward(g, 2)
         with pytest.raises(RuntimeError, match="no copy"):
             eng.after_forward(t)
+            eng.before_forward(groups[1], 2)  # resident: the next forward queues it first
+        assert t.state is State.HELD
         monkeypatch.setattr(b, "copy_async", real_copy)
         eng.abandon(t)
         assert t.stash is None and len(g._host_pool) == 1
+        eng.settle()  # its free-after event is done: the next copy out takes it
         _forward(eng, g, 3, 1.0)  # and is used again
+        eng.settle()
         assert eng.stats["host_buffers_allocated"] == 1
     finally:
         eng.close()

@@ -38,6 +38,7 @@ import statistics
 import sys
 import time
 import warnings
+from collections import Counter
 from dataclasses import asdict, dataclass
 from typing import Any, Callable, ClassVar, Iterator, Sequence
 
@@ -412,7 +413,7 @@ def _another_round(r: _Inputs, results: dict[str, dict[str, Any]],
             built = _build(r, name, timings)
             assert not isinstance(built, str)  # it was built in round one
             stack, fwd, _kw = built
-            step_ms, _, _ = _timed_steps(r, name, stack, fwd)
+            step_ms, _, _, _ = _timed_steps(r, name, stack, fwd)
             c["step_ms_rounds"].append(step_ms)
             _tear_down(r, name, stack)
         del stack, fwd, built
@@ -499,7 +500,7 @@ def _measure(r: _Inputs, name: str, stack: Any, fwd: Callable[[], torch.Tensor],
     """Time, trace and measure configuration ``name``: its report entry, its timeline and
     its memory curve; records its phase times in ``timings``."""
     b, gy, bar = r.b, r.gy, r.bar
-    step_ms, offloaded, calls = _timed_steps(r, name, stack, fwd)
+    step_ms, offloaded, held, calls = _timed_steps(r, name, stack, fwd)
     tl, fwd_ms, bwd_ms = _timeline_step(r, stack, fwd)
     timings[name] = {"step_ms": step_ms, "fwd_ms": fwd_ms, "bwd_ms": bwd_ms}
     bar.update(f"{name}: timeline")
@@ -524,7 +525,7 @@ def _measure(r: _Inputs, name: str, stack: Any, fwd: Callable[[], torch.Tensor],
         "step_ms": step_ms, "fwd_ms": fwd_ms, "bwd_ms": bwd_ms,
         "peak_device_bytes": None if parts is None else sum(parts.values()), "peak_parts": parts,
         "context_bytes": context, "activation_bytes_at_boundary": boundary,
-        "offloaded_bytes": offloaded, "d2h_gbps": d2h, "h2d_gbps": h2d,
+        "offloaded_bytes": offloaded, "held_bytes": held, "d2h_gbps": d2h, "h2d_gbps": h2d,
         "memory_breakdown": breakdown, "driver_calls_per_layer_step": calls,
         "memory_curve": [[label, n] for label, n in curve], "pid": os.getpid(),
     }
@@ -532,10 +533,11 @@ def _measure(r: _Inputs, name: str, stack: Any, fwd: Callable[[], torch.Tensor],
 
 
 def _timed_steps(r: _Inputs, name: str, stack: Any, fwd: Callable[[], torch.Tensor]
-                 ) -> tuple[float, int, float]:
+                 ) -> tuple[float, int, int, float]:
     """Warm-up training steps (``fwd``, its backward, gradients dropped), then timed ones:
-    the median step in ms, the bytes offloaded per step and the VMM driver calls per layer
-    and step."""
+    the median step in ms, the bytes offloaded per step, the bytes held in their slots
+    until their backward (never copied) per step, and the VMM driver calls per layer and
+    step."""
     b, bar, warmup, steps = r.b, r.bar, r.warmup, r.steps
 
     def step() -> None:
@@ -548,7 +550,8 @@ def _timed_steps(r: _Inputs, name: str, stack: Any, fwd: Callable[[], torch.Tens
         bar.update(f"{name}: warm-up {i + 1}/{warmup}")
     b.synchronize()
     times = []
-    off0 = stack.engine.stats["offloaded_bytes"] if stack is not None else 0
+    stats = stack.engine.stats if stack is not None else Counter()
+    off0, held0 = stats["offloaded_bytes"], stats["held_bytes"]
     calls0 = b.driver_calls()
     for i in range(steps):
         t0 = time.perf_counter()
@@ -558,8 +561,9 @@ def _timed_steps(r: _Inputs, name: str, stack: Any, fwd: Callable[[], torch.Tens
         bar.update(f"{name}: step {i + 1}/{steps}")
     step_ms = statistics.median(times)
     calls = (b.driver_calls() - calls0) / (steps * r.shape.layers)
-    offloaded = ((stack.engine.stats["offloaded_bytes"] - off0) // steps) if stack is not None else 0
-    return step_ms, offloaded, calls
+    offloaded = (stats["offloaded_bytes"] - off0) // steps
+    held = (stats["held_bytes"] - held0) // steps
+    return step_ms, offloaded, held, calls
 
 
 def _timeline_step(r: _Inputs, stack: Any, fwd: Callable[[], torch.Tensor]
