@@ -1,0 +1,153 @@
+"""What a GraphedLayers step costs the host, piece by piece (not a test; asserts nothing).
+
+    GRAPHSLOT_BACKEND=cuda python benchmarks/host_costs.py [--preset launch] [--modes off resident remap]
+
+Three readings, one JSON line each:
+
+- ``primitives``: microseconds of host time per backend call (event creation, record,
+  wait, a small pinned copy, the current stream, a one-kernel graph replay);
+- per mode, ``step``: the step's wall time with the device synchronised, the host time to
+  queue it (no synchronisation), and the device's own span of it (events at both ends);
+  when the host takes about as long to queue a step as the step takes, the step is
+  host-bound and every microsecond of bookkeeping shows;
+- per mode, ``calls``: host microseconds per layer pass inside each engine and runner call
+  (wall time around the call, its callees included).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import functools
+import json
+import statistics
+import time
+from typing import Any, Callable
+
+import torch
+
+import graphslot
+from graphslot.adapters import torch as gt
+from graphslot.cli.bench import BenchShape
+from graphslot.cli.toy import Block
+from graphslot.offload import OffloadEngine
+
+
+def _per_call_us(fn: Callable[[], Any], n: int) -> float:
+    fn()
+    t = time.perf_counter()
+    for _ in range(n):
+        fn()
+    return (time.perf_counter() - t) / n * 1e6
+
+
+def primitives(b: Any, n: int) -> dict[str, float]:
+    s = b.new_stream()
+    ev = b.record_event(b.new_event())
+    host = b.pinned_empty(4096)
+    dev = torch.empty(4096, dtype=torch.uint8, device=b.device)
+    out = {
+        "new_event": _per_call_us(b.new_event, n),
+        "new_event+record": _per_call_us(lambda: b.record_event(b.new_event()), n),
+        "record_reused": _per_call_us(lambda: b.record_event(ev), n),
+        "wait_event": _per_call_us(lambda: b.wait_event(s, ev), n),
+        "copy_async_4k_d2h": _per_call_us(lambda: b.copy_async(host, dev, s), n),
+        "current_stream": _per_call_us(b.current_stream, n),
+    }
+    x = torch.zeros(16, device=b.device)
+    g = b.new_graph()
+    b.synchronize()
+    with g.capture():
+        x.add_(1)
+    out["graph_replay_1_kernel"] = _per_call_us(g.replay, n)
+    b.synchronize()
+    return out
+
+
+_WATCHED = [
+    (OffloadEngine, ["before_forward", "after_forward", "prefetch_forward", "_let_held_go",
+                     "wait_restored", "restore_ahead", "consumed", "ticket"]),
+    (gt._Runner, ["forward", "_replay_backward", "_grads_out"]),
+    (gt._LayerFunction, []),
+]
+
+
+def _watch(spent: collections.Counter[str]) -> list[tuple[Any, str, Any]]:
+    undo = []
+    for cls, names in _WATCHED:
+        for name in names:
+            fn = cls.__dict__[name]
+
+            @functools.wraps(fn)
+            def wrapper(*a: Any, __fn: Any = fn, __name: str = f"{cls.__name__}.{name}", **k: Any) -> Any:
+                t = time.perf_counter()
+                try:
+                    return __fn(*a, **k)
+                finally:
+                    spent[__name] += time.perf_counter() - t
+            setattr(cls, name, wrapper)
+            undo.append((cls, name, fn))
+    return undo
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--preset", default="launch")
+    ap.add_argument("--modes", nargs="+", default=["off", "resident", "remap"])
+    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--calls", type=int, default=2000)
+    args = ap.parse_args()
+    b = graphslot.get_backend()
+    print(json.dumps({"primitives_us": primitives(b, args.calls)}), flush=True)
+    shape = BenchShape.preset(args.preset)
+    torch.manual_seed(0)
+    layers = [Block(shape).to(device=b.device, dtype=shape.dtype) for _ in range(shape.layers)]
+    x = torch.randn(shape.batch, shape.seq, shape.hidden, device=b.device, dtype=shape.dtype,
+                    requires_grad=True)
+    gy = torch.randn_like(x)
+    for mode in args.modes:
+        stack = gt.GraphedLayers(layers, x, mode=mode, backend=b)
+
+        def step() -> None:
+            stack(x).backward(gy)
+            for m in layers:
+                for p in m.parameters():
+                    p.grad = None
+
+        for _ in range(5):
+            step()
+        b.synchronize()
+        wall, queue, device = [], [], []
+        for _ in range(args.steps):
+            e0, e1 = b.new_event(timing=True), b.new_event(timing=True)
+            t0 = time.perf_counter()
+            b.record_event(e0)
+            step()
+            b.record_event(e1)
+            t1 = time.perf_counter()
+            b.synchronize()
+            t2 = time.perf_counter()
+            wall.append((t2 - t0) * 1e3)
+            queue.append((t1 - t0) * 1e3)
+            device.append(e0.elapsed_time(e1))
+        spent: collections.Counter[str] = collections.Counter()
+        undo = _watch(spent)
+        try:
+            for _ in range(args.steps):
+                step()
+            b.synchronize()
+        finally:
+            for cls, name, fn in undo:
+                setattr(cls, name, fn)
+        per = shape.layers * args.steps
+        print(json.dumps({
+            "mode": mode, "preset": args.preset,
+            "step_ms": statistics.median(wall), "queue_ms": statistics.median(queue),
+            "device_span_ms": statistics.median(device),
+            "us_per_layer_pass": {k: round(v / per * 1e6, 2) for k, v in spent.most_common()},
+        }), flush=True)
+        stack.close()
+
+
+if __name__ == "__main__":
+    main()
