@@ -528,6 +528,12 @@ class GraphedLayers(nn.Module):
         self._finalizer = weakref.finalize(self, OffloadEngine.close, self.engine)
         self._finalizer.atexit = False
         self._offloaded = [r for r in self._runners if r.group.offloads]
+        # Each layer's look-ahead targets, once: a pass asks for them at every layer.
+        n = len(self._runners)
+        self._ahead: list[_Runner | None] = [
+            next((r for r in self._offloaded if r.index > i), None) for i in range(n)]
+        self._behind: list[_Runner | None] = [
+            next((r for r in reversed(self._offloaded) if r.index < i), None) for i in range(n)]
 
     def _new_graph(self) -> DeviceGraph:
         g = self.backend.new_graph(share_pool_with=self._pool_owner)
@@ -614,11 +620,11 @@ class GraphedLayers(nn.Module):
 
     def _next_forward(self, i: int) -> _Runner | None:
         """The next layer in forward order whose activations are offloaded."""
-        return next((r for r in self._offloaded if r.index > i), None)
+        return self._ahead[i]
 
     def _next_backward(self, i: int) -> _Runner | None:
         """The next layer in backward order whose activations are offloaded (look-ahead)."""
-        return next((r for r in reversed(self._offloaded) if r.index < i), None)
+        return self._behind[i]
 
     def _give_back(self, layer: int | None) -> None:
         """Before a replay: gradient buffers it may overwrite stop being anyone's gradient.

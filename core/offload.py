@@ -303,6 +303,9 @@ class SlotFences:
     written: Any = None  #: the latest writer's end: an occupant's copy out, or an evaluation forward
     read: Any = None  #: the last backward graph that read them
     holder: Ticket | None = None  #: a restore whose backward has not run yet
+    #: the forward whose activations these bytes still are: nothing rewrote them since
+    #: (resident banks; its restore then needs no copy)
+    fresh: Ticket | None = None
 
 
 @dataclass(eq=False)
@@ -338,6 +341,9 @@ class Ticket:
     restore_job: Future[Any] | None = None
     map_job: Future[Any] | None = None  # remap: the mapping its restore copies into
     checksums: list[int] = field(default_factory=list)
+    #: restored by leaving its forward's bytes where they were (no copy in); its host
+    #: buffer, if it has one, was last touched by its copy out
+    in_place: bool = False
 
     def _go(self, call: str) -> None:
         self.state = _step(self._owner, self.state, call)
@@ -679,7 +685,7 @@ class Residency:
     def _freed(self, g: OffloadGroup, done: Any, backward: bool) -> None:
         f = self.fences(g)
         if backward:
-            f.read, f.holder = done, None
+            f.read, f.holder, f.fresh = done, None, None
         else:
             f.written = done  # an evaluation forward wrote the slot
 
@@ -701,9 +707,14 @@ class Residency:
         """Start bringing ``t``'s activations back: ``copy_in(stream)`` queues the copy."""
         raise NotImplementedError
 
+    def still_holds(self, t: Ticket) -> bool:
+        """Whether ``t``'s slot still holds the bytes its forward wrote (nothing rewrote
+        them since), so that its restore may leave them in place."""
+        return False
+
     def keep_in_place(self, t: Ticket) -> None:
-        """``t`` was held and its own backward came next: the slot, still written by its
-        forward (remap: still mapped, by that forward's hold), is now its restore's."""
+        """``t``'s backward may read its forward's bytes where they are (it was held, or
+        :meth:`still_holds`): the slot is now its restore's."""
         self._restorable(t).holder = t
 
     def can_restore(self, t: Ticket) -> bool:
@@ -856,15 +867,26 @@ class ResidentBanks(Residency):
         return f"offload group {g.name}: bank {self._bank(g).index}"
 
     def before_forward(self, g: OffloadGroup) -> None:
-        self.fence_forward(self._writable(g))
+        f = self._writable(g)
+        self.fence_forward(f)
+        f.fresh = None  # the replay rewrites the bank (after_forward names its ticket)
 
     def after_offload(self, g: OffloadGroup, t: Ticket) -> None:
-        self.fences(g).written = t.d2h_done
+        f = self.fences(g)
+        # (queued before anything else may touch the bank: the engine lets a held ticket
+        # go first thing in every call that could)
+        f.written, f.fresh = t.d2h_done, t
+
+    def still_holds(self, t: Ticket) -> bool:
+        # Two banks alternate in backward order, so the newest forward of each bank (the
+        # last two layers of a pass) is still there when its backward comes.
+        return self.fences(t.group).fresh is t
 
     def restore(self, t: Ticket, copy_in: Callable[[Any], None]) -> None:
         f = self._restorable(t)
         s = self.engine.h2d_stream
         self.fence_restore(f, s)
+        f.fresh = None
         copy_in(s)
         f.holder = t
 
@@ -1357,17 +1379,21 @@ class OffloadEngine:
         self._check_open("restore")
         if t.state is State.RESTORING or t.state is State.RESTORED:
             return
-        if t.state is State.HELD:  # its backward came before anything else: nothing to copy
+        held = t.state is State.HELD
+        if held or t.group.residency.still_holds(t):
+            # Its backward came before anything rewrote its slot: nothing to copy in (and,
+            # when it was held, nothing was copied out either).
             nxt = _step(t._owner, t.state, "restore")
-            if self._held is not t:  # never: a held ticket is the engine's newest
+            if held and self._held is not t:  # never: a held ticket is the engine's newest
                 raise StateError(f"{t._owner()}: held, but not the engine's newest forward")
             t.group.residency.keep_in_place(t)
-            self._held = None
+            if held:
+                self._held = None
             # The backward waits for the forward that wrote the slot (the same stream in
             # both adapters, but nothing here relies on that).
-            t.restore_done = t.fwd_done
+            t.restore_done, t.in_place = t.fwd_done, True
             t.state = nxt
-            self.stats["held_bytes"] += t.group.host_bytes
+            self.stats["held_bytes" if held else "kept_in_place_bytes"] += t.group.host_bytes
             return
         self._let_held_go()  # its copy may go into the held ticket's bank or pages
         nxt = _step(t._owner, t.state, "restore")  # refused here before anything is queued
@@ -1441,7 +1467,8 @@ class OffloadEngine:
         if not g.offloads:
             return
         if t.stash is not None:  # None: it was held until its backward, never copied out
-            g._give_stash(t.stash, t.restore_done)
+            # (restored in place: the copy out was the host buffer's last use)
+            g._give_stash(t.stash, t.d2h_done if t.in_place else t.restore_done)
             t.stash = None
         self._free_slot(g, backward=True)
 
@@ -1531,7 +1558,7 @@ class OffloadEngine:
             b = self.backend
             b.wait_event(b.current_stream(), t.restore_done)
         if t.stash is not None:
-            g._give_stash(t.stash, t.restore_done or t.d2h_done)
+            g._give_stash(t.stash, t.d2h_done if t.in_place else t.restore_done or t.d2h_done)
             t.stash = None
         slots.abandon(g, t, prev)
 

@@ -197,7 +197,29 @@ def test_current_stream_and_stream_context(clean):
     before = b.current_stream()
     with b.stream(s):
         assert b.current_stream() == s
+        s2 = b.new_stream()
+        with b.stream(s2):
+            assert b.current_stream() == s2 and b.current_stream() != s
+        assert b.current_stream() == s
     assert b.current_stream() == before
+    # The current stream is each thread's own: another thread's context does not leak.
+    seen: list = []
+    entered, leave = threading.Event(), threading.Event()
+
+    def other() -> None:
+        with b.stream(s):
+            seen.append(b.current_stream())
+            entered.set()
+            leave.wait(10)
+
+    t = threading.Thread(target=other)
+    t.start()
+    assert entered.wait(10)
+    try:
+        assert seen == [s] and b.current_stream() == before
+    finally:
+        leave.set()
+        t.join()
 
 
 def test_the_side_stream_is_one_stream_of_its_own_for_the_backend(clean):

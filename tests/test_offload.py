@@ -79,12 +79,17 @@ def test_bitwise_equal_with_eager_for_20_steps(engine_clean, mode, layers):
         assert_bitwise(got, want)
         stats = stack.engine.stats
         # Resident: the last layer's backward follows its forward, so its activations stay
-        # in their bank, never copied; every other layer's go to the host and back. Remap
-        # moves them all (it holds no pages between the passes).
+        # in their bank, never copied; the layer before it goes to the host, but its bank
+        # (the other one) still holds it at its backward, so it is not copied back; every
+        # other layer's go to the host and back. Remap moves them all (it holds no pages
+        # between the passes).
         one = max(g.host_bytes for g in stack.engine.groups)
         held = 1 if mode == "resident" else 0
+        in_place = min(1, layers - 1) if mode == "resident" else 0
         assert stats["held_bytes"] == 20 * held * one
-        assert stats["offloaded_bytes"] == stats["restored_bytes"] == 20 * (layers - held) * one
+        assert stats["kept_in_place_bytes"] == 20 * in_place * one
+        assert stats["offloaded_bytes"] == 20 * (layers - held) * one
+        assert stats["restored_bytes"] == 20 * (layers - held - in_place) * one
 
 
 def test_gradient_accumulation_and_mode_off(engine_clean):
@@ -696,12 +701,11 @@ def test_resident_holds_the_newest_forward_in_its_bank_until_something_else_come
         b.synchronize()
         assert torch.all(g1.views[0] == 2.0)
         eng.consumed(t1)
-        b.synchronize()
-        g0.views[0].fill_(9.0)  # the bytes left behind do not matter: the host copy comes back
-        eng.wait_restored(t0)
+        eng.wait_restored(t0)  # copied out, but its bank (the other one) was not rewritten
         b.synchronize()
         assert torch.all(g0.views[0] == 1.0)
-        assert eng.stats["restored_bytes"] == eng.stats["offloaded_bytes"] == g0.host_bytes
+        assert eng.stats["restored_bytes"] == 0
+        assert eng.stats["kept_in_place_bytes"] == eng.stats["offloaded_bytes"] == g0.host_bytes
         eng.consumed(t0)
         # A held forward whose backward never comes gives its slot back like any other.
         t2 = _forward(eng, g0, 2, 3.0)
@@ -717,6 +721,45 @@ def test_resident_holds_the_newest_forward_in_its_bank_until_something_else_come
         eng.abandon(t4)
         eng.abandon(t3)
         eng.settle()
+        assert not eng.in_flight()
+    finally:
+        eng.close()
+
+
+def test_resident_restores_in_place_only_what_nothing_rewrote(engine_clean):
+    """A bank that a later forward or another restore rewrote comes back from the host;
+    one left alone is read where it is, and its host buffer waits for its copy out."""
+    b = engine_clean
+    eng, (g0, g1) = _captured_groups(b, 2, "resident")
+    try:
+        t2 = _forward(eng, g0, 2, 3.0)
+        t3 = _forward(eng, g0, 3, 4.0)  # the same bank: microbatch 2's bytes are overwritten
+        t3b = _forward(eng, g1, 3, 7.0)  # the other bank: 3 goes to the host, its bytes stay
+        eng.wait_restored(t3b)
+        eng.consumed(t3b)
+        eng.wait_restored(t2)  # the bank holds 3's bytes, not 2's: 2 comes back from the host
+        b.synchronize()
+        assert torch.all(g0.views[0] == 3.0) and eng.stats["restored_bytes"] == g0.host_bytes
+        eng.consumed(t2)
+        eng.wait_restored(t3)  # 2's restore rewrote the bank: 3 comes back from the host too
+        b.synchronize()
+        assert torch.all(g0.views[0] == 4.0) and eng.stats["restored_bytes"] == 2 * g0.host_bytes
+        eng.consumed(t3)
+        assert eng.stats["held_bytes"] == g1.host_bytes
+        eng.stats["held_bytes"] = 0
+        assert eng.stats["kept_in_place_bytes"] == eng.stats["held_bytes"] == 0
+        # In place, then abandoned: its host buffer goes back after its copy out.
+        spin(b, 0.3, eng.d2h_stream)  # the copy out ends late
+        t4 = _forward(eng, g0, 4, 5.0)
+        t5 = _forward(eng, g1, 4, 6.0)
+        assert eng.restore_ahead(t4) and t4.in_place and t4.state is State.RESTORING
+        st = t4.stash
+        eng.abandon(t4)
+        assert st in g0._host_pool and st.free_after is t4.d2h_done
+        assert not b.query_event(st.free_after)  # still copying: not taken for the next forward
+        eng.abandon(t5)
+        eng.settle()
+        assert torch.all(st.host.view(torch.float32)[:64] == 5.0)
         assert not eng.in_flight()
     finally:
         eng.close()

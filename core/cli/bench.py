@@ -19,7 +19,9 @@ kernels, and whatever other processes hold on the device, so it depends on what 
 before), activation
 bytes left on the device at the forward/backward boundary, bytes offloaded, achieved
 copy bandwidth, exposed copy time and efficiency against the ideal bound
-(per phase, the larger of the compute time and offloaded bytes over the copy ceiling),
+(per phase, the larger of the compute time and the bytes it copies that way over the copy
+ceiling; "eff all": against the same bound for every saved activation out and back, the
+bar for every configuration that offloads),
 ``memory_breakdown``: what the device holds after the step's backward, by owner
 (see :func:`memory_breakdown`), and ``warnings``: what the configuration warned while it
 was built and run.
@@ -413,7 +415,7 @@ def _another_round(r: _Inputs, results: dict[str, dict[str, Any]],
             built = _build(r, name, timings)
             assert not isinstance(built, str)  # it was built in round one
             stack, fwd, _kw = built
-            step_ms, _, _, _ = _timed_steps(r, name, stack, fwd)
+            step_ms, _, _ = _timed_steps(r, name, stack, fwd)
             c["step_ms_rounds"].append(step_ms)
             _tear_down(r, name, stack)
         del stack, fwd, built
@@ -500,7 +502,7 @@ def _measure(r: _Inputs, name: str, stack: Any, fwd: Callable[[], torch.Tensor],
     """Time, trace and measure configuration ``name``: its report entry, its timeline and
     its memory curve; records its phase times in ``timings``."""
     b, gy, bar = r.b, r.gy, r.bar
-    step_ms, offloaded, held, calls = _timed_steps(r, name, stack, fwd)
+    step_ms, moved, calls = _timed_steps(r, name, stack, fwd)
     tl, fwd_ms, bwd_ms = _timeline_step(r, stack, fwd)
     timings[name] = {"step_ms": step_ms, "fwd_ms": fwd_ms, "bwd_ms": bwd_ms}
     bar.update(f"{name}: timeline")
@@ -520,24 +522,30 @@ def _measure(r: _Inputs, name: str, stack: Any, fwd: Callable[[], torch.Tensor],
         ms, n = tl.busy("h2d")
         h2d = n / ms / 1e6 if ms > 0 and n else None
     elif name == "save_on_cpu":
-        offloaded = r.saved
+        moved["offloaded_bytes"] = moved["restored_bytes"] = r.saved
     result = {
         "step_ms": step_ms, "fwd_ms": fwd_ms, "bwd_ms": bwd_ms,
         "peak_device_bytes": None if parts is None else sum(parts.values()), "peak_parts": parts,
         "context_bytes": context, "activation_bytes_at_boundary": boundary,
-        "offloaded_bytes": offloaded, "held_bytes": held, "d2h_gbps": d2h, "h2d_gbps": h2d,
+        **moved, "d2h_gbps": d2h, "h2d_gbps": h2d,
         "memory_breakdown": breakdown, "driver_calls_per_layer_step": calls,
         "memory_curve": [[label, n] for label, n in curve], "pid": os.getpid(),
     }
     return result, tl, curve
 
 
+#: what the engine moved, or spared moving, per step (its stats of these names)
+_MOVED = ("offloaded_bytes", "restored_bytes", "held_bytes", "kept_in_place_bytes")
+
+
 def _timed_steps(r: _Inputs, name: str, stack: Any, fwd: Callable[[], torch.Tensor]
-                 ) -> tuple[float, int, int, float]:
+                 ) -> tuple[float, dict[str, int], float]:
     """Warm-up training steps (``fwd``, its backward, gradients dropped), then timed ones:
-    the median step in ms, the bytes offloaded per step, the bytes held in their slots
-    until their backward (never copied) per step, and the VMM driver calls per layer and
-    step."""
+    the median step in ms; per step, the bytes copied out (``offloaded_bytes``) and back
+    (``restored_bytes``), those held in their slot until their backward and so never
+    copied (``held_bytes``), and those copied out whose slot still held them at their
+    backward, so not copied back (``kept_in_place_bytes``); the VMM driver calls per layer
+    and step."""
     b, bar, warmup, steps = r.b, r.bar, r.warmup, r.steps
 
     def step() -> None:
@@ -551,7 +559,7 @@ def _timed_steps(r: _Inputs, name: str, stack: Any, fwd: Callable[[], torch.Tens
     b.synchronize()
     times = []
     stats = stack.engine.stats if stack is not None else Counter()
-    off0, held0 = stats["offloaded_bytes"], stats["held_bytes"]
+    before = {k: stats[k] for k in _MOVED}
     calls0 = b.driver_calls()
     for i in range(steps):
         t0 = time.perf_counter()
@@ -561,9 +569,7 @@ def _timed_steps(r: _Inputs, name: str, stack: Any, fwd: Callable[[], torch.Tens
         bar.update(f"{name}: step {i + 1}/{steps}")
     step_ms = statistics.median(times)
     calls = (b.driver_calls() - calls0) / (steps * r.shape.layers)
-    offloaded = (stats["offloaded_bytes"] - off0) // steps
-    held = (stats["held_bytes"] - held0) // steps
-    return step_ms, offloaded, held, calls
+    return step_ms, {k: (stats[k] - before[k]) // steps for k in _MOVED}, calls
 
 
 def _timeline_step(r: _Inputs, stack: Any, fwd: Callable[[], torch.Tensor]
@@ -764,13 +770,24 @@ def _derive(out: dict[str, Any], timings: dict[str, dict[str, float]], gbps: flo
     fwd = min(t["fwd_ms"] for t in runs)
     bwd = min(t["bwd_ms"] for t in runs)
     base_step = (timings.get("graph") or timings["eager"])["step_ms"]
+
+    def bound(out_bytes: int, back_bytes: int) -> float:
+        def ms(n: int) -> float:
+            return n / (gbps * 1e6) if gbps > 0 else 0.0
+        return max(fwd, ms(out_bytes)) + max(bwd, ms(back_bytes))
+
+    saved = out.get("saved_activation_bytes")
     for r in out["configs"].values():
         if "reason" in r:
             continue
         off = r["offloaded_bytes"]
-        copy_ms = off / (gbps * 1e6) if gbps > 0 else 0.0
-        ideal = max(fwd, copy_ms) + max(bwd, copy_ms)
+        # What this configuration copies each way (resident copies fewer bytes back than
+        # out when a bank still holds a layer at its backward)...
+        ideal = bound(off, r.get("restored_bytes", off))
         r["ideal_ms"] = ideal
+        # ...and the same bar for every configuration that offloads: every saved
+        # activation out and back, as save_on_cpu moves them.
+        r["offload_ideal_ms"] = bound(saved, saved) if off and saved else None
         r["efficiency"] = ideal / r["step_ms"] if r["step_ms"] > 0 else None
         r["exposed_copy_ms"] = max(0.0, r["step_ms"] - base_step) if off else 0.0
 
@@ -818,9 +835,10 @@ def _table(r: dict[str, Any]) -> str:
         rows.append([name, f(c["step_ms"], ".2f"), format_bytes(c["peak_device_bytes"]),
                      format_bytes(c["activation_bytes_at_boundary"]), format_bytes(c["offloaded_bytes"]),
                      f(c["d2h_gbps"]), f(c["h2d_gbps"]), f(c.get("exposed_copy_ms")),
-                     f(c.get("efficiency"), ".2f")])
+                     f(c.get("efficiency"), ".2f"),
+                     f(c["offload_ideal_ms"] / c["step_ms"] if c.get("offload_ideal_ms") else None, ".2f")])
     body = table(rows, ("config", "step ms", "peak dev", "act@bound", "offload", "D2H GB/s",
-                        "H2D GB/s", "exposed", "eff"), "lrrrrrrrr")
+                        "H2D GB/s", "exposed", "eff", "eff all"), "lrrrrrrrrr")
     warned = [f"{name} warned: {w}" for name, c in r["configs"].items() for w in c.get("warnings", ())]
     return "\n".join([*head, body, *skipped, *warned])
 
