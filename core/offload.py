@@ -887,7 +887,12 @@ class ResidentBanks(Residency):
         s = self.engine.h2d_stream
         self.fence_restore(f, s)
         f.fresh = None
-        copy_in(s)
+        try:
+            copy_in(s)
+        except BaseException:
+            if t.restore_done is not None:  # part of it is queued: the bank's next writer waits
+                f.written = t.restore_done
+            raise
         f.holder = t
 
     def free(self, g: OffloadGroup, done: Any, backward: bool) -> None:
@@ -1095,7 +1100,12 @@ class RemapSlots(Residency):
             copy_in(s)
 
         if mapped.done() and mapped.exception() is None:
-            copy()  # the unit is mapped (an earlier member's restore): no worker round trip
+            try:
+                copy()  # the unit is mapped (an earlier member's restore): no worker round trip
+            except BaseException:
+                if t.restore_done is not None:  # part of it is queued: the next writer waits
+                    held.written = t.restore_done
+                raise
             return
 
         def job() -> None:
@@ -1115,8 +1125,12 @@ class RemapSlots(Residency):
             u = self._unit(g)
             if mapped is not None and mapped.exception() is not None:
                 self._failed(u, mapped)  # nothing is mapped; a copy that failed leaves it mapped
-            self.fences(g).holder = None
-            self._let_go(u, None, last=False)  # the hold ends; nothing was copied in
+            f = self.fences(g)
+            f.holder = None
+            # the hold ends; a copy in that failed part way may still write the slot
+            if t.restore_done is not None:
+                f.written = t.restore_done
+            self._let_go(u, t.restore_done, last=False)
             raise
 
     def free(self, g: OffloadGroup, done: Any, backward: bool) -> None:
@@ -1344,11 +1358,19 @@ class OffloadEngine:
         src_host, src_dev = g._slot_bytes_view()
         s = self.d2h_stream
         b.wait_event(s, t.fwd_done)  # the copy stream waits only on the forward
-        with self._span("d2h", f"{g.name} mb{t.microbatch}", s, g.host_bytes):
-            if src_host is not None:
-                b.copy_async(t.stash.host, src_host, s)
-            if src_dev is not None:
-                b.copy_async(t.stash.device, src_dev, s)
+        try:
+            with self._span("d2h", f"{g.name} mb{t.microbatch}", s, g.host_bytes):
+                if src_host is not None:
+                    b.copy_async(t.stash.host, src_host, s)
+                if src_dev is not None:
+                    b.copy_async(t.stash.device, src_dev, s)
+        except BaseException:
+            # Part of the copy may be queued and still read the slot: whatever the compute
+            # stream does next (a forward into the slot, the event that lets it go or
+            # unmaps it) comes after it, and so does the stash's next user.
+            t.d2h_done = b.record_event(b.new_event(), s)
+            b.wait_event(b.current_stream(), t.d2h_done)
+            raise
         t.d2h_done = b.record_event(b.new_event(), s)
         self.stats["offloaded_bytes"] += g.host_bytes
         self.stats["kept_bytes"] += g.nbytes - g.host_bytes
@@ -1417,11 +1439,16 @@ class OffloadEngine:
         b, g, st = self.backend, t.group, t.stash
         assert st is not None
         dst_host, dst_dev = g._slot_bytes_view()
-        with self._span("h2d", f"{g.name} mb{t.microbatch}", s, g.host_bytes):
-            if dst_host is not None:
-                b.copy_async(dst_host, st.host, s)
-            if dst_dev is not None:
-                b.copy_async(dst_dev, st.device, s)
+        try:
+            with self._span("h2d", f"{g.name} mb{t.microbatch}", s, g.host_bytes):
+                if dst_host is not None:
+                    b.copy_async(dst_host, st.host, s)
+                if dst_dev is not None:
+                    b.copy_async(dst_dev, st.device, s)
+        except BaseException:
+            # Part of the copy may be queued: the slot and the host buffer go after it.
+            t.restore_done = b.record_event(b.new_event(), s)
+            raise
         t.restore_done = b.record_event(b.new_event(), s)
         self.stats["restored_bytes"] += g.host_bytes
 
@@ -1446,7 +1473,7 @@ class OffloadEngine:
             return  # nothing was copied in for it (kept on the device, or nothing saved)
         b = self.backend
         b.wait_event(b.current_stream(), t.restore_done)
-        if self.debug_checksums and t.stash is not None:  # (a held ticket was never copied)
+        if self.debug_checksums and t.checksums:  # (none: never copied out, or its copy out failed)
             got = self._checksums(g)
             if got != t.checksums:
                 bad = [i for i, (x, y) in enumerate(zip(got, t.checksums)) if x != y]
@@ -1553,7 +1580,7 @@ class OffloadEngine:
             slots.restored(t)
         except BaseException:  # the mapping failed: nothing was mapped for it
             prev = State.RELEASED
-        if prev is State.RESTORING and t.restore_done is not None:
+        if t.restore_done is not None:  # (also a copy in that failed part way)
             # The copy into the slot may still run: what lets the slot go comes after it.
             b = self.backend
             b.wait_event(b.current_stream(), t.restore_done)

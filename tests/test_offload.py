@@ -850,6 +850,119 @@ def test_a_restore_whose_copy_fails_leaves_its_unit_usable(engine_clean, monkeyp
         eng.close()
 
 
+def _two_part_groups(b: graphslot.Backend, mode: str, banks: list[int], **kw):
+    """Groups whose slot has a host part and a small kept (device) part, so a copy has two
+    pieces and the second can fail after the first is queued."""
+    eng = OffloadEngine(b, mode, min_bytes=64, **kw)
+    groups = []
+    for i, bank in enumerate(banks):
+        g = eng.group(f"g{i}")
+        g.discover(torch.zeros(64, device=b.device))
+        g.discover(torch.zeros(8, device=b.device))
+        g.allocate(bank_index=bank)
+        groups.append(g)
+    for g in groups:
+        g.begin_capture()
+        for sp in g.specs:
+            g.save_tensor(torch.ones(sp.shape, device=b.device))
+        g.finish_capture()
+    return eng, groups
+
+
+def _second_copy_fails(monkeypatch: pytest.MonkeyPatch, b: graphslot.Backend, stream) -> None:
+    """The second copy queued on ``stream`` from now on raises; the first is queued."""
+    real, n = b.copy_async, [0]
+
+    def failing(dst, src, s=None):
+        if s is stream:
+            n[0] += 1
+            if n[0] == 2:
+                raise RuntimeError("copy refused")
+        return real(dst, src, s)
+
+    monkeypatch.setattr(b, "copy_async", failing)
+
+
+def test_a_copy_in_that_fails_part_way_holds_back_the_next_writer_of_the_bank(engine_clean, monkeypatch):
+    """The queued half of a failed restore still writes the bank: the next forward there
+    waits for it, so its own bytes (then read in place at its backward) stay its own."""
+    b = engine_clean
+    eng, (ga, _g1, g0) = _two_part_groups(b, "resident", [0, 1, 0])  # ga and g0 share bank 0
+    try:
+        ta = eng.before_forward(ga, 1)
+        for v in ga.views:
+            v.fill_(1.0)
+        eng.after_forward(ta)
+        eng.settle()  # on the host
+        e = eng.before_forward(g0, 99)  # an evaluation forward rewrites bank 0
+        eng.forget(e)
+        spin(b, 0.3, eng.h2d_stream)  # the copy in starts late
+        _second_copy_fails(monkeypatch, b, eng.h2d_stream)
+        with pytest.raises(RuntimeError, match="copy refused"):
+            eng.restore(ta)
+        monkeypatch.undo()
+        eng.abandon(ta)
+        t0 = eng.before_forward(g0, 2)
+        for v in g0.views:
+            v.fill_(2.0)  # (on the cpu backend this runs on the host at once)
+        eng.after_forward(t0)
+        eng.settle()
+        eng.wait_restored(t0)
+        assert t0.in_place
+        b.synchronize()
+        assert all(torch.all(v == 2.0) for v in g0.views)
+        eng.consumed(t0)
+    finally:
+        eng.close()
+
+
+def test_checksums_skip_a_held_forward_whose_copy_out_failed(engine_clean, monkeypatch):
+    b = engine_clean
+    eng, (g0, g1) = _captured_groups(b, 2, "resident")
+    eng.debug_checksums = True
+    try:
+        t = _forward(eng, g0, 1, 3.0)
+        monkeypatch.setattr(b, "copy_async", lambda *a: (_ for _ in ()).throw(RuntimeError("no copy")))
+        with pytest.raises(RuntimeError, match="no copy"):
+            eng.before_forward(g1, 1)  # lets t go first: its copy out fails, t stays held
+        monkeypatch.undo()
+        assert t.state is State.HELD and not t.checksums
+        eng.wait_restored(t)  # its own backward: in place, with nothing to compare against
+        b.synchronize()
+        assert torch.all(g0.views[0] == 3.0)
+        eng.consumed(t)
+    finally:
+        eng.close()
+
+
+@pytest.mark.parametrize("way", ["out", "in"])
+def test_remap_unmaps_a_slot_only_after_a_copy_that_failed_part_way(engine_clean, monkeypatch, way):
+    """What a failed copy queued still touches the slot: its unit is unmapped after it."""
+    b = engine_clean
+    eng, (g,) = _two_part_groups(b, "remap", [0])
+    try:
+        t = eng.before_forward(g, 1)
+        for v in g.views:
+            v.fill_(1.0)
+        stream = eng.d2h_stream if way == "out" else eng.h2d_stream
+        if way == "in":
+            eng.after_forward(t)
+            eng.settle()  # on the host; the unit unmapped
+        spin(b, 0.3, stream)
+        _second_copy_fails(monkeypatch, b, stream)
+        with pytest.raises(RuntimeError, match="copy refused"):
+            if way == "out":
+                eng.after_forward(t)  # remap queues the copy out at once
+            else:
+                eng.wait_restored(t)
+        monkeypatch.undo()
+        eng.abandon(t)
+        eng.settle()  # (unmapped under the copy: a fault here)
+        assert not eng.in_flight() and b.ledger.mapped_bytes == 0
+    finally:
+        eng.close()
+
+
 def test_abandoning_a_restore_under_way_lets_the_slot_go_only_after_its_copy(engine_clean, monkeypatch):
     b = engine_clean
     eng, (g,) = _captured_groups(b, 1)
