@@ -863,8 +863,11 @@ def _two_part_groups(b: graphslot.Backend, mode: str, banks: list[int], **kw):
         groups.append(g)
     for g in groups:
         g.begin_capture()
-        for sp in g.specs:
-            g.save_tensor(torch.ones(sp.shape, device=b.device))
+        # alive together, as a layer's saved tensors are (a freed one's storage may come
+        # back as the next one's, which capture would take for a shared storage)
+        saved = [torch.ones(sp.shape, device=b.device) for sp in g.specs]
+        for x in saved:
+            g.save_tensor(x)
         g.finish_capture()
     return eng, groups
 
