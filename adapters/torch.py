@@ -527,13 +527,13 @@ class GraphedLayers(nn.Module):
         # Dropped without close(): the pages, host buffers and threads go with the stack.
         self._finalizer = weakref.finalize(self, OffloadEngine.close, self.engine)
         self._finalizer.atexit = False
-        self._offloaded = [r for r in self._runners if r.group.offloads]
         # Each layer's look-ahead targets, once: a pass asks for them at every layer.
+        offloaded = [r for r in self._runners if r.group.offloads]
         n = len(self._runners)
         self._ahead: list[_Runner | None] = [
-            next((r for r in self._offloaded if r.index > i), None) for i in range(n)]
+            next((r for r in offloaded if r.index > i), None) for i in range(n)]
         self._behind: list[_Runner | None] = [
-            next((r for r in reversed(self._offloaded) if r.index < i), None) for i in range(n)]
+            next((r for r in reversed(offloaded) if r.index < i), None) for i in range(n)]
 
     def _new_graph(self) -> DeviceGraph:
         g = self.backend.new_graph(share_pool_with=self._pool_owner)

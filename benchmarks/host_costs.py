@@ -28,9 +28,8 @@ import torch
 
 import graphslot
 from graphslot.adapters import torch as gt
-from graphslot.cli.bench import BenchShape
-from graphslot.cli.toy import Block
 from graphslot.offload import OffloadEngine
+from profile_host import stack_inputs, training_step  # (this folder: the same stack and step)
 
 
 def _per_call_us(fn: Callable[[], Any], n: int) -> float:
@@ -99,21 +98,10 @@ def main() -> None:
     args = ap.parse_args()
     b = graphslot.get_backend()
     print(json.dumps({"primitives_us": primitives(b, args.calls)}), flush=True)
-    shape = BenchShape.preset(args.preset)
-    torch.manual_seed(0)
-    layers = [Block(shape).to(device=b.device, dtype=shape.dtype) for _ in range(shape.layers)]
-    x = torch.randn(shape.batch, shape.seq, shape.hidden, device=b.device, dtype=shape.dtype,
-                    requires_grad=True)
-    gy = torch.randn_like(x)
+    shape, layers, x, gy = stack_inputs(b, args.preset)
     for mode in args.modes:
         stack = gt.GraphedLayers(layers, x, mode=mode, backend=b)
-
-        def step() -> None:
-            stack(x).backward(gy)
-            for m in layers:
-                for p in m.parameters():
-                    p.grad = None
-
+        step = training_step(stack, layers, x, gy)
         for _ in range(5):
             step()
         b.synchronize()

@@ -14,6 +14,7 @@ import cProfile
 import io
 import pstats
 import time
+from typing import Callable
 
 import torch
 
@@ -21,6 +22,28 @@ import graphslot
 from graphslot.adapters.torch import GraphedLayers
 from graphslot.cli.bench import BenchShape
 from graphslot.cli.toy import Block
+
+
+def stack_inputs(b: graphslot.Backend, preset: str) -> tuple[BenchShape, list[torch.nn.Module],
+                                                             torch.Tensor, torch.Tensor]:
+    """The bench's layers of ``preset`` (seeded), an input and an output gradient."""
+    shape = BenchShape.preset(preset)
+    torch.manual_seed(0)
+    layers = [Block(shape).to(device=b.device, dtype=shape.dtype) for _ in range(shape.layers)]
+    x = torch.randn(shape.batch, shape.seq, shape.hidden, device=b.device, dtype=shape.dtype,
+                    requires_grad=True)
+    return shape, layers, x, torch.randn_like(x)
+
+
+def training_step(stack: GraphedLayers, layers: list[torch.nn.Module], x: torch.Tensor,
+                  gy: torch.Tensor) -> Callable[[], None]:
+    """One forward and backward through ``stack``, gradients dropped after."""
+    def step() -> None:
+        stack(x).backward(gy)
+        for m in layers:
+            for p in m.parameters():
+                p.grad = None
+    return step
 
 
 def main() -> None:
@@ -31,12 +54,7 @@ def main() -> None:
     ap.add_argument("--top", type=int, default=22)
     args = ap.parse_args()
     b = graphslot.get_backend()
-    shape = BenchShape.preset(args.preset)
-    torch.manual_seed(0)
-    layers = [Block(shape).to(device=b.device, dtype=shape.dtype) for _ in range(shape.layers)]
-    x = torch.randn(shape.batch, shape.seq, shape.hidden, device=b.device, dtype=shape.dtype,
-                    requires_grad=True)
-    gy = torch.randn_like(x)
+    shape, layers, x, gy = stack_inputs(b, args.preset)
     # Wall time inside each raw driver call, on whichever thread calls it (remap runs
     # them on its worker thread, which cProfile does not see).
     spent: collections.Counter[str] = collections.Counter()
@@ -58,13 +76,7 @@ def main() -> None:
         timed(name)
     for mode in args.modes:
         stack = GraphedLayers(layers, x, mode=mode, backend=b)
-
-        def step() -> None:
-            stack(x).backward(gy)
-            for m in layers:
-                for p in m.parameters():
-                    p.grad = None
-
+        step = training_step(stack, layers, x, gy)
         for _ in range(5):
             step()
         b.synchronize()

@@ -887,12 +887,7 @@ class ResidentBanks(Residency):
         s = self.engine.h2d_stream
         self.fence_restore(f, s)
         f.fresh = None
-        try:
-            copy_in(s)
-        except BaseException:
-            if t.restore_done is not None:  # part of it is queued: the bank's next writer waits
-                f.written = t.restore_done
-            raise
+        copy_in(s)
         f.holder = t
 
     def free(self, g: OffloadGroup, done: Any, backward: bool) -> None:
@@ -1100,12 +1095,7 @@ class RemapSlots(Residency):
             copy_in(s)
 
         if mapped.done() and mapped.exception() is None:
-            try:
-                copy()  # the unit is mapped (an earlier member's restore): no worker round trip
-            except BaseException:
-                if t.restore_done is not None:  # part of it is queued: the next writer waits
-                    held.written = t.restore_done
-                raise
+            copy()  # the unit is mapped (an earlier member's restore): no worker round trip
             return
 
         def job() -> None:
@@ -1419,7 +1409,13 @@ class OffloadEngine:
             return
         self._let_held_go()  # its copy may go into the held ticket's bank or pages
         nxt = _step(t._owner, t.state, "restore")  # refused here before anything is queued
-        t.group.residency.restore(t, lambda s: self._copy_in(t, s))
+        slots, before = t.group.residency, t.restore_done
+        try:
+            slots.restore(t, lambda s: self._copy_in(t, s))
+        except BaseException:
+            if t.restore_done is not before:  # a copy in failed part way (_copy_in marked its end):
+                slots.fences(t.group).written = t.restore_done  # the slot's next writer waits
+            raise
         t.state = nxt
 
     def restore_ahead(self, t: Ticket) -> bool:

@@ -227,19 +227,15 @@ class Harness:
             self.mb_eval += 1
             self.log.append(f"E {g.name}")
             self.forward(g, self.mb_eval, False)
-        elif r < 0.55:
-            t = rng.choice(pend)
-            self.log.append(f"RA {t.group.name} mb{t.microbatch}")
-            try:
-                eng.restore_ahead(t)
-            except Injected as e:
-                self.log.append(f"  failed: {e}")
         elif r < 0.60:
             t = rng.choice(pend)
-            self.log.append(f"R {t.group.name} mb{t.microbatch}")
+            # (a look-ahead declines rather than refuses: a StateError from it is a failure)
+            name, call, allowed = (("RA", eng.restore_ahead, (Injected,)) if r < 0.55 else
+                                   ("R", eng.restore, (StateError, Injected)))
+            self.log.append(f"{name} {t.group.name} mb{t.microbatch}")
             try:
-                eng.restore(t)
-            except (StateError, Injected) as e:
+                call(t)
+            except allowed as e:
                 self.log.append(f"  refused: {type(e).__name__}: {e}")
         elif r < 0.88:
             # prefer the newest forwards (backward order), sometimes any

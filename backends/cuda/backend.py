@@ -17,17 +17,6 @@ from graphslot.regions import RegionGraph, RegionGraphBackend
 from .driver import CudaDriver, _check
 
 
-def _current_stream_id(index: int) -> tuple[int, int, int]:
-    """(stream id, device index, device type) of the current stream on device ``index``."""
-    return torch._C._cuda_getCurrentStream(index)  # type: ignore[attr-defined, no-any-return]
-
-
-if not hasattr(torch._C, "_cuda_getCurrentStream"):  # pragma: no cover - another torch build
-    def _current_stream_id(index: int) -> tuple[int, int, int]:
-        s = torch.cuda.current_stream(index)
-        return s.stream_id, s.device_index, s.device_type
-
-
 class _CudaArray:
     """Exposes a raw device range through ``__cuda_array_interface__`` (zero copy)."""
 
@@ -112,7 +101,7 @@ class CudaBackend(Backend, RegionGraphBackend):
         # time on the H200, against 0.2 us to read the stream's id), and the offload engine
         # asks several times per layer and pass: keep one object per stream id (streams with
         # one id are the same stream, and compare equal).
-        sid, index, kind = _current_stream_id(self._index)
+        sid, index, kind = torch._C._cuda_getCurrentStream(self._index)  # type: ignore[attr-defined]
         s = self._streams.get(sid)
         if s is None:
             if len(self._streams) > 256:  # external streams each have an id of their own

@@ -374,7 +374,7 @@ def _run_isolated(b: Backend, shape: BenchShape, steps: int, warmup: int,
             else:
                 first.setdefault("step_ms_rounds", [first["step_ms"]]).append(c["step_ms"])
     bar.close()
-    _median_of_rounds(out["configs"], {})
+    _median_of_rounds(out["configs"])
     timings = {name: _phases(c) for name, c in out["configs"].items() if "reason" not in c}
     if graph_for_auto is not None and "graph" not in configs:  # graph_auto's own baseline
         timings["graph"] = _phases(graph_for_auto)
@@ -392,12 +392,14 @@ def _run_isolated(b: Backend, shape: BenchShape, steps: int, warmup: int,
     return out
 
 
-def _median_of_rounds(results: dict[str, dict[str, Any]], timings: dict[str, dict[str, float]]) -> None:
-    """Each configuration timed in several rounds takes the median of them as its step."""
+def _median_of_rounds(results: dict[str, dict[str, Any]],
+                      timings: dict[str, dict[str, float]] | None = None) -> None:
+    """Each configuration timed in several rounds takes the median of them as its step (in
+    ``timings`` too, where it has an entry)."""
     for name, c in results.items():
         if "step_ms_rounds" in c:
             c["step_ms"] = statistics.median(c["step_ms_rounds"])
-            if name in timings:
+            if timings is not None and name in timings:
                 timings[name]["step_ms"] = c["step_ms"]
 
 
