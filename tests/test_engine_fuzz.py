@@ -61,9 +61,11 @@ class Harness:
                 continue
             g = eng.group(f"g{i}")
             big = rng.choice(sizes)
-            g.discover(torch.zeros(big, device=b.device))
+            seen = [torch.zeros(big, device=b.device)]  # alive together, as at capture
             if min_bytes and rng.random() < 0.6:
-                g.discover(torch.zeros(8, device=b.device))  # below min_bytes: the kept part of the slot
+                seen.append(torch.zeros(8, device=b.device))  # below min_bytes: the kept part of the slot
+            for x in seen:
+                g.discover(x)
             g.allocate(bank_index=rng.choice([i, i, rng.randint(0, 1)]))
             self.groups.append(g)
         for g in self.groups:

@@ -854,21 +854,27 @@ def _two_part_groups(b: graphslot.Backend, mode: str, banks: list[int], **kw):
     """Groups whose slot has a host part and a small kept (device) part, so a copy has two
     pieces and the second can fail after the first is queued."""
     eng = OffloadEngine(b, mode, min_bytes=64, **kw)
-    groups = []
-    for i, bank in enumerate(banks):
-        g = eng.group(f"g{i}")
-        g.discover(torch.zeros(64, device=b.device))
-        g.discover(torch.zeros(8, device=b.device))
-        g.allocate(bank_index=bank)
-        groups.append(g)
-    for g in groups:
-        g.begin_capture()
-        # alive together, as a layer's saved tensors are (a freed one's storage may come
-        # back as the next one's, which capture would take for a shared storage)
-        saved = [torch.ones(sp.shape, device=b.device) for sp in g.specs]
-        for x in saved:
-            g.save_tensor(x)
-        g.finish_capture()
+    try:
+        groups = []
+        for i, bank in enumerate(banks):
+            g = eng.group(f"g{i}")
+            # alive together, as a layer's saved tensors are, at discovery and at capture (a
+            # freed one's storage may come back as the next one's, which would read as one
+            # storage shared by both)
+            seen = [torch.zeros(64, device=b.device), torch.zeros(8, device=b.device)]
+            for x in seen:
+                g.discover(x)
+            g.allocate(bank_index=bank)
+            groups.append(g)
+        for g in groups:
+            g.begin_capture()
+            saved = [torch.ones(sp.shape, device=b.device) for sp in g.specs]
+            for x in saved:
+                g.save_tensor(x)
+            g.finish_capture()
+    except BaseException:
+        eng.close()  # a failure here is the test's, not a leak for the ledger fixture
+        raise
     return eng, groups
 
 
