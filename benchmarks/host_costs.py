@@ -11,7 +11,8 @@ Three readings, one JSON line each:
   when the host takes about as long to queue a step as the step takes, the step is
   host-bound and every microsecond of bookkeeping shows;
 - per mode, ``calls``: host microseconds per layer pass inside each engine and runner call
-  (wall time around the call, its callees included).
+  (wall time around the call, its callees included), and how much of a step Python's
+  cyclic garbage collector takes (it runs inside whichever call allocated last).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from __future__ import annotations
 import argparse
 import collections
 import functools
+import gc
 import json
 import statistics
 import time
@@ -63,17 +65,28 @@ def primitives(b: Any, n: int) -> dict[str, float]:
     return out
 
 
-_WATCHED = [
-    (OffloadEngine, ["before_forward", "after_forward", "prefetch_forward", "_let_held_go",
-                     "wait_restored", "restore_ahead", "consumed", "ticket"]),
-    (gt._Runner, ["forward", "_replay_backward", "_grads_out"]),
-    (gt._LayerFunction, []),
-]
+def _watched(b: Any) -> list[tuple[Any, list[str]]]:
+    """The calls timed per layer pass: the runner's, the engine's, and what they call."""
+    from graphslot.backend import Backend
+    from graphslot.offload import OffloadGroup, KeptOnDevice, ResidentBanks
+
+    return [
+        (OffloadEngine, ["before_forward", "after_forward", "prefetch_forward", "_let_held_go",
+                         "restore", "wait_restored", "restore_ahead", "consumed", "ticket",
+                         "_copy_in", "_free_slot"]),
+        (gt._Runner, ["forward", "_replay_backward", "_grads_out"]),
+        (OffloadGroup, ["_take_stash"]),
+        (KeptOnDevice, ["claim"]),
+        (ResidentBanks, ["before_forward", "restore"]),
+        (Backend, ["copy_async", "record_event", "wait_event", "query_event"]),
+        (type(b), ["new_event", "current_stream"]),
+    ]
 
 
-def _watch(spent: collections.Counter[str]) -> list[tuple[Any, str, Any]]:
+def _watch(spent: collections.Counter[str], calls: collections.Counter[str],
+           watched: list[tuple[Any, list[str]]]) -> list[tuple[Any, str, Any]]:
     undo = []
-    for cls, names in _WATCHED:
+    for cls, names in watched:
         for name in names:
             fn = cls.__dict__[name]
 
@@ -84,6 +97,7 @@ def _watch(spent: collections.Counter[str]) -> list[tuple[Any, str, Any]]:
                     return __fn(*a, **k)
                 finally:
                     spent[__name] += time.perf_counter() - t
+                    calls[__name] += 1
             setattr(cls, name, wrapper)
             undo.append((cls, name, fn))
     return undo
@@ -106,6 +120,16 @@ def main() -> None:
             step()
         b.synchronize()
         wall, queue, device = [], [], []
+        collecting: list[float] = []
+        gc_s = [0.0, 0]
+
+        def gc_timer(phase: str, info: dict[str, Any]) -> None:
+            if phase == "start":
+                collecting.append(time.perf_counter())
+            elif collecting:
+                gc_s[0] += time.perf_counter() - collecting.pop()
+                gc_s[1] += 1
+        gc.callbacks.append(gc_timer)
         for _ in range(args.steps):
             e0, e1 = b.new_event(timing=True), b.new_event(timing=True)
             t0 = time.perf_counter()
@@ -118,8 +142,10 @@ def main() -> None:
             wall.append((t2 - t0) * 1e3)
             queue.append((t1 - t0) * 1e3)
             device.append(e0.elapsed_time(e1))
+        gc.callbacks.remove(gc_timer)
         spent: collections.Counter[str] = collections.Counter()
-        undo = _watch(spent)
+        calls: collections.Counter[str] = collections.Counter()
+        undo = _watch(spent, calls, _watched(b))
         try:
             for _ in range(args.steps):
                 step()
@@ -132,7 +158,10 @@ def main() -> None:
             "mode": mode, "preset": args.preset,
             "step_ms": statistics.median(wall), "queue_ms": statistics.median(queue),
             "device_span_ms": statistics.median(device),
+            "gc_ms_per_step": round(gc_s[0] / args.steps * 1e3, 3),
+            "gc_collections_per_step": round(gc_s[1] / args.steps, 2),
             "us_per_layer_pass": {k: round(v / per * 1e6, 2) for k, v in spent.most_common()},
+            "calls_per_layer_pass": {k: round(calls[k] / per, 2) for k, _ in spent.most_common()},
         }), flush=True)
         stack.close()
 
