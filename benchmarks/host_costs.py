@@ -47,14 +47,34 @@ def primitives(b: Any, n: int) -> dict[str, float]:
     ev = b.record_event(b.new_event())
     host = b.pinned_empty(4096)
     dev = torch.empty(4096, dtype=torch.uint8, device=b.device)
+    big = 4 << 20
+    res, alloc = b.reserve_mapped(big)  # a slot's kind of memory: driver VMM pages
+    slot = b.tensor_at(res.va, (big,), torch.uint8)
+    plain = torch.empty(big, dtype=torch.uint8, device=b.device)
+    host_big = b.pinned_empty(big)
     out = {
         "new_event": _per_call_us(b.new_event, n),
         "new_event+record": _per_call_us(lambda: b.record_event(b.new_event()), n),
+        "new_framework_event+record": _per_call_us(lambda: b._record(b._new_event(False), s), n),
         "record_reused": _per_call_us(lambda: b.record_event(ev), n),
         "wait_event": _per_call_us(lambda: b.wait_event(s, ev), n),
         "copy_async_4k_d2h": _per_call_us(lambda: b.copy_async(host, dev, s), n),
+        "copy_async_4m_d2h_vmm": _per_call_us(lambda: b.copy_async(host_big, slot, s), n // 10),
+        "copy_async_4m_h2d_vmm": _per_call_us(lambda: b.copy_async(slot, host_big, s), n // 10),
+        "copy_async_4m_d2h": _per_call_us(lambda: b.copy_async(host_big, plain, s), n // 10),
         "current_stream": _per_call_us(b.current_stream, n),
     }
+    if b.name == "cuda":  # the driver's own calls, arguments made beforehand
+        from cuda.bindings import driver as cu
+        h, d, sh = host_big.data_ptr(), slot.data_ptr(), s.cuda_stream
+        out["raw_cuMemcpyAsync_4m_d2h_vmm"] = _per_call_us(lambda: cu.cuMemcpyAsync(h, d, big, sh), n // 10)
+        out["raw_cuMemcpyDtoHAsync_4m_vmm"] = _per_call_us(lambda: cu.cuMemcpyDtoHAsync(h, d, big, sh), n // 10)
+        out["raw_cuMemcpyAsync_4k_d2h"] = _per_call_us(
+            lambda: cu.cuMemcpyAsync(host.data_ptr(), dev.data_ptr(), 4096, sh), n // 10)
+    b.synchronize()
+    del slot
+    b.unmap_release(res, 0)
+    b.free(res)
     x = torch.zeros(16, device=b.device)
     g = b.new_graph()
     b.synchronize()
@@ -78,8 +98,8 @@ def _watched(b: Any) -> list[tuple[Any, list[str]]]:
         (OffloadGroup, ["_take_stash"]),
         (KeptOnDevice, ["claim"]),
         (ResidentBanks, ["before_forward", "restore"]),
-        (Backend, ["copy_async", "record_event", "wait_event", "query_event"]),
-        (type(b), ["new_event", "current_stream"]),
+        (Backend, ["copy_async", "record_event", "wait_event", "query_event", "new_event"]),
+        (type(b), ["_new_event", "current_stream"]),
     ]
 
 

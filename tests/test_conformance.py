@@ -191,6 +191,42 @@ def test_unrecorded_event_counts_as_complete(clean):
     b.wait_event(b.new_stream(), ev)
 
 
+def test_an_event_recorded_again_after_its_handle_is_dropped_keeps_earlier_waits(clean):
+    """Events without timing are reused once their handle is gone: a new handle reads as
+    unrecorded although its event's last record is still pending, and a wait queued on
+    the old record still orders what follows it after that record's work."""
+    b = clean
+    n = 1 << 16
+    src = random_bytes(n, b.device, 11)
+    mid = torch.zeros(n, dtype=torch.uint8, device=b.device)
+    dst = torch.zeros(n, dtype=torch.uint8, device=b.device)
+    slow, fast, idle = b.new_stream(), b.new_stream(), b.new_stream()
+    b.wait_event(slow, b.record_event(b.new_event()))
+    spin(b, 0.3, slow)
+    b.copy_async(mid, src, slow)
+    first = b.record_event(b.new_event(), slow)
+    inner = first.event
+    b.wait_event(fast, first)  # queued on the pending record
+    del first  # nothing refers to the handle: its event goes back to the free list
+    again = b.new_event()
+    assert again.event is inner, "a dropped handle's event was not reused"
+    assert b.query_event(again), "a new handle must read as unrecorded, not as its event's old record"
+    b.wait_event(b.new_stream(), again)  # nothing to wait for: returns at once
+    b.record_event(again, idle)  # re-recorded on an idle stream: done at once
+    b.synchronize_event(again)
+    b.copy_async(dst, mid, fast)  # still after the slowed copy, through the earlier wait
+    b.synchronize_event(b.record_event(b.new_event(), fast))
+    assert torch.equal(dst.cpu(), src.cpu())
+
+
+def test_timing_events_are_never_lent(clean):
+    b = clean
+    a = b.new_event(timing=True)
+    assert not isinstance(a, graphslot.backend.LentEvent)
+    kept = b.new_event()
+    assert isinstance(kept, graphslot.backend.LentEvent) and not kept.recorded
+
+
 def test_current_stream_and_stream_context(clean):
     b = clean
     s = b.new_stream()

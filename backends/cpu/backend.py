@@ -89,7 +89,7 @@ class CpuBackend(Backend, RegionGraphBackend):
     def stream(self, stream: Any) -> ContextManager[Any]:
         return _StreamContext(stream)
 
-    def new_event(self, timing: bool = False) -> _s.CpuEvent:
+    def _new_event(self, timing: bool) -> _s.CpuEvent:
         return _s.CpuEvent(timing)
 
     def _synchronize(self) -> None:

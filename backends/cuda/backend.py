@@ -116,7 +116,7 @@ class CudaBackend(Backend, RegionGraphBackend):
     def stream(self, stream: Any) -> ContextManager[Any]:
         return torch.cuda.stream(stream)
 
-    def new_event(self, timing: bool = False) -> torch.cuda.Event:
+    def _new_event(self, timing: bool) -> torch.cuda.Event:
         return torch.cuda.Event(enable_timing=timing)
 
     def _synchronize(self) -> None:

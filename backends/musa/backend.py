@@ -77,7 +77,7 @@ class MusaBackend(Backend):
     def stream(self, stream: Any) -> ContextManager[Any]:
         return tmusa.stream(stream)
 
-    def new_event(self, timing: bool = False) -> Any:
+    def _new_event(self, timing: bool) -> Any:
         return tmusa.Event(enable_timing=timing)
 
     def _synchronize(self) -> None:
