@@ -389,11 +389,12 @@ FREE_EVENTS = 1024
 class LentEvent:
     """A framework event lent from its backend's free list (:meth:`Backend.new_event`).
 
-    Creating and destroying a device event costs the host more than recording one (on
-    the H200 about 5 us against 2 for each of the offload engine's few events per layer
-    and pass). When nothing refers to this handle any more, nothing can wait on or query
-    what it recorded, so its event goes back to the list for a later handle to record
-    again; waits already queued on a stream keep the record they saw.
+    Making a device event costs host time besides recording it (on the H200, inside a
+    launch-bound step, 3.1 us per new framework event against 1.2 us per lent one), and
+    the offload engine makes about four per layer and step. When nothing refers to this
+    handle any more, nothing can wait on or query what it recorded, so its event goes
+    back to the list for a later handle to record again; waits already queued on a
+    stream keep the record they saw.
     """
 
     __slots__ = ("event", "recorded", "_free")
