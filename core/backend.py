@@ -407,9 +407,11 @@ class LentEvent:
         self._free = free
 
     def __del__(self) -> None:
-        free = self._free
-        if len(free) < FREE_EVENTS:
-            free.append(self.event)
+        try:
+            if len(self._free) < FREE_EVENTS:
+                self._free.append(self.event)
+        except Exception:  # at interpreter exit the module's globals may be gone already
+            pass
 
     # torch's event methods, for code that holds an event and calls them itself
     def record(self, stream: Any = None) -> None:
@@ -518,7 +520,7 @@ class Backend(abc.ABC):
             if not event.recorded:
                 return  # nothing recorded: nothing to wait for, as with a new event
             event = event.event
-        event.wait(stream)
+        stream.wait_event(event)
 
     def query_event(self, event: Any) -> bool:
         """True when all work before the event's last record has finished."""
