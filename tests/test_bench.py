@@ -190,6 +190,10 @@ def test_rounds_time_every_configuration_again_in_turn(backend, monkeypatch):
     for c in r["configs"].values():
         assert len(c["step_ms_rounds"]) == 3 and all(t > 0 for t in c["step_ms_rounds"])
         assert c["step_ms"] == sorted(c["step_ms_rounds"])[1]
+    e, g = r["configs"]["eager"], r["configs"]["graph"]
+    assert g["vs"]["eager"]["step"] == pytest.approx(g["step_ms"] / e["step_ms"])
+    assert g["vs"]["eager"]["step_rounds"] == pytest.approx(
+        [a / b for a, b in zip(g["step_ms_rounds"], e["step_ms_rounds"])])
     with pytest.raises(graphslot.UsageError, match="rounds"):
         run_bench(backend, BenchShape.preset("tiny"), rounds=0, progress=False)
 
@@ -219,9 +223,10 @@ def test_bench_command_prints_a_table(backend, capsys):
                    "--configs", "eager,graph"])
     out = capsys.readouterr().out
     assert rc == 0, out
-    assert re.search(r"^config\s+step ms\s+peak dev\s+act@bound\s+offload\s+D2H GB/s\s+H2D GB/s"
-                     r"\s+exposed\s+eff\s+eff all$", out, re.M), out
-    assert re.search(r"^eager\s+\d+\.\d\d\s", out, re.M) and re.search(r"^graph\s", out, re.M), out
+    assert re.search(r"^config\s+step ms\s+step / eager\s+peak dev\s+act@bound\s+offload\s+D2H GB/s"
+                     r"\s+H2D GB/s\s+exposed\s+eff\s+eff all$", out, re.M), out
+    assert re.search(r"^eager\s+\d+\.\d\d\s+1\s", out, re.M), out  # the peer itself
+    assert re.search(r"^graph\s+\d+\.\d\d\s+\d+\.\d\d\s", out, re.M), out
 
 
 @pytest.mark.parametrize("module,flag", [("tabulate", "--quiet"), ("tqdm", "--json")])
@@ -298,6 +303,14 @@ def test_isolated_rounds_gather_what_each_process_reported(backend, monkeypatch)
     copy = 10**6 / 1e6  # bytes over 1 GB/s, in ms
     assert cf["graph_auto"]["ideal_ms"] == pytest.approx(max(2.0, copy) + max(4.0, copy))
     assert cf["eager"]["ideal_ms"] == pytest.approx(2.0 + 4.0)  # graph's phases, the fastest
+    # Ratios to the peer (eager: torch_graphed and save_on_cpu did not run), round by round
+    # over the rounds both counted, by their number, not their place in the list.
+    assert "vs" not in cf["graph_remap"] and "eager" not in cf["eager"].get("vs", {})
+    g, auto = cf["graph"]["vs"]["eager"], cf["graph_auto"]["vs"]["eager"]
+    assert g["step"] == pytest.approx(6.0 / 20.0)
+    assert g["step_rounds"] == pytest.approx([5.0 / 30.0, 7.0 / 10.0])
+    assert auto["step_rounds"] == pytest.approx([8.0 / 30.0, 1.0 / 20.0])
+    assert auto["step_median_round"] == pytest.approx((8.0 / 30.0 + 1.0 / 20.0) / 2)
 
 
 def test_an_isolated_configuration_that_fails_says_why(backend, monkeypatch):

@@ -23,8 +23,9 @@ copy bandwidth, exposed copy time and efficiency against the ideal bound
 ceiling; "eff all": against the same bound for every saved activation out and back, the
 bar for every configuration that offloads),
 ``memory_breakdown``: what the device holds after the step's backward, by owner
-(see :func:`memory_breakdown`), and ``warnings``: what the configuration warned while it
-was built and run.
+(see :func:`memory_breakdown`), ``warnings``: what the configuration warned while it
+was built and run, and ``vs``: its step and peak as ratios to each peer that ran
+(:data:`PEERS`; with rounds, also round by round, see :func:`_peer_ratios`).
 """
 
 from __future__ import annotations
@@ -60,6 +61,10 @@ __all__ = ["BenchShape", "CONFIGS", "run_bench", "copy_bandwidth", "auto_offload
 CONFIGS = ("eager", "save_on_cpu", "torch_graphed", "graph", "graph_resident", "graph_remap",
            "graph_auto")
 GiB, MiB = 1 << 30, 1 << 20
+
+#: what users would pick instead, in the order the table compares with the first that ran:
+#: each configuration's report says its step and peak as a ratio to each of them (``vs``)
+PEERS = ("torch_graphed", "eager", "save_on_cpu")
 
 
 class BenchShape(GPTConfig):
@@ -279,6 +284,7 @@ def run_bench(b: Backend, shape: BenchShape, *, steps: int = 10, warmup: int = 3
     _median_of_rounds(out["configs"], timings)
     bar.close()
     _finish(out, r, timings, traces, curves, trace_path, plot_path)
+    _peer_ratios(out["configs"], rounds)
     return out
 
 
@@ -373,6 +379,7 @@ def _run_isolated(b: Backend, shape: BenchShape, steps: int, warmup: int,
                 first.setdefault("rounds_not_counted", []).append(f"round {rnd + 1}: {c['reason']}")
             else:
                 first.setdefault("step_ms_rounds", [first["step_ms"]]).append(c["step_ms"])
+                first.setdefault("rounds_counted", [1]).append(rnd + 1)
     bar.close()
     _median_of_rounds(out["configs"])
     timings = {name: _phases(c) for name, c in out["configs"].items() if "reason" not in c}
@@ -389,7 +396,40 @@ def _run_isolated(b: Backend, shape: BenchShape, steps: int, warmup: int,
                   for n, c in out["configs"].items() if "reason" not in c}
         _plot(curves, plot_path, b.name)
         out["plot"] = plot_path
+    _peer_ratios(out["configs"], rounds)
     return out
+
+
+def _peer_ratios(results: dict[str, dict[str, Any]], rounds: int) -> None:
+    """Each configuration's step and peak as ratios to every peer that ran (``vs``).
+
+    With rounds, ``step_rounds`` pairs the rounds both counted (by round number): the
+    configurations of one round ran one after the other, so a round's ratio leaves out a
+    slow spell of the machine that lasts a round. It does not leave out what moves from
+    one process to the next: on the H200's launch-bound shape both move by a third.
+    """
+    def by_round(c: dict[str, Any]) -> dict[int, float]:
+        times = c.get("step_ms_rounds", [c["step_ms"]])
+        return dict(zip(c.get("rounds_counted", range(1, len(times) + 1)), times))
+
+    ran = {n: c for n, c in results.items() if "reason" not in c}
+    for peer in PEERS:
+        p = ran.get(peer)
+        if p is None or not p["step_ms"] > 0:
+            continue
+        p_rounds = by_round(p)
+        for name, c in ran.items():
+            if name == peer:
+                continue
+            mine = by_round(c)
+            paired = [mine[k] / p_rounds[k] for k in sorted(mine) if k in p_rounds and p_rounds[k] > 0]
+            v: dict[str, Any] = {"step": c["step_ms"] / p["step_ms"]}
+            if p.get("peak_device_bytes"):
+                v["peak"] = c["peak_device_bytes"] / p["peak_device_bytes"]
+            if rounds > 1:
+                v["step_rounds"] = paired
+                v["step_median_round"] = statistics.median(paired) if paired else None
+            c.setdefault("vs", {})[peer] = v
 
 
 def _median_of_rounds(results: dict[str, dict[str, Any]],
@@ -829,18 +869,31 @@ def _table(r: dict[str, Any]) -> str:
     def f(v: float | None, fmt: str = ".1f") -> str:
         return "-" if v is None else format(v, fmt)
 
+    ran = [n for n, c in r["configs"].items() if "reason" not in c]
+    peer = next((p for p in PEERS if p in ran), None)
+
+    def vs(name: str, c: dict[str, Any]) -> str:
+        v = c.get("vs", {}).get(peer or "")
+        if name == peer:
+            return "1"
+        if not v:
+            return "-"
+        spread = v.get("step_rounds") or []
+        return f"{v['step']:.2f}" + (f" ({min(spread):.2f}-{max(spread):.2f})" if len(spread) > 1 else "")
+
     rows, skipped = [], []
     for name, c in r["configs"].items():
         if "reason" in c:
             skipped.append(f"{name} skipped: {c['reason']}")
             continue
-        rows.append([name, f(c["step_ms"], ".2f"), format_bytes(c["peak_device_bytes"]),
+        rows.append([name, f(c["step_ms"], ".2f"), vs(name, c), format_bytes(c["peak_device_bytes"]),
                      format_bytes(c["activation_bytes_at_boundary"]), format_bytes(c["offloaded_bytes"]),
                      f(c["d2h_gbps"]), f(c["h2d_gbps"]), f(c.get("exposed_copy_ms")),
                      f(c.get("efficiency"), ".2f"),
                      f(c["offload_ideal_ms"] / c["step_ms"] if c.get("offload_ideal_ms") else None, ".2f")])
-    body = table(rows, ("config", "step ms", "peak dev", "act@bound", "offload", "D2H GB/s",
-                        "H2D GB/s", "exposed", "eff", "eff all"), "lrrrrrrrrr")
+    body = table(rows, ("config", "step ms", f"step / {peer or 'peer'}", "peak dev", "act@bound",
+                        "offload", "D2H GB/s", "H2D GB/s", "exposed", "eff", "eff all"),
+                 "lrrrrrrrrrr")
     warned = [f"{name} warned: {w}" for name, c in r["configs"].items() for w in c.get("warnings", ())]
     return "\n".join([*head, body, *skipped, *warned])
 
