@@ -499,7 +499,9 @@ class Backend(abc.ABC):
         """An event that nothing recorded yet; ``timing=True`` lets :meth:`elapsed_ms` read it.
 
         Without timing it is a :class:`LentEvent`: its framework event may be one that an
-        earlier, dropped handle recorded, now recorded again (cheaper than a new one)."""
+        earlier, dropped handle recorded, now recorded again (cheaper than a new one). Like
+        every stream this backend works with, it is for this backend's device only (a
+        framework event keeps the device of its first record)."""
         if timing:
             return self._new_event(True)
         free = self._free_events
@@ -511,8 +513,9 @@ class Backend(abc.ABC):
 
     def _record(self, event: Any, stream: Any) -> None:
         if type(event) is LentEvent:
-            event.recorded = True
-            event = event.event
+            event.event.record(stream)
+            event.recorded = True  # only now: a record that failed leaves it unrecorded
+            return
         event.record(stream)
 
     def _wait(self, stream: Any, event: Any) -> None:

@@ -313,6 +313,32 @@ def test_isolated_rounds_gather_what_each_process_reported(backend, monkeypatch)
     assert auto["step_median_round"] == pytest.approx((8.0 / 30.0 + 1.0 / 20.0) / 2)
 
 
+def test_the_table_compares_with_the_first_peer_that_ran():
+    """The table's third column: the step ratio to the first peer of PEERS that ran; with
+    rounds, the median of the paired rounds' ratios, inside their range (the two medians
+    may come from different rounds when one configuration lost a round)."""
+    pytest.importorskip("tabulate")
+    from graphslot.cli import bench
+
+    def cfg(step: float, rounds: list[float] | None = None, counted: list[int] | None = None):
+        c = {"step_ms": step, "peak_device_bytes": 1 << 20, "activation_bytes_at_boundary": 0,
+             "offloaded_bytes": 0, "d2h_gbps": None, "h2d_gbps": None}
+        if rounds:
+            c["step_ms_rounds"], c["rounds_counted"] = rounds, counted
+        return c
+
+    r = {"backend": "x", "device": "y", "shape": {}, "configs": {
+        "torch_graphed": {"reason": "not here"},
+        "eager": cfg(11.0, [10.0, 12.0], [1, 3]),
+        "graph": cfg(6.0, [5.0, 100.0, 6.0], [1, 2, 3])}}
+    bench._peer_ratios(r["configs"], rounds=3)
+    table = bench._table(r)
+    assert re.search(r"^config\s+step ms\s+step / eager\s", table, re.M), table
+    row = next(line for line in table.splitlines() if line.startswith("graph "))
+    assert "0.50 (0.50-0.50)" in row, row  # rounds 1 and 3: 5/10 and 6/12
+    assert r["configs"]["graph"]["vs"]["eager"]["step"] == pytest.approx(6.0 / 11.0)
+
+
 def test_an_isolated_configuration_that_fails_says_why(backend, monkeypatch):
     """A configuration whose process fails carries the process's last error line as its
     reason."""

@@ -219,6 +219,22 @@ def test_an_event_recorded_again_after_its_handle_is_dropped_keeps_earlier_waits
     assert torch.equal(dst.cpu(), src.cpu())
 
 
+def test_a_record_that_fails_leaves_a_lent_event_unrecorded(clean):
+    """A reused event whose record was refused must not read as its old, pending record."""
+    b = clean
+    slow = b.new_stream()
+    spin(b, 0.3, slow)
+    first = b.record_event(b.new_event(), slow)
+    inner = first.event
+    del first
+    h = b.new_event()
+    assert h.event is inner
+    with pytest.raises(Exception):
+        b.record_event(h, object())  # not a stream
+    assert not h.recorded and b.query_event(h), "the failed record left the old one showing"
+    b.synchronize()
+
+
 def test_timing_events_are_never_lent(clean):
     b = clean
     a = b.new_event(timing=True)

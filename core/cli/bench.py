@@ -424,7 +424,7 @@ def _peer_ratios(results: dict[str, dict[str, Any]], rounds: int) -> None:
             mine = by_round(c)
             paired = [mine[k] / p_rounds[k] for k in sorted(mine) if k in p_rounds and p_rounds[k] > 0]
             v: dict[str, Any] = {"step": c["step_ms"] / p["step_ms"]}
-            if p.get("peak_device_bytes"):
+            if p.get("peak_device_bytes") and c.get("peak_device_bytes") is not None:
                 v["peak"] = c["peak_device_bytes"] / p["peak_device_bytes"]
             if rounds > 1:
                 v["step_rounds"] = paired
@@ -879,7 +879,11 @@ def _table(r: dict[str, Any]) -> str:
         if not v:
             return "-"
         spread = v.get("step_rounds") or []
-        return f"{v['step']:.2f}" + (f" ({min(spread):.2f}-{max(spread):.2f})" if len(spread) > 1 else "")
+        if len(spread) < 2:
+            return f"{v['step']:.2f}"
+        # the median of the paired rounds, inside their range (the two medians may come
+        # from different rounds when a round did not count for one of them)
+        return f"{v['step_median_round']:.2f} ({min(spread):.2f}-{max(spread):.2f})"
 
     rows, skipped = [], []
     for name, c in r["configs"].items():
