@@ -413,10 +413,11 @@ class LentEvent:
         except Exception:  # at interpreter exit the module's globals may be gone already
             pass
 
-    # torch's event methods, for code that holds an event and calls them itself
+    # The framework event's protocol (the backend and streams call these), reading as a
+    # new event until this handle records it
     def record(self, stream: Any = None) -> None:
         self.event.record(stream)
-        self.recorded = True
+        self.recorded = True  # only now: a record that failed leaves it unrecorded
 
     def query(self) -> bool:
         return not self.recorded or bool(self.event.query())
@@ -506,38 +507,24 @@ class Backend(abc.ABC):
             return self._new_event(True)
         free = self._free_events
         try:
-            ev = free.pop()
-        except IndexError:  # (another thread may take the last one between a check and a pop)
+            ev = free.pop()  # (pop, not a length check first: another thread may take the last)
+        except IndexError:
             ev = self._new_event(False)
         return LentEvent(ev, free)
 
+    # A LentEvent speaks the framework event's protocol itself (record, query, synchronize,
+    # wait), so these need not tell the two apart.
     def _record(self, event: Any, stream: Any) -> None:
-        if type(event) is LentEvent:
-            event.event.record(stream)
-            event.recorded = True  # only now: a record that failed leaves it unrecorded
-            return
         event.record(stream)
 
     def _wait(self, stream: Any, event: Any) -> None:
-        if type(event) is LentEvent:
-            if not event.recorded:
-                return  # nothing recorded: nothing to wait for, as with a new event
-            event = event.event
         stream.wait_event(event)
 
     def query_event(self, event: Any) -> bool:
         """True when all work before the event's last record has finished."""
-        if type(event) is LentEvent:
-            if not event.recorded:
-                return True
-            event = event.event
         return bool(event.query())
 
     def _event_synchronize(self, event: Any) -> None:
-        if type(event) is LentEvent:
-            if not event.recorded:
-                return
-            event = event.event
         event.synchronize()
 
     def elapsed_ms(self, start: Any, end: Any) -> float:
