@@ -1115,11 +1115,9 @@ class RemapSlots(Residency):
             u = self._unit(g)
             if mapped is not None and mapped.exception() is not None:
                 self._failed(u, mapped)  # nothing is mapped; a copy that failed leaves it mapped
-            f = self.fences(g)
-            f.holder = None
-            # the hold ends; a copy in that failed part way may still write the slot
-            if t.restore_done is not None:
-                f.written = t.restore_done
+            # the hold ends; a copy in that failed part way (its end is the slot's latest
+            # writer, _copy_in saw to that) may still write the slot
+            self.fences(g).holder = None
             self._let_go(u, t.restore_done, last=False)
             raise
 
@@ -1409,13 +1407,7 @@ class OffloadEngine:
             return
         self._let_held_go()  # its copy may go into the held ticket's bank or pages
         nxt = _step(t._owner, t.state, "restore")  # refused here before anything is queued
-        slots, before = t.group.residency, t.restore_done
-        try:
-            slots.restore(t, lambda s: self._copy_in(t, s))
-        except BaseException:
-            if t.restore_done is not before:  # a copy in failed part way (_copy_in marked its end):
-                slots.fences(t.group).written = t.restore_done  # the slot's next writer waits
-            raise
+        t.group.residency.restore(t, lambda s: self._copy_in(t, s))
         t.state = nxt
 
     def restore_ahead(self, t: Ticket) -> bool:
@@ -1442,8 +1434,10 @@ class OffloadEngine:
                 if dst_dev is not None:
                     b.copy_async(dst_dev, st.device, s)
         except BaseException:
-            # Part of the copy may be queued: the slot and the host buffer go after it.
+            # Part of the copy may be queued: the slot's next writer and the host buffer's
+            # next user go after it (on whichever thread the copy was queued from).
             t.restore_done = b.record_event(b.new_event(), s)
+            g.residency.fences(g).written = t.restore_done
             raise
         t.restore_done = b.record_event(b.new_event(), s)
         self.stats["restored_bytes"] += g.host_bytes
