@@ -8,8 +8,9 @@
         loss.backward()
         opt.step(); opt.zero_grad()
 
-Each layer gets a forward and a backward device graph, in the spirit of
-``torch.cuda.make_graphed_callables``. Saved activations go through graphslot slots:
+Each layer, or each run of consecutive small layers (``layers_per_graph``), gets a
+forward and a backward device graph, in the spirit of ``torch.cuda.make_graphed_callables``
+(which graphs each callable alone). Saved activations go through graphslot slots:
 the backward graph reads them at a fixed address, and between forward and backward
 they wait on the host (``resident``: two mapped banks per slot class, no driver calls;
 ``remap``: the device pages are released). ``off`` graphs without offload.
@@ -54,7 +55,7 @@ import gc
 import threading
 import warnings
 import weakref
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import torch
 from torch import nn
@@ -65,7 +66,39 @@ from graphslot.offload import (REMAP_UNIT_BYTES, Mode, OffloadEngine, OffloadGro
                                recording_saved_tensors, state_storages)
 from graphslot.selection import get_backend
 
-__all__ = ["GraphedLayers"]
+__all__ = ["JOIN_BYTES", "GraphedLayers", "plan_graphs"]
+
+#: ``layers_per_graph=None`` joins consecutive layers while what their forwards save
+#: stays within this together. A graph replay and an offload copy cost the host about as
+#: much for a small layer as for a large one; past a few tens of MiB the copies, not the
+#: calls, set an offloading step's time, and a larger graph only coarsens them.
+JOIN_BYTES = 32 << 20
+
+
+def plan_graphs(n: int, offloaded: set[int], layers_per_graph: int | None,
+                saved_bytes: Sequence[int] | None, join_bytes: int | None = None
+                ) -> tuple[tuple[int, ...], ...]:
+    """Which of ``n`` layers each device graph covers: consecutive runs, never mixing
+    layers in and outside ``offloaded``; ``layers_per_graph`` at a time, or, when it is
+    None, as many as keep ``saved_bytes`` (per layer) within ``join_bytes`` together
+    (default :data:`JOIN_BYTES`)."""
+    if layers_per_graph is None and (saved_bytes is None or len(saved_bytes) != n):
+        raise UsageError("plan_graphs: joining by size needs every layer's saved bytes")
+    join_bytes = JOIN_BYTES if join_bytes is None else join_bytes
+    plan: list[tuple[int, ...]] = []
+    run: list[int] = []
+    total = 0
+    for i in range(n):
+        size = 0 if saved_bytes is None else saved_bytes[i]
+        if run and ((run[0] in offloaded) != (i in offloaded)
+                    or (layers_per_graph is not None and len(run) >= layers_per_graph)
+                    or (layers_per_graph is None and total + size > join_bytes)):
+            plan.append(tuple(run))
+            run, total = [], 0
+        run.append(i)
+        total += size
+    plan.append(tuple(run))
+    return tuple(plan)
 
 _use_count: Callable[[int], int] | None = getattr(torch._C, "_storage_Use_Count", None)
 
@@ -83,6 +116,26 @@ def _tracked_objects() -> list[Any]:
         # Frozen again, with what was young now too: those are only spared cycle
         # collection (this runs once per parameter whose old gradient someone kept).
         gc.freeze()
+
+
+@contextlib.contextmanager
+def _parameters_as(module: nn.Module, alias_of: dict[int, torch.Tensor]) -> Iterator[None]:
+    """Run ``module`` with each parameter ``p`` replaced by ``alias_of[id(p)]`` wherever it
+    is registered (a tied parameter in all its places), and put the very same parameter
+    objects back after. (``torch.func.functional_call`` puts new objects in place of
+    tied parameters, so optimizers and the model would no longer share them.)"""
+    swapped: list[tuple[dict[str, Any], str, Any]] = []
+    try:
+        for m in module.modules():
+            params = m._parameters
+            for name, p in params.items():
+                if p is not None and id(p) in alias_of:
+                    swapped.append((params, name, p))
+                    params[name] = alias_of[id(p)]
+        yield
+    finally:
+        for params, name, p in reversed(swapped):
+            params[name] = p
 
 
 def _storage_id(t: torch.Tensor) -> int:
@@ -117,20 +170,24 @@ class _ParamGrad:
 
 
 class _Runner:
-    """One layer: its graphs, static tensors and its offload group (kept on the device
-    for a layer that does not offload)."""
+    """One graph's consecutive layers (one, or several small ones): its graphs, static
+    tensors and its offload group (kept on the device when its layers do not offload)."""
 
-    def __init__(self, stack: GraphedLayers, index: int, module: nn.Module) -> None:
+    def __init__(self, stack: GraphedLayers, index: int, layers: tuple[int, ...]) -> None:
         self.stack = stack
-        self.index = index
-        self.module = module
-        named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
-        self.params = [p for _, p in named]
+        self.index = index  # position among the stack's graphs
+        self.layers = layers
+        mods = [stack.layers[i] for i in layers]
+        # Not a submodule of the stack: its state_dict and parameters stay the layers' own.
+        self.module: nn.Module = mods[0] if len(mods) == 1 else nn.Sequential(*mods)
+        a, z = layers[0], layers[-1]
+        self.name = f"layer{a}" if a == z else f"layers{a}-{z}"
+        self.label = f"layer {a}" if a == z else f"layers {a}-{z}"
+        self.params = [p for p in self.module.parameters() if p.requires_grad]
         # Warm-up and capture differentiate with respect to aliases of the parameters (same
         # memory, so the graphs read the very same addresses): the parameters' own tensor
         # hooks must run at each real backward, not once baked into a graph, and their
         # gradient accumulators must come from the training stream, not the capture's.
-        self._names = [n for n, _ in named]
         self.group: OffloadGroup
         self.pending: set[int] = set()  # microbatches whose backward has not run
         self.static_in: torch.Tensor
@@ -156,15 +213,16 @@ class _Runner:
         aliases = [p.detach().requires_grad_() for p in self.params]
         inputs = ([static_in] if static_in.requires_grad else []) + aliases
         dev = b.device
-        by_name = dict(zip(self._names, aliases))
+        alias_of = {id(p): a for p, a in zip(self.params, aliases)}
 
         def call() -> Any:
-            return torch.func.functional_call(self.module, by_name, (static_in,))
+            with _parameters_as(self.module, alias_of):
+                return self.module(static_in)
 
         def is_state(t: torch.Tensor) -> bool:
             return never_offloaded(t, dev.type, state)
 
-        g = self.group = eng.group(f"layer{self.index}", offload=self.index in st.offload_layers)
+        g = self.group = eng.group(self.name, offload=self.layers[0] in st.offload_layers)
 
         # Warm-up: eager iterations on a side stream (libraries initialise, autotuners
         # settle); autograd is untouched. Not on the current stream: if that is the legacy
@@ -178,7 +236,7 @@ class _Runner:
             for _ in range(st.warmup_iters):
                 out = call()
                 if not isinstance(out, torch.Tensor):
-                    raise UsageError(f"layer {self.index} returned {type(out).__name__}; "
+                    raise UsageError(f"{self.label} returned {type(out).__name__}; "
                                      "graphed layers must return one tensor")
                 if inputs and out.requires_grad:
                     torch.autograd.grad(out, inputs, torch.ones_like(out), allow_unused=True)
@@ -204,7 +262,7 @@ class _Runner:
             del out, probe_graph
             b.synchronize()
             b.empty_cache()
-            g.allocate(bank_index=st.bank_index(self.index))
+            g.allocate(bank_index=st.bank_index(self.layers[0]))
         else:
             g.allocate()  # kept on the device: nothing to lay out
 
@@ -259,7 +317,7 @@ class _Runner:
                 del grads, grad_list
         except Exception as e:
             raise StateError(
-                f"layer {self.index}: capturing the backward graph failed ({type(e).__name__}: "
+                f"{self.label}: capturing the backward graph failed ({type(e).__name__}: "
                 f"{str(e).splitlines()[0]}). A common cause is an autograd graph from earlier "
                 "eager work that is still alive (a kept loss, or a saved-tensor hook that "
                 "returned its argument without a backward): its parameter accumulators "
@@ -285,7 +343,7 @@ class _Runner:
         si = self.static_in
         if x.shape != si.shape or x.dtype != si.dtype or x.device != si.device:
             raise CaptureMismatchError(
-                f"layer {self.index} was captured for input {list(si.shape)} {si.dtype} on "
+                f"{self.label} was captured for input {list(si.shape)} {si.dtype} on "
                 f"{si.device}, got {list(x.shape)} {x.dtype} on {x.device}")
 
     def forward(self, x: torch.Tensor, mb: int, training: bool) -> torch.Tensor:
@@ -293,7 +351,7 @@ class _Runner:
         if self.first:
             self.check_input(x)
         if mb in self.pending:
-            raise StateError(f"layer {self.index}: microbatch {mb} ran forward again before its backward")
+            raise StateError(f"{self.label}: microbatch {mb} ran forward again before its backward")
         if stack._lent:
             stack._give_back(None)
         eng = stack.engine
@@ -307,10 +365,10 @@ class _Runner:
             with torch.no_grad():
                 self.static_in.copy_(x)
         if stack._tracing:
-            with stack._span(f"fwd layer{self.index}"):
+            with stack._span(f"fwd {self.name}"):
                 self.fwd.replay()
             if stack.probe is not None:
-                stack.probe(f"F{self.index}")
+                stack.probe(f"F{self.layers[-1]}")
         else:
             self.fwd.replay()
         if training:
@@ -324,7 +382,7 @@ class _Runner:
     def backward(self, grad: torch.Tensor, mb: int) -> tuple[torch.Tensor | None, ...]:
         stack = self.stack
         if stack._closed:
-            raise StateError(f"layer {self.index}: backward of microbatch {mb} after close(); "
+            raise StateError(f"{self.label}: backward of microbatch {mb} after close(); "
                              "close() abandoned the forward it belonged to")
         stack._enter()
         try:
@@ -349,7 +407,7 @@ class _Runner:
         stack, eng = self.stack, self.stack.engine
         if mb not in self.pending:
             raise StateError(
-                f"layer {self.index}: microbatch {mb} has no forward waiting for this backward: "
+                f"{self.label}: microbatch {mb} has no forward waiting for this backward: "
                 "it ran backward already (a second backward through graphed layers, e.g. "
                 "retain_graph=True, is not supported) or close() abandoned it")
         if stack._lent:  # before anything below writes pool memory a lent buffer may share
@@ -370,10 +428,10 @@ class _Runner:
                     self.static_grad_out.copy_(grad)
             graph = self.bwd
             if stack._tracing:
-                with stack._span(f"bwd layer{self.index}"):
+                with stack._span(f"bwd {self.name}"):
                     graph.replay()
                 if stack.probe is not None:
-                    stack.probe(f"B{self.index}")
+                    stack.probe(f"B{self.layers[0]}")
             else:
                 graph.replay()
             out = self._grads_out()
@@ -462,6 +520,13 @@ class GraphedLayers(nn.Module):
             this size, so small layers share their driver calls (0: one mapping per layer).
         offload_layers: indices of the layers whose activations are offloaded
             (default: all); the others keep theirs on the device.
+        layers_per_graph: how many consecutive layers each device graph covers. ``None``
+            (the default) joins consecutive layers while what their forwards save for
+            backward stays within :data:`JOIN_BYTES` together, so a stack of small layers
+            replays a few graphs, each with one offload copy each way, instead of one
+            graph and copy per layer; a layer that saves more gets a graph of its own. An
+            integer takes that many at a time. Layers inside and outside
+            ``offload_layers`` never share a graph. ``graph_layers`` says what was chosen.
         warmup_iters: eager iterations before capture.
         backend: the graphslot backend (default: :func:`graphslot.get_backend`).
         debug_checksums: verify a checksum of every restored activation (slow).
@@ -476,7 +541,8 @@ class GraphedLayers(nn.Module):
     def __init__(self, layers: Sequence[nn.Module], sample_input: torch.Tensor, *,
                  mode: Mode | str = Mode.RESIDENT, min_offload_bytes: int = 0,
                  remap_unit_bytes: int = REMAP_UNIT_BYTES,
-                 offload_layers: Iterable[int] | None = None, warmup_iters: int = 2,
+                 offload_layers: Iterable[int] | None = None,
+                 layers_per_graph: int | None = None, warmup_iters: int = 2,
                  backend: Backend | None = None, debug_checksums: bool = False) -> None:
         super().__init__()
         if not layers:
@@ -492,12 +558,19 @@ class GraphedLayers(nn.Module):
         if bad:
             raise UsageError(f"offload_layers {bad} are not layer indices (integers 0..{n - 1})")
         self.offload_layers = set(chosen)
+        if layers_per_graph is not None and (isinstance(layers_per_graph, bool)
+                                             or not isinstance(layers_per_graph, int)
+                                             or layers_per_graph < 1):
+            raise UsageError(f"layers_per_graph must be a positive integer or None (join small "
+                             f"layers), got {layers_per_graph!r}")
         self.engine = OffloadEngine(self.backend, mode, min_bytes=min_offload_bytes,
                                     remap_unit_bytes=remap_unit_bytes,
                                     debug_checksums=debug_checksums)
         self.warmup_iters = max(1, int(warmup_iters))
         self._microbatch = 0
-        self._runners = [_Runner(self, i, m) for i, m in enumerate(self.layers)]
+        #: the layers each device graph covers, in order (see ``layers_per_graph``)
+        self.graph_layers: tuple[tuple[int, ...], ...] = ()
+        self._runners: list[_Runner] = []
         #: called with a label after each layer's forward and backward replay (for probes)
         self.probe: Callable[[str], None] | None = None
         # One private pool for every graph, captured in replay order (all forwards, then
@@ -518,6 +591,9 @@ class GraphedLayers(nn.Module):
         #: microbatches whose autograd graph died without a backward (appended by finalizers)
         self._abandoned: collections.deque[int] = collections.deque()
         try:
+            saved = None if layers_per_graph is not None else self._saved_bytes(sample_input)
+            self.graph_layers = plan_graphs(n, self.offload_layers, layers_per_graph, saved)
+            self._runners = [_Runner(self, k, ls) for k, ls in enumerate(self.graph_layers)]
             self._build(sample_input)
         except BaseException:
             self.engine.close()  # what the failed build made goes before the error does
@@ -588,8 +664,43 @@ class GraphedLayers(nn.Module):
         return self.engine.mode
 
     def bank_index(self, layer: int) -> int:
-        """Ping-pong bank of ``layer``: alternate among offloaded layers in backward order."""
-        return sum(1 for i in self.offload_layers if i > layer) % 2
+        """Ping-pong bank of ``layer``'s graph: the graphs that offload alternate, in
+        backward order."""
+        k = next(k for k, ls in enumerate(self.graph_layers) if layer in ls)
+        return sum(1 for ls in self.graph_layers[k + 1:] if ls[0] in self.offload_layers) % 2
+
+    def _saved_bytes(self, sample: torch.Tensor) -> list[int]:
+        """What each layer's forward saves for backward (bytes, parameters and buffers
+        not counted), from one eager forward of the stack on the warm-up stream."""
+        b, dev = self.backend, self.backend.device
+        side = self._warmup_stream
+        out: list[int] = []
+        x = sample.detach().requires_grad_(sample.requires_grad)
+        b.wait_event(side, b.record_event(b.new_event()))
+        with b.stream(side):
+            for i, m in enumerate(self.layers):
+                state = state_storages([m])
+                seen: dict[int, int] = {}
+
+                def record(t: torch.Tensor) -> None:
+                    if not never_offloaded(t, dev.type, state):
+                        st = t.untyped_storage()
+                        seen[st.data_ptr()] = st.nbytes()
+
+                # With aliases of the parameters, as the warm-up: no accumulator of theirs
+                # is made here, on this stream.
+                alias_of = {id(p): p.detach().requires_grad_(p.requires_grad) for p in m.parameters()}
+                with recording_saved_tensors(record), _parameters_as(m, alias_of):
+                    y = m(x)
+                if not isinstance(y, torch.Tensor):
+                    raise UsageError(f"layer {i} returned {type(y).__name__}; graphed layers "
+                                     "must return one tensor")
+                out.append(sum(seen.values()))
+                x = y.detach().requires_grad_(x.requires_grad or y.requires_grad)
+                del y
+        b.wait_event(b.current_stream(), b.record_event(b.new_event(), side))
+        b.synchronize()
+        return out
 
     @property
     def timeline(self) -> Any:

@@ -146,7 +146,8 @@ def main() -> None:
 
     model = copy.deepcopy(base)
     sample = torch.zeros(c.batch, c.seq, c.hidden, device=b.device, requires_grad=True)
-    stacks = [GraphedLayers(ch, sample, mode=mode, backend=b, debug_checksums=True)
+    stacks = [GraphedLayers(ch, sample, mode=mode, backend=b, debug_checksums=True,
+                             layers_per_graph=1)
               for ch in chunks(model, rank, schedule)]
     losses, perf = timed(model, stacks)
     for st in stacks:

@@ -16,8 +16,11 @@ def small_gpt(b: graphslot.Backend, layers: int = 3, seed: int = 7) -> TinyGPT:
 
 
 def graphed(model: TinyGPT, b: graphslot.Backend, mode: str, **kw) -> GraphedLayers:
-    """``model``'s blocks as a GraphedLayers stack, installed as ``model.stack``."""
+    """``model``'s blocks as a GraphedLayers stack, installed as ``model.stack``: one graph
+    per layer unless ``layers_per_graph`` says otherwise (these layers are small enough for
+    the default to join them all, and the tests mean the engine's work between layers)."""
     sample = model.hidden_in(model.batch(0, b.device)[0]).detach().requires_grad_()
+    kw.setdefault("layers_per_graph", 1)
     stack = GraphedLayers(list(model.blocks), sample, mode=mode, backend=b, **kw)
     model.stack = stack
     return stack

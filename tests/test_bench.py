@@ -83,9 +83,12 @@ def test_bench_runs_every_configuration_on_small_shapes(backend, tmp_path):
     b = backend
     trace, plot = tmp_path / "trace.json", tmp_path / "mem.png"
     pytest.importorskip("matplotlib")
+    # one graph per layer: the engine's copies between layers are what is accounted below
     r = run_bench(b, BenchShape.preset("tiny"), steps=2, warmup=1, trace_path=str(trace),
-                  plot_path=str(plot), progress=False)
+                  plot_path=str(plot), progress=False, layers_per_graph=1)
     assert set(r["configs"]) == set(CONFIGS)
+    assert r["layers_per_graph"] == 1
+    assert all(c["graphs"] == 3 for n, c in r["configs"].items() if n.startswith("graph") and "reason" not in c)
     assert r["copy_ceiling_gbps"] > 0
     for name, c in r["configs"].items():
         if "reason" in c:
@@ -205,12 +208,24 @@ def test_bench_command_prints_one_json_object(backend, capsys):
     r = json.loads(capsys.readouterr().out)
     assert r["backend"] == backend.name and set(r["configs"]) == {"eager", "graph_resident"}
     assert {"backend", "device", "shape", "copy_ceiling_gbps", "configs"} <= set(r)
+    # by default GraphedLayers joins the tiny preset's three small layers into one graph,
+    # whose resident forward stays in its bank until its backward: nothing is copied
+    assert r["layers_per_graph"] == "auto" and r["configs"]["graph_resident"]["graphs"] == 1
+    c = r["configs"]["graph_resident"]
+    assert c["offloaded_bytes"] == 0 and c["held_bytes"] > 0, c
+
+
+def test_bench_layers_per_graph_reaches_each_isolated_process(backend):
+    rc = run_bench(backend, BenchShape.preset("tiny"), steps=1, warmup=0, progress=False,
+                   configs=("graph_remap",), isolate=True, layers_per_graph=2)
+    assert rc["layers_per_graph"] == 2 and rc["configs"]["graph_remap"]["graphs"] == 2
 
 
 @pytest.mark.parametrize("argv,needle", [
     (["--layers", "0"], "--layers"), (["--heads", "0"], "--heads"), (["--hidden", "7", "--heads", "4"], "multiple"),
     (["--batch", "-2"], "--batch"), (["--steps", "0"], "--steps"), (["--configs", "bogus"], "bogus"),
-    (["--configs", ""], "--configs"), (["--warmup", "-1"], "--warmup"), (["--rounds", "0"], "--rounds")])
+    (["--configs", ""], "--configs"), (["--warmup", "-1"], "--warmup"), (["--rounds", "0"], "--rounds"),
+    (["--layers-per-graph", "0"], "--layers-per-graph"), (["--layers-per-graph", "two"], "--layers-per-graph")])
 def test_bench_refuses_bad_arguments_with_exit_2(backend, capsys, argv, needle):
     rc = cli.main(["bench", "--preset", "tiny", "--quiet", *argv])
     err = capsys.readouterr().err.strip()
@@ -346,8 +361,8 @@ def test_an_isolated_configuration_that_fails_says_why(backend, monkeypatch):
 
     real = bench._child_argv
 
-    def argv(shape, steps, warmup, configs, trace_path):
-        a = real(shape, steps, warmup, configs, trace_path)
+    def argv(shape, steps, warmup, configs, trace_path, layers_per_graph):
+        a = real(shape, steps, warmup, configs, trace_path, layers_per_graph)
         a[a.index("--layers") + 1] = "0"  # the process refuses this shape
         return a
 

@@ -52,12 +52,14 @@ def run(model: nn.Module, b: graphslot.Backend, steps: int, accumulate: int, set
 
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("accumulate,set_to_none", [(1, True), (3, True), (1, False), (3, False)])
-def test_gradients_match_eager_bitwise(clean, mode, accumulate, set_to_none):
+@pytest.mark.parametrize("per_graph", [1, None], ids=["graph-per-layer", "joined"])
+def test_gradients_match_eager_bitwise(clean, mode, accumulate, set_to_none, per_graph):
     b = clean
     base = small(b)
     want = run(copy.deepcopy(base), b, 3, accumulate, set_to_none)
     model = copy.deepcopy(base)
-    with graphed(model, b, mode):
+    with graphed(model, b, mode, layers_per_graph=per_graph) as stack:
+        assert len(stack.graph_layers) == (3 if per_graph == 1 else 1)
         assert_bitwise(run(model, b, 3, accumulate, set_to_none), want)
 
 
@@ -147,13 +149,15 @@ class _SharedStack(nn.Module):
 
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("accumulate,set_to_none", [(1, True), (2, False)])
-def test_a_parameter_shared_by_two_layers(clean, mode, accumulate, set_to_none):
+@pytest.mark.parametrize("per_graph", [1, 2, None], ids=["apart", "across-graphs", "one-graph"])
+def test_a_parameter_shared_by_two_layers(clean, mode, accumulate, set_to_none, per_graph):
     b = clean
     base = _SharedStack().to(b.device)
     want = run(copy.deepcopy(base), b, 3, accumulate, set_to_none)
     model = copy.deepcopy(base)
     sample = torch.zeros(4, 16, device=b.device)
-    with GraphedLayers(list(model.blocks), sample, mode=mode, backend=b) as stack:
+    with GraphedLayers(list(model.blocks), sample, mode=mode, backend=b,
+                       layers_per_graph=per_graph) as stack:
         model.stack = stack
         assert_bitwise(run(model, b, 3, accumulate, set_to_none), want)
 

@@ -1208,7 +1208,8 @@ def test_views_of_one_storage_share_one_region_and_train_bitwise(engine_clean, m
     layers = [SplitMix(d).to(b.device) for _ in range(2)]
     ref = copy.deepcopy(layers)
     sample = torch.randn(n, d, device=b.device, requires_grad=True)
-    with GraphedLayers(layers, sample, mode=mode, backend=b, debug_checksums=True) as stack:
+    with GraphedLayers(layers, sample, mode=mode, backend=b, debug_checksums=True,
+                       layers_per_graph=1) as stack:
         g = stack._runners[0].group
         assert g is not None
         per_tensor = sum(s.nbytes for s in g.specs)
@@ -1317,7 +1318,8 @@ def test_a_layer_that_saves_more_under_capture_than_eagerly(engine_clean, mode):
 
     want = steps(copy.deepcopy(base))
     layers = copy.deepcopy(base)
-    with GraphedLayers(list(layers), torch.zeros(8, 64, device=b.device), mode=mode, backend=b) as stack:
+    with GraphedLayers(list(layers), torch.zeros(8, 64, device=b.device), mode=mode, backend=b,
+                       layers_per_graph=1) as stack:
         assert_bitwise(steps(layers, stack), want)
         if mode != "off":
             # x and the extra (w is a parameter): the extra was seen only because discovery

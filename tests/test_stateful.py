@@ -51,7 +51,7 @@ class _StackMachine(RuleBasedStateMachine):
         self.rebuilt = False
 
     def _stack_kwargs(self) -> dict[str, int]:
-        return {}
+        return {"layers_per_graph": 1}  # the engine's work between layers is what is tested
 
     def _build(self) -> GraphedLayers:
         stack = GraphedLayers(list(self.graphed.blocks), self.sample, mode=self.mode, backend=self.b,
@@ -145,16 +145,39 @@ class _RemapUnits(_StackMachine):
         cls = type(self)
         if not cls._unit_bytes:
             probe = GraphedLayers(list(self.graphed.blocks), self.sample, mode="remap",
-                                  backend=self.b, remap_unit_bytes=0)
+                                  backend=self.b, remap_unit_bytes=0, layers_per_graph=1)
             cls._unit_bytes = 2 * (max(g.nbytes for g in probe.engine.groups) + 256)
             probe.close()
-        return {"remap_unit_bytes": cls._unit_bytes}
+        return {"remap_unit_bytes": cls._unit_bytes, "layers_per_graph": 1}
 
     def _build(self) -> GraphedLayers:
         stack = super()._build()
         units = stack.engine.residency.units  # type: ignore[union-attr]
         assert [len(u.members) for u in units] == [2, 2]
         return stack
+
+
+class _Joined(_StackMachine):
+    """Four layers in two graphs of two (``layers_per_graph``): a graph's one slot holds
+    what both of its layers save."""
+
+    layers = 4
+
+    def _stack_kwargs(self) -> dict[str, int]:
+        return {"layers_per_graph": 2}
+
+    def _build(self) -> GraphedLayers:
+        stack = super()._build()
+        assert stack.graph_layers == ((0, 1), (2, 3))
+        return stack
+
+
+class _JoinedResident(_Joined):
+    mode = "resident"
+
+
+class _JoinedRemap(_Joined):
+    mode = "remap"
 
 
 _settings = settings(max_examples=_EXAMPLES, stateful_step_count=15, deadline=None,
@@ -171,3 +194,9 @@ def test_random_training_sequences_match_eager_across_remap_units(clean):
     # Fewer sequences than the two above (each stack is twice as deep); CI's time goes there.
     _RemapUnits.TestCase.settings = settings(_settings, max_examples=max(1, _EXAMPLES // 6))
     _RemapUnits.TestCase().runTest()
+
+
+@pytest.mark.parametrize("machine", [_JoinedResident, _JoinedRemap], ids=["resident", "remap"])
+def test_random_training_sequences_match_eager_with_joined_layers(clean, machine):
+    machine.TestCase.settings = settings(_settings, max_examples=max(1, _EXAMPLES // 6))
+    machine.TestCase().runTest()

@@ -202,6 +202,7 @@ class _Inputs:
     ceiling: dict[str, float]
     ceil_gbps: float
     bar: Progress
+    layers_per_graph: int | None = None  #: GraphedLayers' (None: it joins small layers)
 
     def zero_grads(self) -> None:
         self.x.grad = None
@@ -212,7 +213,8 @@ class _Inputs:
 def run_bench(b: Backend, shape: BenchShape, *, steps: int = 10, warmup: int = 3,
               configs: tuple[str, ...] = CONFIGS, trace_path: str | None = None,
               plot_path: str | None = None, progress: bool = True,
-              rounds: int = 1, isolate: bool = False) -> dict[str, Any]:
+              rounds: int = 1, isolate: bool = False,
+              layers_per_graph: int | None = None) -> dict[str, Any]:
     """Run the comparison on backend ``b`` (see the module docstring).
 
     Args:
@@ -243,10 +245,13 @@ def run_bench(b: Backend, shape: BenchShape, *, steps: int = 10, warmup: int = 3
     if rounds < 1:
         raise UsageError(f"rounds must be at least 1, got {rounds}")
     if isolate:
-        return _run_isolated(b, shape, steps, warmup, configs, trace_path, plot_path, progress, rounds)
+        return _run_isolated(b, shape, steps, warmup, configs, trace_path, plot_path, progress,
+                             rounds, layers_per_graph)
     r = _prepare(b, shape, steps, warmup, len(configs), progress, rounds)
+    r.layers_per_graph = layers_per_graph
     out: dict[str, Any] = {
         "backend": b.name, "device": b.info()["device"], "shape": shape.as_dict(),
+        "layers_per_graph": layers_per_graph or "auto",
         "steps": steps, "rounds": rounds, "copy_ceiling_gbps": r.ceil_gbps, "copy": r.ceiling,
         "saved_activation_bytes": r.saved, "configs": {},
     }
@@ -271,6 +276,8 @@ def run_bench(b: Backend, shape: BenchShape, *, steps: int = 10, warmup: int = 3
             out["configs"][name], traces[name], curves[name] = _measure(r, name, stack, fwd, timings)
             if name == "graph_auto":
                 out["configs"][name]["offload_layers"] = kw["offload_layers"]
+            if stack is not None and hasattr(stack, "graph_layers"):
+                out["configs"][name]["graphs"] = len(stack.graph_layers)
             _tear_down(r, name, stack)
         out["configs"][name]["warnings"] = seen
         del stack, fwd, built
@@ -298,10 +305,11 @@ def _phases(c: dict[str, Any]) -> dict[str, float]:
 
 
 def _child_argv(shape: BenchShape, steps: int, warmup: int, configs: str,
-                trace_path: str | None) -> list[str]:
+                trace_path: str | None, layers_per_graph: int | None = None) -> list[str]:
     """The command line of a bench process that runs ``configs`` on ``shape``."""
     argv = [sys.executable, "-m", "graphslot.cli", "bench", "--json", "--quiet",
-            "--configs", configs, "--steps", str(steps), "--warmup", str(warmup)]
+            "--configs", configs, "--steps", str(steps), "--warmup", str(warmup),
+            "--layers-per-graph", str(layers_per_graph or "auto")]
     for k, v in shape.as_dict().items():
         argv += [f"--{k}", str(v)]
     if trace_path:
@@ -331,7 +339,8 @@ def _run_child(b: Backend, argv: list[str]) -> dict[str, Any]:
 
 def _run_isolated(b: Backend, shape: BenchShape, steps: int, warmup: int,
                   configs: tuple[str, ...], trace_path: str | None, plot_path: str | None,
-                  progress: bool, rounds: int) -> dict[str, Any]:
+                  progress: bool, rounds: int, layers_per_graph: int | None = None
+                  ) -> dict[str, Any]:
     """:func:`run_bench` with every configuration in a process of its own (``isolate``).
 
     Later rounds run again only what ran in round one; graph_auto picks its layers from
@@ -342,6 +351,7 @@ def _run_isolated(b: Backend, shape: BenchShape, steps: int, warmup: int,
                          f"{b.device} is not it (make it device 0, e.g. with CUDA_VISIBLE_DEVICES)")
     bar = Progress(len(configs) * rounds, progress)
     out: dict[str, Any] = {"backend": b.name, "device": b.info()["device"], "shape": shape.as_dict(),
+                           "layers_per_graph": layers_per_graph or "auto",
                            "steps": steps, "rounds": rounds, "isolated": True, "configs": {}}
     trace_for = next((n for n in _TRACED if n in configs), None)
     ceilings: list[dict[str, Any]] = []
@@ -357,7 +367,8 @@ def _run_isolated(b: Backend, shape: BenchShape, steps: int, warmup: int,
             bar.update(f"{name}: round {rnd + 1}/{rounds}, own process", advance=False)
             run = "graph,graph_auto" if name == "graph_auto" else name
             child = _run_child(b, _child_argv(shape, steps, warmup, run,
-                                              trace_path if rnd == 0 and name == trace_for else None))
+                                              trace_path if rnd == 0 and name == trace_for else None,
+                                              layers_per_graph))
             c = child.get("configs", {}).get(name) if "reason" not in child else child
             if c is None:
                 c = {"reason": "its process reported nothing for it"}
@@ -526,7 +537,8 @@ def _build(r: _Inputs, name: str, timings: dict[str, dict[str, float]]
             kw["offload_layers"] = auto_offload_layers(r.shape.layers, r.layer_bytes, t["fwd_ms"],
                                                        t["bwd_ms"], r.ceil_gbps)
         bar.update(f"{name}: capture", advance=False)
-        stack = GraphedLayers(layers, x, mode=mode, backend=b, warmup_iters=2, **kw)
+        stack = GraphedLayers(layers, x, mode=mode, backend=b, warmup_iters=2,
+                              layers_per_graph=r.layers_per_graph, **kw)
 
         fwd = functools.partial(stack, x)
     elif name == "save_on_cpu":
@@ -926,6 +938,7 @@ def check_args(args: argparse.Namespace) -> tuple[BenchShape, tuple[str, ...]]:
         raise ValueError(f"--warmup must be at least 0, got {args.warmup}")
     if args.rounds < 1:
         raise ValueError(f"--rounds must be at least 1, got {args.rounds}")
+    layers_per_graph(args)
     configs = (tuple(c.strip() for c in args.configs.split(",") if c.strip())
                if args.configs is not None else CONFIGS)
     unknown = [c for c in configs if c not in CONFIGS]
@@ -933,6 +946,16 @@ def check_args(args: argparse.Namespace) -> tuple[BenchShape, tuple[str, ...]]:
         raise ValueError(f"--configs: unknown {', '.join(map(repr, unknown)) or 'empty list'}; "
                          f"choose from {','.join(CONFIGS)}")
     return shape, configs
+
+
+def layers_per_graph(args: argparse.Namespace) -> int | None:
+    """``--layers-per-graph``: a positive integer, or None for ``auto``; ``ValueError`` else."""
+    v = str(getattr(args, "layers_per_graph", "auto"))
+    if v == "auto":
+        return None
+    if not v.isdigit() or int(v) < 1:
+        raise ValueError(f"--layers-per-graph must be a positive integer or 'auto', got {v!r}")
+    return int(v)
 
 
 def main(args: argparse.Namespace) -> int:
@@ -952,7 +975,8 @@ def main(args: argparse.Namespace) -> int:
     try:
         r = run_bench(b, shape, steps=args.steps, warmup=args.warmup, configs=configs,
                       trace_path=args.trace, plot_path=args.plot, progress=not args.quiet,
-                      rounds=args.rounds, isolate=args.isolate)
+                      rounds=args.rounds, isolate=args.isolate,
+                      layers_per_graph=layers_per_graph(args))
     except (RuntimeError, MemoryError) as e:
         if not _is_oom(e):
             raise
@@ -984,5 +1008,8 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--isolate", action="store_true",
                    help="run each configuration in a process of its own")
     p.add_argument("--configs", default=None, help=f"comma-separated subset of {','.join(CONFIGS)}")
+    p.add_argument("--layers-per-graph", default="auto", metavar="N|auto",
+                   help="layers per device graph of the graph configurations (auto: "
+                        "GraphedLayers joins small layers)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=main)
