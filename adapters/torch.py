@@ -127,7 +127,7 @@ def _parameters_as(module: nn.Module, alias_of: dict[int, torch.Tensor]) -> Iter
     swapped: list[tuple[dict[str, Any], str, Any]] = []
     try:
         for m in module.modules():
-            params = m._parameters
+            params: dict[str, Any] = m._parameters  # (plain tensors go in for a while)
             for name, p in params.items():
                 if p is not None and id(p) in alias_of:
                     swapped.append((params, name, p))
