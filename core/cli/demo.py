@@ -103,7 +103,10 @@ def run_demo(b: Backend, config: GPTConfig | None = None, steps: int = 6) -> dic
     for mode in ("resident", "remap"):
         model = copy.deepcopy(base)
         sample = model.hidden_in(model.batch(0, b.device)[0]).detach().requires_grad_()
-        stack = GraphedLayers(list(model.blocks), sample, mode=mode, backend=b)
+        # One graph per layer: the toy's layers are small enough for GraphedLayers to join
+        # them all, and one graph's activations would stay in its bank; the demo shows
+        # them leaving the device between layers.
+        stack = GraphedLayers(list(model.blocks), sample, mode=mode, backend=b, layers_per_graph=1)
         model.stack = stack
         res = _train(b, model, steps)
         diffs = [float((x - y).abs().max()) if x.numel() else 0.0
