@@ -62,6 +62,7 @@ from torch import nn
 
 from graphslot.backend import Backend, DeviceGraph
 from graphslot.errors import CaptureMismatchError, StateError, UsageError
+from graphslot.memory import saved_bytes_per_layer
 from graphslot.offload import (REMAP_UNIT_BYTES, Mode, OffloadEngine, OffloadGroup, never_offloaded,
                                recording_saved_tensors, state_storages)
 from graphslot.selection import get_backend
@@ -591,7 +592,8 @@ class GraphedLayers(nn.Module):
         #: microbatches whose autograd graph died without a backward (appended by finalizers)
         self._abandoned: collections.deque[int] = collections.deque()
         try:
-            saved = None if layers_per_graph is not None else self._saved_bytes(sample_input)
+            saved = None if layers_per_graph is not None else saved_bytes_per_layer(
+                list(self.layers), sample_input.detach().requires_grad_(sample_input.requires_grad))
             self.graph_layers = plan_graphs(n, self.offload_layers, layers_per_graph, saved)
             self._runners = [_Runner(self, k, ls) for k, ls in enumerate(self.graph_layers)]
             self._build(sample_input)
@@ -668,39 +670,6 @@ class GraphedLayers(nn.Module):
         backward order."""
         k = next(k for k, ls in enumerate(self.graph_layers) if layer in ls)
         return sum(1 for ls in self.graph_layers[k + 1:] if ls[0] in self.offload_layers) % 2
-
-    def _saved_bytes(self, sample: torch.Tensor) -> list[int]:
-        """What each layer's forward saves for backward (bytes, parameters and buffers
-        not counted), from one eager forward of the stack on the warm-up stream."""
-        b, dev = self.backend, self.backend.device
-        side = self._warmup_stream
-        out: list[int] = []
-        x = sample.detach().requires_grad_(sample.requires_grad)
-        b.wait_event(side, b.record_event(b.new_event()))
-        with b.stream(side):
-            for i, m in enumerate(self.layers):
-                state = state_storages([m])
-                seen: dict[int, int] = {}
-
-                def record(t: torch.Tensor) -> None:
-                    if not never_offloaded(t, dev.type, state):
-                        st = t.untyped_storage()
-                        seen[st.data_ptr()] = st.nbytes()
-
-                # With aliases of the parameters, as the warm-up: no accumulator of theirs
-                # is made here, on this stream.
-                alias_of = {id(p): p.detach().requires_grad_(p.requires_grad) for p in m.parameters()}
-                with recording_saved_tensors(record), _parameters_as(m, alias_of):
-                    y = m(x)
-                if not isinstance(y, torch.Tensor):
-                    raise UsageError(f"layer {i} returned {type(y).__name__}; graphed layers "
-                                     "must return one tensor")
-                out.append(sum(seen.values()))
-                x = y.detach().requires_grad_(x.requires_grad or y.requires_grad)
-                del y
-        b.wait_event(b.current_stream(), b.record_event(b.new_event(), side))
-        b.synchronize()
-        return out
 
     @property
     def timeline(self) -> Any:

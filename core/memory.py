@@ -29,14 +29,16 @@ from __future__ import annotations
 import statistics
 from dataclasses import asdict, dataclass, fields
 from contextlib import contextmanager
-from typing import Any, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
 from .backend import Backend
+from .errors import UsageError
 from .offload import SavedTensorSpec, never_offloaded, recording_saved_tensors, state_storages
 
-__all__ = ["MemoryReport", "report", "measure", "settle", "used_bytes", "saved_activation_bytes"]
+__all__ = ["MemoryReport", "report", "measure", "settle", "used_bytes", "saved_activation_bytes",
+           "saved_bytes_per_layer"]
 
 
 @dataclass(frozen=True)
@@ -159,6 +161,22 @@ def measure(backend: Backend, samples: int = 3) -> Iterator[Measurement]:
     m.delta = m.after - m.before
 
 
+def _recording_spans(device_type: str, state: set[int], spans: dict[int, tuple[int, int]]
+                     ) -> Callable[[torch.Tensor], None]:
+    """A saved-tensor recorder that widens ``spans`` (storage -> bytes [first, past last)
+    of its saved views) with each saved activation; parameters and buffers are skipped."""
+
+    def record(t: torch.Tensor) -> None:
+        if not never_offloaded(t, device_type, state):
+            ptr = t.untyped_storage().data_ptr()
+            sp = SavedTensorSpec.of(t)  # the slot layout's own byte extent of a view
+            lo, hi = sp.storage_offset, sp.storage_offset + sp.extent
+            a, b = spans.get(ptr, (lo, hi))
+            spans[ptr] = (min(a, lo), max(b, hi))
+
+    return record
+
+
 def saved_activation_bytes(layers: Sequence[torch.nn.Module], x: torch.Tensor) -> int:
     """What stays on the device between forward and backward without offload.
 
@@ -170,21 +188,34 @@ def saved_activation_bytes(layers: Sequence[torch.nn.Module], x: torch.Tensor) -
         Bytes of activations autograd saves on ``x``'s device for one forward through
         ``layers`` (parameters and buffers excluded; views of one storage count once).
     """
-    state = state_storages(layers)
-    spans: dict[int, tuple[int, int]] = {}  # storage -> bytes [first, past last) of its saved views
-
-    def record(t: torch.Tensor) -> None:
-        if not never_offloaded(t, x.device.type, state):
-            ptr = t.untyped_storage().data_ptr()
-            sp = SavedTensorSpec.of(t)  # the slot layout's own byte extent of a view
-            lo, hi = sp.storage_offset, sp.storage_offset + sp.extent
-            a, b = spans.get(ptr, (lo, hi))
-            spans[ptr] = (min(a, lo), max(b, hi))
-
-    with recording_saved_tensors(record):
+    spans: dict[int, tuple[int, int]] = {}
+    with recording_saved_tensors(_recording_spans(x.device.type, state_storages(layers), spans)):
         h = x
         for m in layers:
             h = m(h)
     del h
     # A tensor saved twice, or several views of one buffer, cost their storage once.
     return sum(b - a for a, b in spans.values())
+
+
+def saved_bytes_per_layer(layers: Sequence[torch.nn.Module], x: torch.Tensor) -> list[int]:
+    """What each of ``layers`` (applied in order to ``x``) saves for backward, in bytes, as
+    :func:`saved_activation_bytes` counts it for one layer. One layer's saved tensors are
+    held at a time, so this costs one layer's activations, not the stack's.
+
+    Raises:
+        UsageError: a layer does not return one tensor (naming it).
+    """
+    out: list[int] = []
+    h = x
+    for i, m in enumerate(layers):
+        spans: dict[int, tuple[int, int]] = {}
+        with recording_saved_tensors(_recording_spans(x.device.type, state_storages([m]), spans)):
+            y = m(h)
+        if not isinstance(y, torch.Tensor):
+            raise UsageError(f"layer {i} returned {type(y).__name__}; graphed layers must "
+                             "return one tensor")
+        out.append(sum(b - a for a, b in spans.values()))
+        h = y.detach().requires_grad_(h.requires_grad or y.requires_grad)
+        del y
+    return out

@@ -15,6 +15,7 @@ import torch
 from graphslot.adapters import torch as gt
 from graphslot.adapters.torch import GraphedLayers, plan_graphs
 from graphslot.errors import UsageError
+from graphslot.memory import saved_bytes_per_layer
 from stacks import graphed, small_gpt
 from test_graphed_grads import assert_bitwise, run
 
@@ -62,7 +63,7 @@ def test_small_layers_share_a_graph_by_default_and_large_ones_do_not(clean, monk
     with GraphedLayers(list(model.blocks), sample, mode="resident", backend=b) as stack:
         assert stack.graph_layers == ((0, 1, 2, 3),)
         assert [g.name for g in stack.engine.groups] == ["layers0-3"]
-        saved = stack._saved_bytes(sample)
+        saved = saved_bytes_per_layer(list(model.blocks), sample)
     # What one layer saves is what its own slot holds (up to the slot's alignment).
     with GraphedLayers(list(model.blocks), sample, mode="resident", backend=b,
                        layers_per_graph=1) as apart:

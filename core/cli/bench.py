@@ -276,7 +276,7 @@ def run_bench(b: Backend, shape: BenchShape, *, steps: int = 10, warmup: int = 3
             out["configs"][name], traces[name], curves[name] = _measure(r, name, stack, fwd, timings)
             if name == "graph_auto":
                 out["configs"][name]["offload_layers"] = kw["offload_layers"]
-            if stack is not None and hasattr(stack, "graph_layers"):
+            if stack is not None:
                 out["configs"][name]["graphs"] = len(stack.graph_layers)
             _tear_down(r, name, stack)
         out["configs"][name]["warnings"] = seen
@@ -938,7 +938,7 @@ def check_args(args: argparse.Namespace) -> tuple[BenchShape, tuple[str, ...]]:
         raise ValueError(f"--warmup must be at least 0, got {args.warmup}")
     if args.rounds < 1:
         raise ValueError(f"--rounds must be at least 1, got {args.rounds}")
-    layers_per_graph(args)
+    parse_layers_per_graph(args)
     configs = (tuple(c.strip() for c in args.configs.split(",") if c.strip())
                if args.configs is not None else CONFIGS)
     unknown = [c for c in configs if c not in CONFIGS]
@@ -948,7 +948,7 @@ def check_args(args: argparse.Namespace) -> tuple[BenchShape, tuple[str, ...]]:
     return shape, configs
 
 
-def layers_per_graph(args: argparse.Namespace) -> int | None:
+def parse_layers_per_graph(args: argparse.Namespace) -> int | None:
     """``--layers-per-graph``: a positive integer, or None for ``auto``; ``ValueError`` else."""
     v = str(getattr(args, "layers_per_graph", "auto"))
     if v == "auto":
@@ -976,7 +976,7 @@ def main(args: argparse.Namespace) -> int:
         r = run_bench(b, shape, steps=args.steps, warmup=args.warmup, configs=configs,
                       trace_path=args.trace, plot_path=args.plot, progress=not args.quiet,
                       rounds=args.rounds, isolate=args.isolate,
-                      layers_per_graph=layers_per_graph(args))
+                      layers_per_graph=parse_layers_per_graph(args))
     except (RuntimeError, MemoryError) as e:
         if not _is_oom(e):
             raise
