@@ -494,9 +494,8 @@ class MegatronOffload:
         return result
 
     def _prepare(self, record: list[tuple[Any, ...]]) -> None:
-        """Before Megatron captures: a slot per runner, banks in Megatron's backward order,
-        slots placed in forward order (remap units pack consecutive layers in the order
-        a forward pass meets them, so a pass maps each unit once)."""
+        """Before Megatron captures: a slot per runner, placed in forward order, banks
+        alternating in Megatron's backward order."""
         per_layer: dict[int, int] = {}
         # (runner, layer, graph number, saved tensors), in Megatron's backward order
         chosen: list[tuple[Any, _Layer, int, list[SavedTensorSpec]]] = []
@@ -544,7 +543,8 @@ class MegatronOffload:
                 return func(*args, **kwargs)
             g.begin_capture()
             try:
-                with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                # (the unpack hook teaches the backward graph the slot's sections)
+                with torch.autograd.graph.saved_tensors_hooks(pack, g.load_tensor):
                     return func(*args, **kwargs)
             finally:
                 g.forward_captured()
@@ -618,12 +618,14 @@ class MegatronOffload:
         if t is None:
             raise StateError(f"{r.group.name}: backward graph replayed with no forward pending")
         eng.wait_restored(t)
-        nxt = self._next_bwd.get(id(r))
-        if nxt is not None and nxt.ticket is not None:
-            eng.restore_ahead(nxt.ticket)  # look-ahead: its copy runs under this backward graph
         graph.replay()
         eng.consumed(t)
         r.ticket = None
+        nxt = self._next_bwd.get(id(r))
+        if nxt is not None and nxt.ticket is not None:
+            # Look-ahead: its copy runs under this backward graph, queued after the replay
+            # (its copies wait for the sections this graph records it is done with).
+            eng.restore_ahead(nxt.ticket)
         if self._last_fwd is not None:
             self._next_fwd[id(self._last_fwd)] = None
             self._last_fwd = None

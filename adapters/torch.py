@@ -12,8 +12,9 @@ Each layer, or each run of consecutive small layers (``layers_per_graph``), gets
 forward and a backward device graph, in the spirit of ``torch.cuda.make_graphed_callables``
 (which graphs each callable alone). Saved activations go through graphslot slots:
 the backward graph reads them at a fixed address, and between forward and backward
-they wait on the host (``resident``: two mapped banks per slot class, no driver calls;
-``remap``: the device pages are released). ``off`` graphs without offload.
+they wait on the host (``resident``: two banks per size class, mapped for good, no driver
+calls; ``remap``: one bank where slots stream in sections, its pages released whenever
+nothing is in flight). ``off`` graphs without offload.
 
 What the graphs hold, and why it is no more than torch's own graphed callables:
 
@@ -63,7 +64,7 @@ from torch import nn
 from graphslot.backend import Backend, DeviceGraph
 from graphslot.errors import CaptureMismatchError, StateError, UsageError
 from graphslot.memory import saved_bytes_per_layer
-from graphslot.offload import (REMAP_UNIT_BYTES, Mode, OffloadEngine, OffloadGroup, never_offloaded,
+from graphslot.offload import (SECTION_BYTES, Mode, OffloadEngine, OffloadGroup, never_offloaded,
                                recording_saved_tensors, state_storages)
 from graphslot.selection import get_backend
 
@@ -144,11 +145,12 @@ def _storage_id(t: torch.Tensor) -> int:
 
 
 class _ParamGrad:
-    """One parameter's gradient buffer in a layer's backward graphs."""
+    """One parameter's gradient buffer in a layer's backward graphs (``param`` None: the
+    stack's input gradient, the first layer's buffer)."""
 
     __slots__ = ("param", "buf", "ptr", "storage", "base_refs", "copy")
 
-    def __init__(self, param: nn.Parameter, buf: torch.Tensor, copy: bool) -> None:
+    def __init__(self, param: nn.Parameter | None, buf: torch.Tensor, copy: bool) -> None:
         self.param = param
         self.buf = buf  # written by the backward graph at every replay
         self.ptr = buf.data_ptr()
@@ -159,6 +161,8 @@ class _ParamGrad:
         self.copy = copy
 
     def aliased(self) -> bool:
+        if self.param is None:  # the stack's input gradient: no .grad of ours to look at
+            return False
         g = self.param.grad
         return g is not None and g.data_ptr() == self.ptr
 
@@ -274,7 +278,8 @@ class _Runner:
                 return t if is_state(t) else g.save_tensor(t)
 
             with fwd.capture(side):
-                with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                # (the unpack hook teaches the backward graph the slot's sections)
+                with torch.autograd.graph.saved_tensors_hooks(pack, g.load_tensor):
                     out = call()
                 g.forward_captured()
         else:
@@ -300,16 +305,25 @@ class _Runner:
     def build_backward(self, static_grad_out: torch.Tensor | None, shared: set[int]) -> None:
         """Capture the backward graph (after every forward, in reverse layer order)."""
         b, out, inputs = self.stack.backend, self._out, self._inputs
-        if static_grad_out is None or static_grad_out.shape != out.shape:
-            static_grad_out = torch.zeros_like(out)
-        self.static_grad_out = static_grad_out
         wants_grad_in = self.wants_grad_in
         differentiable = bool(inputs) and out.requires_grad
+        own = static_grad_out is None or static_grad_out.shape != out.shape
+        if own and not differentiable:
+            static_grad_out = torch.zeros_like(out)
         try:
             if differentiable:
                 bwd = self.stack._new_graph()
                 with bwd.capture(self.stack._warmup_stream):
+                    if own:
+                        # The stack's last gradient buffer, from the graphs' pool: the caller's
+                        # gradient is copied in right before each replay and only this graph
+                        # reads it, so once captured its bytes go back to the pool (below).
+                        static_grad_out = torch.empty_like(out)
                     grads = torch.autograd.grad(out, inputs, static_grad_out, allow_unused=True)
+                if own:
+                    view = b.return_to_pool(static_grad_out)
+                    if view is not None:
+                        static_grad_out = view
                 self.bwd = bwd
                 grad_list = list(grads)
                 self.grad_in = grad_list.pop(0) if wants_grad_in else None
@@ -324,6 +338,8 @@ class _Runner:
                 "returned its argument without a backward): its parameter accumulators "
                 "then belong to the default stream. Build GraphedLayers before such work "
                 "or drop those references.") from e
+        assert static_grad_out is not None
+        self.static_grad_out = static_grad_out
         self.group.finish_capture()
         # Drop the captured autograd graph: its accumulator nodes were made on the capture
         # stream, and training must make its own on the training stream.
@@ -416,12 +432,6 @@ class _Runner:
         # (brings back this microbatch's activations if another's graphs ran since)
         t = eng.ticket(self.group, mb)
         eng.wait_restored(t)
-        # Look-ahead: the next offloaded layer's reload runs under this backward graph
-        # (and under every graph up to it, when offloaded layers are spread out).
-        prev = stack._next_backward(self.index)
-        if prev is not None and mb in prev.pending:
-            # (if its slot still holds another restore, this layer's own backward waits for it)
-            eng.restore_ahead(eng.ticket(prev.group, mb))
         out: list[torch.Tensor | None] = [None] * len(self.params)
         if self.bwd is not None:
             if grad.data_ptr() != self.static_grad_out.data_ptr():
@@ -441,12 +451,22 @@ class _Runner:
                 stack._lent[self.index] = lent
         self.pending.discard(mb)
         eng.consumed(t)
+        # Look-ahead: the next offloaded layer's reload runs under this backward graph
+        # (and under every graph up to it, when offloaded layers are spread out). Queued
+        # after the replay: its copies wait for what this graph records as it goes (the
+        # sections it is done with), so the replay must be launched first.
+        prev = stack._next_backward(self.index)
+        if prev is not None and mb in prev.pending:
+            # (if its slot still holds another restore, that layer's backward waits for it)
+            eng.restore_ahead(eng.ticket(prev.group, mb))
         gin = self.grad_in
         if gin is not None:
-            # The previous layer reads this buffer straight away, unless another of its
-            # microbatches could run in between: then, and for the stack's input, a copy.
-            gin = gin.clone() if self.first or len(stack._runners[self.index - 1].pending) > 1 \
-                else gin.detach()
+            if self.first:
+                gin = stack._lend_input_grad(gin)
+            elif len(stack._runners[self.index - 1].pending) > 1:
+                gin = gin.clone()  # another microbatch of the layer below may run in between
+            else:
+                gin = gin.detach()  # the layer below reads this buffer straight away
         return (gin, *out)
 
     def give_back(self, pg: _ParamGrad) -> None:
@@ -457,6 +477,7 @@ class _Runner:
         if pg.aliased():
             # The same tensor object keeps its identity (references to it stay good) and
             # gets its own bytes; autograd then adds the next gradient into it, as eagerly.
+            assert pg.param is not None  # (aliased() says so)
             g = pg.param.grad
             g.data = g.clone()  # type: ignore[union-attr]
         if pg.others_hold():
@@ -514,11 +535,13 @@ class GraphedLayers(nn.Module):
         layers: the modules, applied in order; each maps one tensor to one tensor.
         sample_input: an input of the exact shape, dtype and device the stack will see
             (``requires_grad`` as at run time).
-        mode: ``"resident"`` (ping-pong banks, zero driver calls per step), ``"remap"``
-            (least memory: pages released between forward and backward) or ``"off"``.
+        mode: ``"resident"`` (two banks per size class of slots, mapped for good: zero
+            driver calls per step), ``"remap"`` (least memory: one bank per size class where
+            slots stream in sections, mapped only while a pass is in flight) or ``"off"``.
         min_offload_bytes: saved tensors smaller than this stay on the device.
-        remap_unit_bytes: remap mode maps the slots of consecutive layers together up to
-            this size, so small layers share their driver calls (0: one mapping per layer).
+        section_bytes: slots move to and from the host in sections of at most this many
+            bytes (:data:`graphslot.offload.SECTION_BYTES`), each fenced on its own inside
+            the graphs where the backend allows.
         offload_layers: indices of the layers whose activations are offloaded
             (default: all); the others keep theirs on the device.
         layers_per_graph: how many consecutive layers each device graph covers. ``None``
@@ -541,7 +564,7 @@ class GraphedLayers(nn.Module):
 
     def __init__(self, layers: Sequence[nn.Module], sample_input: torch.Tensor, *,
                  mode: Mode | str = Mode.RESIDENT, min_offload_bytes: int = 0,
-                 remap_unit_bytes: int = REMAP_UNIT_BYTES,
+                 section_bytes: int = SECTION_BYTES,
                  offload_layers: Iterable[int] | None = None,
                  layers_per_graph: int | None = None, warmup_iters: int = 2,
                  backend: Backend | None = None, debug_checksums: bool = False) -> None:
@@ -565,7 +588,7 @@ class GraphedLayers(nn.Module):
             raise UsageError(f"layers_per_graph must be a positive integer or None (join small "
                              f"layers), got {layers_per_graph!r}")
         self.engine = OffloadEngine(self.backend, mode, min_bytes=min_offload_bytes,
-                                    remap_unit_bytes=remap_unit_bytes,
+                                    section_bytes=section_bytes,
                                     debug_checksums=debug_checksums)
         self.warmup_iters = max(1, int(warmup_iters))
         self._microbatch = 0
@@ -585,6 +608,8 @@ class GraphedLayers(nn.Module):
         self._warmup_stream = self.backend.side_stream()
         #: gradient buffers handed out as .grad since the last replay that could overwrite them
         self._lent: dict[int, list[_ParamGrad]] = {}  # by layer
+        #: the first layer's input gradient buffer, lent as the stack's input gradient
+        self._input_grad: _ParamGrad | None = None
         self._lock = threading.Condition()
         self._users = 0  # forwards and backwards under way (close() waits for them)
         self._in_backward: set[int] = set()  # microbatches whose backward pass has begun
@@ -619,15 +644,33 @@ class GraphedLayers(nn.Module):
         return g
 
     def _build(self, sample: torch.Tensor) -> None:
-        x = sample.detach().clone().requires_grad_(sample.requires_grad)
-        shared = self._shared_params()
         runners = self._runners
+        # The first layer reads the stack's input from a buffer of its own. When that layer
+        # offloads what it saves (a saved input goes to its slot), the buffer is read by
+        # its forward graph alone: it comes from the graphs' pool and goes back to it once
+        # that graph is captured, the caller's input copied in right before each replay.
+        pooled = self.engine.offloads and runners[0].layers[0] in self.offload_layers
+        x = (self._pool_buffer(sample) if pooled else sample.detach().clone()
+             ).requires_grad_(sample.requires_grad)
+        shared = self._shared_params()
         for i, r in enumerate(runners):
             out = r.build_forward(x)
             # The next layer is captured reading this layer's output buffer itself.
             x = out.detach().requires_grad_(x.requires_grad or bool(r.params))
+            if i == 0 and pooled:
+                view = self.backend.return_to_pool(r.static_in)
+                if view is not None:
+                    r.static_in = view
             if i >= 1:
                 self._free_boundary(runners[i - 1], r)
+        last = runners[-1]
+        if last.group.offload_enabled:
+            # The stack's output buffer is copied for the caller right after its replay;
+            # nothing else reads it (a saved output is in the slot): the backward graphs,
+            # captured next, may use its bytes.
+            view = self.backend.return_to_pool(last.static_out)
+            if view is not None:
+                last.static_out = view
         grad_out: torch.Tensor | None = None
         for i in reversed(range(len(runners))):
             r = runners[i]
@@ -638,10 +681,40 @@ class GraphedLayers(nn.Module):
                 if view is not None:
                     r.static_grad_out = runners[i + 1].grad_in = view
             grad_out = r.grad_in
+        first = runners[0]
+        if first.grad_in is not None:
+            # Handed out as the stack's input gradient (see _lend_input_grad).
+            self._input_grad = _ParamGrad(None, first.grad_in, False)
         self.backend.synchronize()
         gc.collect()
         for r in self._runners:
             r.settle_refs()
+        if self._input_grad is not None and _use_count is not None:
+            self._input_grad.base_refs = _use_count(self._input_grad.storage)
+
+    def _pool_buffer(self, like: torch.Tensor) -> torch.Tensor:
+        """A copy of ``like`` in memory of the graphs' shared pool (an allocation captured
+        into an otherwise empty graph, which stays the pool's first owner)."""
+        g = self._new_graph()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # torch warns that the captured graph is empty
+            with g.capture(self._warmup_stream):
+                buf = torch.empty_like(like)
+        with torch.no_grad():
+            buf.copy_(like.detach())
+        return buf
+
+    def _lend_input_grad(self, buf: torch.Tensor) -> torch.Tensor:
+        """The stack's input gradient: the first layer's gradient buffer itself, lent as
+        parameter gradients are (no copy). Before any replay that could overwrite the
+        buffer, whoever still holds it gets bytes of its own (see :meth:`_give_back`)."""
+        pg = self._input_grad
+        if pg is None or pg.copy:
+            return buf.clone()
+        lent = self._lent.setdefault(0, [])
+        if pg not in lent:
+            lent.append(pg)
+        return buf.detach()
 
     def _free_boundary(self, a: _Runner, b: _Runner) -> None:
         """Layer ``a``'s output buffer is layer ``b``'s input, read by ``b``'s forward graph

@@ -531,6 +531,56 @@ class Backend(abc.ABC):
         """Milliseconds between two recorded timing events."""
         return float(start.elapsed_time(end))
 
+    # -- events inside graphs ---------------------------------------------------------
+    #: whether a graph under capture can record and wait on events itself (record and wait
+    #: nodes of its own), as the offload engine's sections need: a wait node waits for the
+    #: record its event had when the graph was launched (not for one queued later), and a
+    #: wait queued on another stream after a launch waits for the graph's record node in
+    #: that launch. Backends that can, measured so (benchmarks/graph_events.py), say True.
+    graph_events: bool = False
+
+    def _new_graph_event(self) -> Any:
+        raise NotImplementedError
+
+    def _graph_record(self, event: Any) -> None:
+        raise NotImplementedError
+
+    def _graph_wait(self, event: Any) -> None:
+        raise NotImplementedError
+
+    def new_graph_event(self) -> Any:
+        """An event that a graph under capture may record or wait on (:meth:`graph_record`,
+        :meth:`graph_wait`) and that streams use outside graphs like any event. It starts
+        complete, and it is its owner's for good (never lent to anyone else).
+
+        Raises:
+            UsageError: this backend's graphs cannot hold events (``graph_events`` is
+                False), or a capture is under way.
+        """
+        if not self.graph_events:
+            raise UsageError(f"the {self.name} backend's graphs cannot record or wait on events")
+        if self._is_capturing():
+            raise UsageError("new_graph_event: make graph events before the capture that uses them")
+        return self._new_graph_event()
+
+    def _in_graph(self, what: str) -> None:
+        if not self.graph_events:
+            raise UsageError(f"{what}: the {self.name} backend's graphs cannot hold events")
+        if not self._is_capturing():
+            raise UsageError(f"{what} adds a node to the graph under capture; no capture is under way")
+
+    def graph_record(self, event: Any) -> None:
+        """Inside a capture: the graph records ``event`` at this point of its work, at every
+        replay (streams outside wait for that record as for any)."""
+        self._in_graph("graph_record")
+        self._graph_record(event)
+
+    def graph_wait(self, event: Any) -> None:
+        """Inside a capture: the graph's later work waits, at every replay, for the record
+        ``event`` had when that replay was launched."""
+        self._in_graph("graph_wait")
+        self._graph_wait(event)
+
     @abc.abstractmethod
     def _copy(self, dst: torch.Tensor, src: torch.Tensor, stream: Any) -> None: ...
 

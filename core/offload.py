@@ -6,38 +6,46 @@ enum, :class:`State`, and one transition table, :data:`TRANSITIONS`::
 
     group:   DISCOVERING --allocate--> ALLOCATED --begin_capture--> CAPTURING --finish_capture--> READY
     ticket:  READY --offload--> HELD --offload--> RELEASED (remap) | RESIDENT_PENDING (resident)
-             (remap leaves HELD at once; resident when the engine is next asked for more)
+             (the newest forward stays HELD until the engine is next asked for more)
              --restore--> RESTORING --wait_restored--> RESTORED --consumed--> DONE
              HELD --restore--> RESTORING (its own backward came next: nothing is copied)
              READY --offload--> KEPT (kept on the device) [--park--> PARKED] --wait_restored--> RESTORED
              READY --forget--> DONE (a forward that no backward follows)
 
 * Discovery: an eager warm-up records each saved tensor's shape, stride, dtype and device.
-* Allocation (outside capture): the slot's VA and backing, and reusable host buffers.
+* Allocation (outside capture): the slot's place in a *bank* (a fixed-VA region shared by
+  the groups of its size class, one forward at a time), and reusable host buffers.
 * Capture: each saved tensor is copied device to device into its place in the slot; the
   backward graph records the slot's address. Count, order, shape, stride, dtype, device and
   ``data_ptr() == slot VA`` are checked.
-* Forward offload: after the forward replay, a copy stream waits only on a forward-done
-  event and copies the slot to a host buffer. No host synchronisation. Resident banks
-  *hold* the newest forward: its copy is queued by the next forward, a restore of another
-  ticket, ``settle`` or ``close``; when its own backward comes first (the last layer of a
-  pass), the activations never leave the bank and neither copy runs. Remap queues every
-  copy at once (a held slot would stay mapped between the passes).
-* Remap mode releases the physical backing once that copy finished (small slots of
-  consecutive layers share one mapping, a *unit*, so they share its driver calls);
-  resident (ping-pong) mode keeps two banks mapped per slot class and never calls the
-  driver in a step.
-* Backward restore: backing mapped again (remap) or the bank (resident) at the same VA, a
-  host to device copy, and the compute stream waits on the restore event.
+* Sections: a bank's bytes move to and from the host in sections of about
+  :data:`SECTION_BYTES`, each with events of its own. Where the backend's graphs hold
+  events (``Backend.graph_events``), the forward graph itself waits, before it writes a
+  section, for the copy that took the previous occupant's bytes of that section out, and
+  records when it has written a section; the backward graph waits, before it reads a
+  section, for that section's copy back, and records when it is done with one (at the
+  next autograd node). So a copy out starts while the forward still runs, the next
+  layer's forward starts while the copy out still runs, and a layer's restore fills its
+  bank section by section as the backward before it lets go of them: one bank per size
+  class is as fast as two. Elsewhere the same section copies are fenced from the host.
+* Forward offload: after the forward replay, a copy stream copies the slot to a host
+  buffer section by section. No host synchronisation. The newest forward is *held*: its
+  copy is queued by the next forward, a restore of another ticket, ``settle`` or ``close``;
+  when its own backward comes first (the last layer of a pass), the activations never
+  leave the bank and neither copy runs.
+* Resident banks (two per size class, mapped for good) make no driver call in a step.
+  Remap banks (one per size class where sections stream, else two) are mapped while
+  anything is in flight and unmapped and released once nothing is, on a driver worker
+  thread, after the device is done with them.
+* Backward restore: a host to device copy into the bank at the same VA, section by
+  section in the order the backward graph reads them.
 
 Where a group's activations are between forward and backward is a :class:`Residency`:
-:class:`ResidentBanks` (two mapped banks per slot size, fenced, no driver calls),
-:class:`RemapSlots` (pages mapped only while a graph uses them, driver calls on one
-serialised worker thread, never inside a host callback or a capture), or, for groups that
-do not offload (mode off, or layers left on the device), :class:`KeptOnDevice` (in the
-graph's own memory, moved to a device buffer of their own while another microbatch's
-graphs run). The engine does the copies and keeps the tickets; the residency is all that
-differs between the modes.
+:class:`ResidentBanks`, :class:`RemapBanks`, or, for groups that do not offload (mode
+off, or layers left on the device), :class:`KeptOnDevice` (in the graph's own memory,
+moved to a device buffer of their own while another microbatch's graphs run). The engine
+does the copies and keeps the tickets; the residency is all that differs between the
+modes.
 """
 
 from __future__ import annotations
@@ -45,6 +53,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import enum
+import functools
 import queue
 import threading
 from collections import Counter
@@ -67,20 +76,31 @@ __all__ = [
     "OffloadGroup",
     "OffloadEngine",
     "DriverWorker",
-    "REMAP_UNIT_BYTES",
+    "SECTION_BYTES",
+    "sections_of",
 ]
 
 _ALIGN = 256  # byte alignment of each saved tensor inside a slot
-#: remap mode's default unit: slots of consecutive layers share one mapping up to this size
-REMAP_UNIT_BYTES = 32 << 20
+#: a bank's bytes move to and from the host in sections of about this many bytes, each
+#: with events of its own (see the module docstring). A copy's cost is its bytes past a
+#: few MiB; below that the calls and events per section start to count.
+SECTION_BYTES = 32 << 20
+
+
+def sections_of(size: int, section_bytes: int = SECTION_BYTES) -> list[tuple[int, int]]:
+    """``[start, end)`` byte ranges cutting ``size`` bytes into equal sections of at most
+    ``section_bytes`` (each start 256-byte aligned; the last may be shorter)."""
+    n = max(1, -(-size // max(section_bytes, _ALIGN)))
+    step = align_up(-(-size // n), _ALIGN)
+    return [(a, min(a + step, size)) for a in range(0, size, step)]
 
 
 class Mode(str, enum.Enum):
     """Where saved activations live between forward and backward."""
 
     OFF = "off"  #: no offload: saved tensors stay in the graph's own memory
-    RESIDENT = "resident"  #: offload to host; two mapped banks per slot class, no driver calls
-    REMAP = "remap"  #: offload to host; physical backing released between forward and backward
+    RESIDENT = "resident"  #: offload to host; two banks per size class, mapped for good
+    REMAP = "remap"  #: offload to host; banks mapped only while anything is in flight
 
 
 class State(enum.Enum):
@@ -296,26 +316,50 @@ class DriverWorker:
 
 @dataclass(eq=False)
 class SlotFences:
-    """What orders the uses of one slot's bytes (a resident bank's, shared by the groups
-    of its slot class, or a remap slot's): a forward rewrites them only after ``written``,
-    a restore only after ``read`` and ``written``, and neither overwrites ``holder``."""
+    """What orders the uses of one bank's bytes besides its section events (see
+    :class:`Bank`): the next forward waits for ``written`` (a writer other than a copy out:
+    an evaluation forward, a copy in that failed part way or that no backward read); a
+    restore waits for ``written`` and for the last backward graph that read the bank
+    (``read``, or section by section ``read_sections``), and neither overwrites ``holder``."""
 
-    written: Any = None  #: the latest writer's end: an occupant's copy out, or an evaluation forward
-    read: Any = None  #: the last backward graph that read them
+    written: Any = None  #: a writer the next forward and restore wait for (None: none pending)
+    read: Any = None  #: the end of the last backward graph that read the bank
+    #: per bank section, when that backward graph was done with it (an event recorded in the
+    #: graph, at the autograd node after its last reader), or None: ``read``
+    read_sections: list[Any] | None = None
     holder: Ticket | None = None  #: a restore whose backward has not run yet
     #: the forward whose activations these bytes still are: nothing rewrote them since
-    #: (resident banks; its restore then needs no copy)
+    #: (its restore then needs no copy)
     fresh: Ticket | None = None
 
 
 @dataclass(eq=False)
 class Bank:
-    """A fixed-VA region with resident backing, shared by the groups of one slot class."""
+    """A fixed-VA region that backs the slot of each group placed in it, one forward at a
+    time (groups of one size class share it; the slots start at its first byte).
+
+    Its bytes move in :attr:`sections`, and per section it keeps the events graphs wait on
+    (recorded by the copy streams): ``copied_out[k]``, the latest copy of section ``k`` to
+    the host ended (a forward rewrites the section only after it), and ``copied_in[k]``,
+    the latest copy back into it ended (a backward reads it only after it).
+    """
 
     index: int
+    size: int
     reservation: Reservation
-    allocation: Allocation | None
+    sections: list[tuple[int, int]]
+    copied_out: list[Any]
+    copied_in: list[Any]
+    allocation: Allocation | None = None  #: its pages (None: unmapped, remap between passes)
     fences: SlotFences = field(default_factory=SlotFences)
+    members: list[OffloadGroup] = field(default_factory=list)
+    captured: int = 0  #: members whose graphs are captured
+    # Remap: the pages' state ("mapped", "releasing" or "unmapped", under the residency's
+    # lock), the map job under way, and the token of a release queued but not started.
+    pages: str = "mapped"
+    map_job: Future[Any] | None = None
+    pending_release: object | None = None
+    release_job: Future[Any] | None = None
 
 
 @dataclass(eq=False)
@@ -325,6 +369,8 @@ class Stash:
     host: Any  # pinned host bytes for offloaded tensors (or None)
     device: Any  # device bytes for tensors kept on the device (or None)
     free_after: Any = None  # event after which the buffers may be reused
+    #: per section of its group's slot, (slot view, stash view) byte pairs (made at first use)
+    pieces: list[list[tuple[torch.Tensor, torch.Tensor]]] | None = None
 
 
 @dataclass(eq=False)
@@ -338,8 +384,6 @@ class Ticket:
     fwd_done: Any = None  #: the forward replay's end, which its copy out waits for
     d2h_done: Any = None
     restore_done: Any = None
-    restore_job: Future[Any] | None = None
-    map_job: Future[Any] | None = None  # remap: the mapping its restore copies into
     checksums: list[int] = field(default_factory=list)
     #: restored by leaving its forward's bytes where they were (no copy in); its host
     #: buffer, if it has one, was last touched by its copy out
@@ -350,6 +394,25 @@ class Ticket:
 
     def _owner(self) -> str:
         return f"{self.group.name} (microbatch {self.microbatch})"
+
+
+@dataclass(eq=False)
+class _BackwardCapture:
+    """What a group learns while its backward graph is captured (see :meth:`OffloadGroup.load_tensor`)."""
+
+    left: list[int]  #: per section, saved tensors in it not unpacked yet
+    node: Any = None  #: the autograd node that unpacked last
+    waited: set[int] = field(default_factory=set)  #: sections the graph waits for already
+    finished: list[int] = field(default_factory=list)  #: read in full by the nodes so far
+    unpacks: int = 0  #: unpacks under capture with graph events
+    plain: int = 0  #: unpacks that could not add a wait to the graph
+    records: int = 0  #: done events recorded so far
+
+
+def _current_node() -> Any:
+    """The autograd node running on this thread (None where torch cannot say)."""
+    fn = getattr(torch._C, "_current_autograd_node", None)
+    return None if fn is None else fn()
 
 
 class OffloadGroup:
@@ -367,11 +430,31 @@ class OffloadGroup:
         self.specs: list[SavedTensorSpec] = []
         self.nbytes = 0  # slot bytes (all specs, aligned)
         self.host_bytes = 0  # bytes of offloaded specs (they come first in the slot)
-        self.reservation: Reservation | None = None  # remap: its unit's VA; resident: the bank's
+        self.reservation: Reservation | None = None  # its bank's VA
         self.slot_offset = 0  # where the slot starts in that reservation
         self.bank: Bank | None = None
-        self.unit: RemapUnit | None = None
         self.views: list[torch.Tensor] = []
+        #: its slot's bytes in each section of its bank (a prefix of the bank's sections)
+        self.sections: list[tuple[int, int]] = []
+        #: the order its restore copies the sections in: as its backward graph reads them
+        self.restore_order: list[int] = []
+        #: whether its forward graph itself waits for each section's copy out and records
+        #: when it wrote one (else the host fences the whole slot)
+        self.fwd_in_graph = False
+        #: whether its backward graph itself waits for each section's copy in
+        self.bwd_in_graph = False
+        #: per section, the event its backward graph records once done with it (None: at the
+        #: graph's end, which the engine records after the replay)
+        self.done_events: list[Any] = []
+        self._written: list[Any] = []  # per section: recorded by its forward graph once written
+        self._wrote: list[bool] = []  # per section: whether a saved tensor writes it
+        self._done_pool: list[Any] = []
+        self._spec_sections: list[range] = []
+        self._first_write: dict[int, list[int]] = {}  # saved tensor -> sections it writes first
+        self._last_write: dict[int, list[int]] = {}  # saved tensor -> sections it completes
+        self._view_index: dict[int, int] = {}  # id(slot view) -> saved tensor index
+        self._fwd_plain = False  # a save under capture that could not add a wait to the graph
+        self._bwd: _BackwardCapture | None = None
         self._host_pool: list[Stash] = []
         self._captured = 0
         self._bytes: tuple[Any, Any] = (None, None)
@@ -502,12 +585,63 @@ class OffloadGroup:
         b, kept = eng.backend, self.nbytes - self.host_bytes
         self._bytes = (b.tensor_at(va, (self.host_bytes,), torch.uint8) if self.host_bytes else None,
                        b.tensor_at(va + self.host_bytes, (kept,), torch.uint8) if kept else None)
+        self._plan_sections()
+
+    def _plan_sections(self) -> None:
+        """Which bank sections the slot covers, which saved tensor writes each first and
+        last, and the events its graphs record (made now: never under capture)."""
+        bank, b = self.bank, self.engine.backend
+        assert bank is not None  # placed
+        self.sections = [(a, min(e, self.nbytes)) for a, e in bank.sections if a < self.nbytes]
+        step = bank.sections[0][1] - bank.sections[0][0]
+        n = len(self.sections)
+        self._spec_sections, self._first_write, self._last_write = [], {}, {}
+        first: dict[int, int] = {}
+        last: dict[int, int] = {}
+        for i, sp in enumerate(self.specs):
+            end = sp.offset + max(1, sp.nbytes if sp.storage < 0 else sp.extent)
+            secs = range(sp.offset // step, min(n, (end - 1) // step + 1))
+            self._spec_sections.append(secs)
+            for k in secs:
+                first.setdefault(k, i)
+                last[k] = i
+        for k, i in first.items():
+            self._first_write.setdefault(i, []).append(k)
+        for k, i in last.items():
+            self._last_write.setdefault(i, []).append(k)
+        self._wrote = [k in first for k in range(n)]
+        self._view_index = {id(v): i for i, v in enumerate(self.views)}
+        if b.graph_events:
+            self._written = [b.new_graph_event() for _ in range(n)]
+            self._done_pool = [b.new_graph_event() for _ in range(n)]
+        self.done_events = [None] * n
+        self.restore_order = list(reversed(range(n)))  # reverse of the saves: until a backward says
+
+    def stash_pieces(self, st: Stash) -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
+        """Per section of the slot, the (slot bytes, stash bytes) views its copies move: the
+        offloaded part goes to the pinned host buffer, the kept part to the device one."""
+        if st.pieces is None:
+            hb = self.host_bytes
+            slot_h, slot_d = self._bytes
+            pieces = []
+            for a, e in self.sections:
+                part = []
+                if a < hb:
+                    part.append((slot_h[a:min(e, hb)], st.host[a:min(e, hb)]))
+                if e > hb:
+                    lo = max(a, hb) - hb
+                    part.append((slot_d[lo:e - hb], st.device[lo:e - hb]))
+                pieces.append(part)
+            st.pieces = pieces
+        return st.pieces
 
     # -- capture ---------------------------------------------------------------------
 
     def begin_capture(self) -> None:
         self._go("begin_capture")
         self._captured = 0
+        self._fwd_plain = False
+        self._bwd = None
         self._capture_storages: dict[int, int] = {}  # region -> storage identity at capture
         self._capture_ptrs: dict[int, int] = {}  # storage identity -> region
         self._copied: set[tuple[Any, ...]] = set()
@@ -551,11 +685,69 @@ class OffloadGroup:
                     "discovery (which saved tensors share memory, or where, changed); the layer must "
                     "save the same tensors every time")
             key = (ptr, spec.storage_offset, spec.shape, spec.stride)
+        b = self.engine.backend
+        in_graph = bool(self._written) and b.is_capturing()
+        if in_graph:
+            bank = self.bank
+            assert bank is not None
+            for k in self._first_write.get(i, ()):
+                # The graph writes this section only once the copy that took its previous
+                # occupant's bytes to the host is done (queued before each launch).
+                b.graph_wait(bank.copied_out[k])
+        else:
+            self._fwd_plain = True
         if key not in self._copied:  # a tensor saved twice is copied once
             self._copied.add(key)
             view.copy_(t)
+        if in_graph:
+            for k in self._last_write.get(i, ()):
+                b.graph_record(self._written[k])  # its copy out may start here
         self._captured += 1
         return view
+
+    def load_tensor(self, packed: Any) -> Any:
+        """Unpack hook during capture: return what :meth:`save_tensor` packed, and teach the
+        backward graph under capture the slot's sections. Before the graph first reads a
+        section, it waits for that section's copy in; once the autograd nodes that read a
+        section are done (seen when the next node unpacks), it records so, and a restore
+        into the bank may overwrite that section from then on. Anything else passes through.
+        """
+        i = self._view_index.get(id(packed)) if isinstance(packed, torch.Tensor) else None
+        if i is None or self.state is not State.CAPTURING:
+            return packed
+        b, bank = self.engine.backend, self.bank
+        assert bank is not None
+        bs = self._bwd
+        if bs is None:  # the first unpack of this capture
+            bs = self._bwd = _BackwardCapture([0] * len(self.sections))
+            for secs in self._spec_sections:
+                for k in secs:
+                    bs.left[k] += 1
+            self.restore_order = []
+            self.done_events = [None] * len(self.sections)
+        if not (self._written and b.is_capturing()):
+            bs.plain += 1
+            return packed
+        node = _current_node()
+        if node is not None and node is not bs.node and bs.finished:
+            # Every node before this one is queued: what they read in full is free.
+            ev = self._done_pool[bs.records]  # (each record frees a section: enough of them)
+            bs.records += 1
+            b.graph_record(ev)
+            for k in bs.finished:
+                self.done_events[k] = ev
+            bs.finished = []
+        for k in self._spec_sections[i]:
+            if k not in bs.waited:
+                bs.waited.add(k)
+                self.restore_order.append(k)
+                b.graph_wait(bank.copied_in[k])
+            bs.left[k] -= 1
+            if bs.left[k] == 0:
+                bs.finished.append(k)
+        bs.node = node
+        bs.unpacks += 1
+        return packed
 
     def forward_captured(self) -> None:
         """The forward capture is over: drop the storage identities it pinned."""
@@ -568,6 +760,14 @@ class OffloadGroup:
                 f"offload group {self.name}: capture saved {self._captured} tensors, discovery "
                 f"saw {len(self.specs)}")
         self._go("finish_capture")
+        self.fwd_in_graph = bool(self._written) and self._captured > 0 and not self._fwd_plain
+        bs, self._bwd = self._bwd, None
+        self.bwd_in_graph = bool(self._written) and bs is not None and bs.unpacks > 0 and not bs.plain
+        if not self.bwd_in_graph:
+            self.done_events = [None] * len(self.sections)
+        # Sections the backward never read come back last, in reverse order of the saves.
+        seen = set(self.restore_order)
+        self.restore_order += [k for k in reversed(range(len(self.sections))) if k not in seen]
         if self.reservation is not None:
             self.residency.captured(self)
 
@@ -636,8 +836,6 @@ class Residency:
         """The fences of the bytes ``g``'s slot occupies."""
         raise NotImplementedError
 
-    # -- the fences, the same in every residency ---------------------------------------
-
     def _where(self, g: OffloadGroup) -> str:
         return f"offload group {g.name}: its slot"
 
@@ -663,31 +861,6 @@ class Residency:
             raise StateError(f"{self._where(t.group)} still holds the restore of "
                              f"{self._whose(t.group, f.holder)}")
         return f
-
-    def fence_forward(self, f: SlotFences) -> None:
-        """Fence 1: the slot's latest writer (its previous occupant's copy out) is done
-        before a forward rewrites it."""
-        if f.written is not None:
-            b = self.backend
-            b.wait_event(b.current_stream(), f.written)
-
-    def fence_restore(self, f: SlotFences, stream: Any) -> None:
-        """Fence 2: the backward graph that last read the slot, and its latest writer, are
-        done before a restore copies into it. The latest writer is this activation's own
-        copy out or a later forward's end, which waited for it (fence 1), so one wait also
-        covers this activation's trip to the host."""
-        b = self.backend
-        if f.read is not None:
-            b.wait_event(stream, f.read)
-        if f.written is not None:
-            b.wait_event(stream, f.written)
-
-    def _freed(self, g: OffloadGroup, done: Any, backward: bool) -> None:
-        f = self.fences(g)
-        if backward:
-            f.read, f.holder, f.fresh = done, None, None
-        else:
-            f.written = done  # an evaluation forward wrote the slot
 
     def captured(self, g: OffloadGroup) -> None:
         """``g``'s graphs are captured."""
@@ -723,17 +896,18 @@ class Residency:
         return held is None or held is t
 
     def restored(self, t: Ticket) -> None:
-        """The host side of ``t``'s restore is done (remap: its mapping); raises if it failed."""
+        """The host side of ``t``'s restore is done; raises if it failed."""
 
-    def free(self, g: OffloadGroup, done: Any, backward: bool) -> None:
+    def free(self, g: OffloadGroup, done: Any, backward: bool, replayed: bool = True) -> None:
         """The slot's last user so far is queued before event ``done``: a backward graph
-        that read it (``backward``) or an evaluation forward that wrote it."""
+        that read it (``backward``; ``replayed`` False: a restore abandoned before its
+        backward ran) or an evaluation forward that wrote it."""
         raise NotImplementedError
 
     def abandon(self, g: OffloadGroup, t: Ticket, prev: State) -> None:
         """``t`` (last in state ``prev``) will never be consumed: let its slot go."""
         if self.fences(g).holder is t:  # its restore holds the slot
-            self.engine._free_slot(g, backward=True)
+            self.engine._free_slot(g, backward=True, replayed=False)
 
     def nothing_in_flight(self) -> None:
         """The last ticket in flight was abandoned: whatever a pass prepared goes too."""
@@ -821,7 +995,7 @@ class KeptOnDevice(Residency):
             b.copy_async(v, place, s)
         t.stash = None  # the buffer's uses are all on this stream: the allocator orders its reuse
 
-    def free(self, g: OffloadGroup, done: Any, backward: bool) -> None:
+    def free(self, g: OffloadGroup, done: Any, backward: bool, replayed: bool = True) -> None:
         pass
 
     def abandon(self, g: OffloadGroup, t: Ticket, prev: State) -> None:
@@ -833,30 +1007,64 @@ class KeptOnDevice(Residency):
 
 
 class ResidentBanks(Residency):
-    """Two mapped banks per slot size; groups of one size alternate between them in
-    backward order, so a step makes no driver call. A bank's :class:`SlotFences` keep its
-    bytes right: a forward rewrites it only after the previous occupant reached the host,
-    and a restore only after the backward graph that last read it is done."""
+    """Banks per size class of slots, mapped for good, so a step makes no driver call.
+
+    A group goes to the smallest class whose banks fit its slot (a new class if none
+    does); groups of a class alternate between its two banks in backward order. A bank's
+    section events and :class:`SlotFences` keep its bytes right: a forward rewrites a
+    section only after the previous occupant's copy of it reached the host, and a restore
+    only after the backward graph that last read it is done with it.
+    """
 
     offload_call = "offload:resident"
     holds_newest = True
 
     def __init__(self, engine: OffloadEngine) -> None:
         super().__init__(engine)
-        self.banks: dict[int, list[Bank]] = {}
+        self.classes: list[list[Bank]] = []  # the banks of each size class
+
+    @property
+    def banks(self) -> list[Bank]:
+        return [bank for cls in self.classes for bank in cls]
+
+    def bank_count(self, size: int) -> int:
+        """How many banks a size class of ``size`` bytes gets."""
+        return 2
 
     def place(self, g: OffloadGroup, bank_index: int) -> Reservation:
-        pair = self.banks.get(g.slot_bytes)
-        if pair is None:
-            pair = []
-            for i in range(2):
-                res, alloc = self.backend.reserve_mapped(g.slot_bytes)
-                pair.append(Bank(i, res, alloc))
-            self.banks[g.slot_bytes] = pair
-        g.bank = pair[bank_index % 2]
-        return g.bank.reservation
+        size = g.slot_bytes
+        fit = [cls for cls in self.classes if cls[0].size >= size]
+        cls = min(fit, key=lambda c: c[0].size) if fit else self._new_class(size)
+        bank = cls[bank_index % len(cls)]
+        self._ready(bank)  # (remap: mapped again for this capture)
+        bank.members.append(g)
+        g.bank = bank
+        return bank.reservation
 
-    def _bank(self, g: OffloadGroup) -> Bank:
+    def _new_class(self, size: int) -> list[Bank]:
+        b = self.backend
+        secs = sections_of(size, self.engine.section_bytes)
+        # Graph events where the graphs can hold them; the host waits on them otherwise.
+        make = b.new_graph_event if b.graph_events else b.new_event
+        cls: list[Bank] = []
+        for _ in range(self.bank_count(size)):
+            bank = Bank(len(self.banks) + len(cls), size, b.reserve(size), secs,
+                        [make() for _ in secs], [make() for _ in secs], pages="unmapped")
+            self._new_pages(bank)
+            cls.append(bank)
+        self.classes.append(cls)
+        return cls
+
+    def _new_pages(self, bank: Bank) -> None:
+        """A new bank's pages: mapped for good here."""
+        bank.allocation = self.backend.map_new(bank.reservation, 0, bank.size)
+        bank.pages = "mapped"
+
+    def _ready(self, bank: Bank) -> None:
+        """``bank``'s pages are mapped (they always are here)."""
+
+    @staticmethod
+    def _bank(g: OffloadGroup) -> Bank:
         assert g.bank is not None  # placed at allocate
         return g.bank
 
@@ -867,15 +1075,24 @@ class ResidentBanks(Residency):
         return f"offload group {g.name}: bank {self._bank(g).index}"
 
     def before_forward(self, g: OffloadGroup) -> None:
+        bank = self._bank(g)
+        self._ready(bank)
         f = self._writable(g)
-        self.fence_forward(f)
-        f.fresh = None  # the replay rewrites the bank (after_forward names its ticket)
+        b = self.backend
+        cur = b.current_stream()
+        if f.written is not None:  # a writer other than a copy out; the replay comes after it
+            b.wait_event(cur, f.written)
+            f.written = None
+        if not g.fwd_in_graph:
+            # The graph cannot wait section by section: the host fences the whole slot.
+            for k in range(len(g.sections)):
+                b.wait_event(cur, bank.copied_out[k])
+        f.fresh = None  # the replay rewrites the bank (after_offload names its ticket)
 
     def after_offload(self, g: OffloadGroup, t: Ticket) -> None:
-        f = self.fences(g)
         # (queued before anything else may touch the bank: the engine lets a held ticket
         # go first thing in every call that could)
-        f.written, f.fresh = t.d2h_done, t
+        self.fences(g).fresh = t
 
     def still_holds(self, t: Ticket) -> bool:
         # Two banks alternate in backward order, so the newest forward of each bank (the
@@ -883,326 +1100,183 @@ class ResidentBanks(Residency):
         return self.fences(t.group).fresh is t
 
     def restore(self, t: Ticket, copy_in: Callable[[Any], None]) -> None:
+        bank = self._bank(t.group)
         f = self._restorable(t)
-        s = self.engine.h2d_stream
-        self.fence_restore(f, s)
+        self._ready(bank)
         f.fresh = None
-        copy_in(s)
+        copy_in(self.engine.h2d_stream)  # (the engine fences each section's copy)
         f.holder = t
 
-    def free(self, g: OffloadGroup, done: Any, backward: bool) -> None:
-        self._freed(g, done, backward)
+    def free(self, g: OffloadGroup, done: Any, backward: bool, replayed: bool = True) -> None:
+        f = self.fences(g)
+        if backward:
+            f.read, f.holder, f.fresh = done, None, None
+            f.read_sections = g.done_events if replayed and g.bwd_in_graph else None
+        else:
+            f.written = done  # an evaluation forward wrote the bank
 
     def close(self) -> None:
         b = self.backend
-        for pair in self.banks.values():
-            for bank in pair:
-                b.unmap_release(bank.reservation, 0)
-                b.free(bank.reservation)
-        self.banks.clear()
+        for bank in self.banks:
+            for off in sorted(bank.reservation.mappings):
+                b.unmap_release(bank.reservation, off)
+            b.free(bank.reservation)
+        self.classes.clear()
 
 
-@dataclass(eq=False)
-class RemapUnit:
-    """Remap slots of consecutive groups in one VA range, mapped and unmapped as one.
+class RemapBanks(ResidentBanks):
+    """Banks whose pages are mapped only while anything is in flight.
 
-    A map, an access grant and an unmap cost about the same for 2 MiB as for 512 MiB, so
-    slots much smaller than a unit's target size share one mapping: the driver calls per
-    layer fall with the number of layers in a unit, and a unit is at most that target
-    (or one slot) of device memory.
-    """
+    Where sections stream (the backend's graphs hold events and a slot has more than one
+    section), a size class has one bank: the backward reading a layer's sections and the
+    restore of the layer before it share the bank section by section, so the device holds
+    one slot of activations per class. Otherwise a class has two, as resident.
 
-    reservation: Reservation
-    limit: int  #: bytes of slots it may take: the unit target, or its one larger slot
-    members: list[OffloadGroup] = field(default_factory=list)
-    used: int = 0  #: bytes placed (slots packed at the saved-tensor alignment)
-    size: int = 0  #: bytes one mapping covers (granular)
-    users: int = 0  #: forwards writing a member's slot and restores holding one
-    mapped: Future[Any] | None = None  #: the current mapping's map job; None: unmapped
-    fences: list[Any] = field(default_factory=list)  #: events the next unmap waits for
-    unmapping: Future[Any] | None = None  #: the last unmap queued (its error surfaces at drain)
-    captured: int = 0  #: members whose graphs are captured (build time)
-
-
-class RemapSlots(Residency):
-    """Slots backed only while a forward writes them or a backward reads them.
-
-    Slots live in units (:class:`RemapUnit`): a unit is mapped when a forward or restore
-    first needs one of its slots, stays mapped while the pass moves through its members,
-    and is unmapped after the last of them (in that pass's direction) is done with it.
-    Driver calls run on one serialised worker thread (:class:`DriverWorker`), never
-    inside a capture or a host callback. Unmapped pages go to a free list that the next
-    unit of that size maps again, so a step costs a map, an access grant and an unmap per
-    unit and pass; backing is created only when the free list is empty, and everything is
-    unmapped and released whenever nothing is in flight, so between steps remap holds no
-    device memory.
-
-    A mapping can outlive one member's use of it, so each slot is fenced as a bank is: a
-    forward rewrites it only after its previous copy out, a restore only after the
-    backward graph that last read it.
+    A bank is mapped (created, mapped and made accessible, on one serialised driver
+    worker thread, never inside a capture or a host callback) when a forward or restore
+    first needs it, and once nothing is in flight and no forward is announced, it is
+    unmapped and released on that thread after the device is done with it. A pass that
+    comes back before that release started takes the bank back as it is: steps queued
+    back to back make no driver call, and whenever the device runs dry between steps
+    remap holds no device memory.
     """
 
     offload_call = "offload:remap"
 
-    def __init__(self, engine: OffloadEngine, unit_bytes: int) -> None:
+    def __init__(self, engine: OffloadEngine) -> None:
         super().__init__(engine)
-        self.unit_bytes = unit_bytes
         self._worker = DriverWorker(self.backend)
         self.worker = self._worker
-        self.units: list[RemapUnit] = []
-        self._open: RemapUnit | None = None  # the unit new slots are packed into (build)
-        self._current: RemapUnit | None = None  # the unit the latest pass went to
-        self._lingering: set[RemapUnit] = set()  # mapped, unused, the pass may come back
-        self._spare: dict[int, list[Allocation]] = {}  # unmapped pages by size (worker only)
-        self._prefetched: set[int] = set()  # groups whose next forward's map is queued
-        self._fences: dict[int, SlotFences] = {}  # group index -> its slot's fences
+        self._lock = threading.Lock()  # the banks' page states (training and worker threads)
+        self._prefetched: set[int] = set()  # groups whose next forward is announced
 
-    @staticmethod
-    def _unit(g: OffloadGroup) -> RemapUnit:
-        assert g.unit is not None  # placed at allocate
-        return g.unit
-
-    def fences(self, g: OffloadGroup) -> SlotFences:
-        f = self._fences.get(g.index)
-        if f is None:
-            f = self._fences[g.index] = SlotFences()
-        return f
+    def bank_count(self, size: int) -> int:
+        streams = self.backend.graph_events and len(sections_of(size, self.engine.section_bytes)) > 1
+        return 1 if streams else 2
 
     # -- build ---------------------------------------------------------------------------
 
-    def place(self, g: OffloadGroup, bank_index: int) -> Reservation:
-        b, gran = self.backend, self.backend.granularity
-        u = self._open
-        off = 0 if u is None else align_up(u.used, _ALIGN)
-        if u is None or off + g.nbytes > u.limit:
-            limit = max(g.nbytes, self.unit_bytes)
-            u = RemapUnit(b.reserve(align_up(limit, gran)), limit)
-            self.units.append(u)
-            self._open, off = u, 0
-        end = align_up(off + g.nbytes, gran)
-        if end > u.size:  # mapped for the capture; unmapped once every member is captured
-            b.map_new(u.reservation, u.size, end - u.size)
-            u.size = end
-        u.used = off + g.nbytes
-        u.members.append(g)
-        g.unit, g.slot_offset = u, off
-        return u.reservation
-
     def captured(self, g: OffloadGroup) -> None:
-        u = self._unit(g)
-        if self._open is u:
-            self._open = None  # its mapping is going: nothing more is packed into it
-        u.captured += 1
-        if u.captured == len(u.members):
-            # Between steps a remap unit holds no memory; a pass maps it when needed.
+        bank = self._bank(g)
+        bank.captured += 1
+        if bank.captured == len(bank.members):
+            # Between steps a remap bank holds no memory; a pass maps it when needed.
             self.backend.synchronize()
-            for off in sorted(u.reservation.mappings):
-                self.backend.unmap_release(u.reservation, off)
+            with self._lock:
+                bank.pages = "releasing"
+            self._unmap(bank)
 
-    # -- passes --------------------------------------------------------------------------
+    # -- pages ---------------------------------------------------------------------------
 
-    def _queue_map(self, u: RemapUnit) -> Future[Any]:
-        if u.mapped is None:
-            res, size = u.reservation, u.size
-            u.mapped = self._worker.submit(lambda: self._map(res, size))
-            self.engine.stats["remaps"] += 1
-        return u.mapped
+    def _new_pages(self, bank: Bank) -> None:
+        pass  # mapped when a capture or a pass first needs it
 
-    def _map_job(self, u: RemapUnit, step: int) -> Future[Any]:
-        """``u``'s map job, queued unless ``u`` is mapped or queued; the pass is at ``u`` and
-        goes on in direction ``step`` (+1 forward, -1 backward)."""
-        job = self._queue_map(u)
-        if u is not self._current:
-            self._current = u
-            self._unmap_lingering()  # the pass left them
-            # Entering a unit of packed small slots: queue the next one's map now, so the
-            # worker has done it (a map and an access grant, more than a small layer's
-            # compute) by the time the pass gets there. At most one unit target more is
-            # mapped; a unit of one large slot is never mapped ahead (its memory counts).
-            i = self.units.index(u) + step
-            if 0 <= i < len(self.units) and self.units[i].size <= self.unit_bytes:
-                self._queue_map(self.units[i])
-        return job
+    def _ready(self, bank: Bank) -> None:
+        job = self._queue_map(bank)
+        if job is not None:
+            job.result()  # raises if the map failed (the next use queues another)
 
-    def _hold(self, u: RemapUnit) -> None:
-        u.users += 1
-        self._lingering.discard(u)
-
-    def _let_go(self, u: RemapUnit, fence: Any, last: bool) -> None:
-        """One use of ``u`` ends before ``fence``; ``last``: no member after it in this pass."""
-        u.users -= 1
-        if fence is not None:
-            u.fences.append(fence)
-        if u.users == 0 and u.mapped is not None:
-            soon = any(m.index in self._prefetched for m in u.members)  # a forward is coming
-            if (last or u is not self._current) and not soon:
-                self._unmap(u)
-            else:
-                self._lingering.add(u)
-
-    def _unmap(self, u: RemapUnit) -> None:
-        res, fences = u.reservation, u.fences
-        u.mapped, u.fences = None, []
-        self._lingering.discard(u)
-        u.unmapping = self._worker.submit(lambda: self._unmap_after(res, fences))
-
-    def _unmap_lingering(self) -> None:
-        busy = {id(self.engine.groups[i].unit) for i in self._prefetched}
-        for u in list(self._lingering):
-            if u is not self._current and id(u) not in busy:
-                self._unmap(u)
-
-    def _failed(self, u: RemapUnit, job: Future[Any]) -> None:
-        if u.mapped is job:
-            u.mapped = None  # nothing is mapped: the next use queues a new map
+    def _queue_map(self, bank: Bank) -> Future[Any] | None:
+        """A map of ``bank`` under way (queued now if needed), or None: it is mapped. A
+        release queued but not started is called off instead."""
+        with self._lock:
+            if bank.pages == "mapped":
+                bank.pending_release = None  # (if one was queued, it will find it called off)
+                return None
+            if bank.map_job is None:
+                bank.map_job = self._worker.submit(lambda: self._map(bank))
+                self.engine.stats["remaps"] += 1
+            return bank.map_job
 
     def prefetch_forward(self, g: OffloadGroup) -> None:
-        self._map_job(self._unit(g), +1)
         self._prefetched.add(g.index)
+        self._queue_map(self._bank(g))
 
     def before_forward(self, g: OffloadGroup) -> None:
-        f = self._writable(g)
-        u = self._unit(g)
         self._prefetched.discard(g.index)
-        job = self._map_job(u, +1)
-        try:
-            job.result()
-        except BaseException:
-            self._failed(u, job)
-            raise
-        self._hold(u)
-        self.fence_forward(f)  # the unit may have stayed mapped since this slot's last copy out
+        super().before_forward(g)
 
-    def after_offload(self, g: OffloadGroup, t: Ticket) -> None:
-        u = self._unit(g)
-        self.fences(g).written = t.d2h_done
-        self._let_go(u, t.d2h_done, last=g is u.members[-1])
-
-    def restore(self, t: Ticket, copy_in: Callable[[Any], None]) -> None:
-        g = t.group
-        held = self._restorable(t)
-        u = self._unit(g)
-        mapped = self._map_job(u, -1)
-        self._hold(u)
-        held.holder = t
-        eng = self.engine
-        # The fences as they are now: the copy may run later, on the worker.
-        f = dataclasses.replace(held)
-
-        def copy() -> None:
-            s = eng.h2d_stream
-            self.fence_restore(f, s)
-            copy_in(s)
-
-        if mapped.done() and mapped.exception() is None:
-            copy()  # the unit is mapped (an earlier member's restore): no worker round trip
-            return
-
-        def job() -> None:
-            mapped.result()  # queued before this job, so done; raises if the map failed
-            copy()
-
-        t.restore_job, t.map_job = self._worker.submit(job), mapped
-
-    def restored(self, t: Ticket) -> None:
-        if t.restore_job is None:
-            return
-        job, mapped, t.restore_job, t.map_job = t.restore_job, t.map_job, None, None
-        try:
-            job.result()
-        except BaseException:
-            g = t.group
-            u = self._unit(g)
-            if mapped is not None and mapped.exception() is not None:
-                self._failed(u, mapped)  # nothing is mapped; a copy that failed leaves it mapped
-            # the hold ends; a copy in that failed part way (its end is the slot's latest
-            # writer, _copy_in saw to that) may still write the slot
-            self.fences(g).holder = None
-            self._let_go(u, t.restore_done, last=False)
-            raise
-
-    def free(self, g: OffloadGroup, done: Any, backward: bool) -> None:
-        u = self._unit(g)
-        self._freed(g, done, backward)
-        self._let_go(u, done, last=g is (u.members[0] if backward else u.members[-1]))
-        self.release_spare_when_idle()
+    def free(self, g: OffloadGroup, done: Any, backward: bool, replayed: bool = True) -> None:
+        super().free(g, done, backward, replayed)
+        self.release_when_idle()
 
     def abandon(self, g: OffloadGroup, t: Ticket, prev: State) -> None:
-        if self.fences(g).holder is t:  # its restore holds the unit
-            self.engine._free_slot(g, backward=True)
+        if self.fences(g).holder is t:  # its restore holds the bank
+            self.engine._free_slot(g, backward=True, replayed=False)
         else:
-            self.release_spare_when_idle()
+            self.release_when_idle()
 
     def nothing_in_flight(self) -> None:
-        # The last ticket was abandoned (a dropped or interrupted pass): a map queued for
-        # the next layer of that pass has no forward to wait for.
+        # The last ticket was abandoned (a dropped or interrupted pass): a forward announced
+        # for that pass will not come.
         self._prefetched.clear()
-        self.release_spare_when_idle()
+        self.release_when_idle()
 
-    def release_spare_when_idle(self) -> None:
-        """Nothing in flight and no forward's map queued (an evaluation forward's next
-        layer would take the pages straight back): unmap every unit nobody holds and give
-        the free list back, queued after every unmap, so it runs once they are done."""
-        if not self.engine._pending and not self._prefetched:
-            for u in self.units:
-                if u.mapped is not None and u.users == 0:
-                    self._unmap(u)
-            self._current = None
-            self._worker.submit(self._release_spare)
+    def release_when_idle(self) -> None:
+        """Nothing in flight and no forward announced (an evaluation forward's next layer
+        would take the pages straight back): queue the release of every mapped bank, to
+        run on the worker once the device is done with everything queued so far."""
+        eng = self.engine
+        if eng._pending or self._prefetched or eng.closed:
+            return
+        b = self.backend
+        events = None
+        for bank in self.banks:
+            with self._lock:
+                # (a map still queued is released after it: the worker runs jobs in order)
+                mapped = bank.pages == "mapped" or bank.map_job is not None
+                if not mapped or bank.pending_release is not None:
+                    continue
+                token = bank.pending_release = object()
+            if events is None:  # the ends of what every stream queued so far
+                events = [b.record_event(b.new_event(), s)
+                          for s in (b.current_stream(), eng.d2h_stream, eng.h2d_stream)]
+            bank.release_job = self._worker.submit(functools.partial(self._release_after, bank, token, events))
 
     def drain(self) -> None:
-        """Wait for queued driver work; raises the first unmap that failed since the last
-        drain (nobody else waits for an unmap, so its error would go unseen)."""
+        """Wait for queued driver work; raises the first release that failed since the last
+        drain (nobody else waits for a release, so its error would go unseen)."""
         self._worker.drain()
-        for u in self.units:
-            job, u.unmapping = u.unmapping, None
+        for bank in self.banks:
+            job, bank.release_job = bank.release_job, None
             if job is not None and job.exception() is not None:
                 raise job.exception()  # type: ignore[misc]
 
     def close(self) -> None:
         self._worker.close()
-        self._release_spare()  # the worker is gone: nobody else touches the free list
-        b = self.backend
-        for u in self.units:
-            for off in sorted(u.reservation.mappings):
-                b.unmap_release(u.reservation, off)
-            b.free(u.reservation)
-        self.units.clear()
-        self._lingering.clear()
+        super().close()
 
     # -- on the worker thread ------------------------------------------------------------
 
-    def _map(self, res: Reservation, size: int) -> None:
-        spare = self._spare.get(size)
-        if not spare:
-            self.backend.map_new(res, 0, size)
-            return
-        alloc = spare.pop()
+    def _map(self, bank: Bank) -> None:
         try:
-            self.backend.map(res, 0, alloc)
-        except BaseException:
-            spare.append(alloc)
-            raise
-        try:
-            self.backend.set_access(res, 0, size)
-        except BaseException:
-            self.backend.unmap(res, 0, size)
-            spare.append(alloc)
-            raise
+            alloc = self.backend.map_new(bank.reservation, 0, bank.size)
+            with self._lock:
+                bank.allocation, bank.pages = alloc, "mapped"
+        finally:
+            with self._lock:  # (queued under this lock: the job is the bank's by now)
+                bank.map_job = None
 
-    def _unmap_after(self, res: Reservation, events: list[Any]) -> None:
+    def _release_after(self, bank: Bank, token: object, events: list[Any]) -> None:
         for ev in events:  # an event wait before unmapping what a kernel may touch
             self._worker.wait_event(ev)
-        m = res.mapping_at(0)
-        if m is None:
-            raise StateError(f"offload engine: nothing is mapped at the slot 0x{res.va:x} to unmap")
-        self.backend.unmap(res, 0, m.size)
-        self._spare.setdefault(m.size, []).append(m.allocation)
+        with self._lock:
+            if bank.pending_release is not token:
+                return  # called off: a pass took the bank back before its release started
+            bank.pending_release, bank.pages = None, "releasing"
+        self._unmap(bank)
 
-    def _release_spare(self) -> None:
-        for spare in self._spare.values():
-            while spare:
-                self.backend.release(spare.pop())
+    def _unmap(self, bank: Bank) -> None:
+        """Unmap and release ``bank``'s pages (its state is "releasing")."""
+        try:
+            if bank.reservation.mapping_at(0) is not None:
+                self.backend.unmap_release(bank.reservation, 0)
+        finally:
+            with self._lock:
+                mapped = bank.reservation.mapping_at(0) is not None
+                bank.pages = "mapped" if mapped else "unmapped"
+                if not mapped:
+                    bank.allocation = None
 
 
 # --------------------------------------------------------------------------- engine
@@ -1216,28 +1290,30 @@ class OffloadEngine:
         mode: :class:`Mode` (``"resident"`` or ``"remap"``; ``"off"`` keeps every
             group's activations on the device, in the graphs' own memory).
         min_bytes: saved tensors smaller than this stay on the device (in a device stash).
-        remap_unit_bytes: remap mode packs the slots of consecutive groups into one
-            mapping of up to this many bytes, so small layers share their driver calls
-            (0: a mapping per slot). At most this much more device memory is mapped at
-            once than with a mapping per slot.
+        section_bytes: a bank's bytes move to and from the host in sections of at most this
+            many bytes, each with events of its own (:data:`SECTION_BYTES`; see the module
+            docstring). Smaller sections let copies and compute overlap more finely at the
+            cost of more calls per copy.
         debug_checksums: record a checksum of every offloaded activation and verify it
             after restore (slow: host synchronisations; for tests and debugging).
 
     Raises:
-        UsageError: an unknown mode, a negative ``min_bytes`` or ``remap_unit_bytes``.
+        UsageError: an unknown mode, a negative ``min_bytes``, a ``section_bytes`` that is
+            not a positive integer.
     """
 
     def __init__(self, backend: Backend, mode: Mode | str = Mode.RESIDENT, *, min_bytes: int = 0,
-                 remap_unit_bytes: int = REMAP_UNIT_BYTES, debug_checksums: bool = False) -> None:
+                 section_bytes: int = SECTION_BYTES, debug_checksums: bool = False) -> None:
         try:
             self.mode = Mode(mode)
         except ValueError:
             raise UsageError(f"unknown offload mode {mode!r}; choose off, resident or remap") from None
         if min_bytes < 0:
             raise UsageError(f"min_bytes must be >= 0, got {min_bytes}")
-        if isinstance(remap_unit_bytes, bool) or not isinstance(remap_unit_bytes, int) or remap_unit_bytes < 0:
-            raise UsageError(f"remap_unit_bytes must be an integer >= 0, got {remap_unit_bytes!r}")
+        if isinstance(section_bytes, bool) or not isinstance(section_bytes, int) or section_bytes < 1:
+            raise UsageError(f"section_bytes must be a positive integer, got {section_bytes!r}")
         self.backend = backend
+        self.section_bytes = section_bytes
         self.min_bytes = min_bytes
         self.debug_checksums = debug_checksums
         self.groups: list[OffloadGroup] = []
@@ -1249,8 +1325,7 @@ class OffloadEngine:
         self.kept = KeptOnDevice(self)
         #: where offloaded groups' slots live between forward and backward (mode off: ``kept``)
         self.residency: Residency = (ResidentBanks(self) if self.mode is Mode.RESIDENT else
-                                     RemapSlots(self, remap_unit_bytes) if self.mode is Mode.REMAP
-                                     else self.kept)
+                                     RemapBanks(self) if self.mode is Mode.REMAP else self.kept)
         self.stats: Counter[str] = Counter()
         #: a :class:`graphslot.trace.Timeline` to record copy spans on, or None
         self.timeline: Any = None
@@ -1313,12 +1388,10 @@ class OffloadEngine:
         return t
 
     def after_forward(self, t: Ticket) -> None:
-        """After the forward replay: queue the slot's copy out; the slot goes after it.
-
-        Resident banks hold the newest forward instead: its copy out is queued by the next
-        forward, a restore of another ticket, :meth:`settle` or :meth:`close`, and not at all
-        when its own restore comes first (its bank is mapped anyway). Remap queues it at
-        once: holding would keep a unit mapped between the passes, where remap holds none.
+        """After the forward replay: the newest forward is held in its bank. Its copy out is
+        queued by the next forward, a restore of another ticket, :meth:`settle` or
+        :meth:`close`, and not at all when its own restore comes first (the bank is mapped
+        for the pass anyway): the last layer of a training pass never leaves the device.
         """
         g, slots = t.group, t.group.residency
         if slots is self.kept:
@@ -1343,15 +1416,10 @@ class OffloadEngine:
         b = self.backend
         if t.stash is None:  # (a copy out that failed before took it already)
             t.stash = g._take_stash()
-        src_host, src_dev = g._slot_bytes_view()
         s = self.d2h_stream
-        b.wait_event(s, t.fwd_done)  # the copy stream waits only on the forward
         try:
             with self._span("d2h", f"{g.name} mb{t.microbatch}", s, g.host_bytes):
-                if src_host is not None:
-                    b.copy_async(t.stash.host, src_host, s)
-                if src_dev is not None:
-                    b.copy_async(t.stash.device, src_dev, s)
+                self._copy_out(t, s)
         except BaseException:
             # Part of the copy may be queued and still read the slot: whatever the compute
             # stream does next (a forward into the slot, the event that lets it go or
@@ -1369,6 +1437,24 @@ class OffloadEngine:
         # tries again), and abandoning it lets the slot go, its stash with it.
         t.state = nxt
         self._held = None
+
+    def _copy_out(self, t: Ticket, s: Any) -> None:
+        """Queue ``t``'s slot to its stash on stream ``s``, section by section: each copy
+        waits for its forward graph to have written that section (for the whole forward
+        where the graph records no sections) and records the bank's event that lets the
+        next forward into the bank rewrite it."""
+        b, g = self.backend, t.group
+        bank = g.bank
+        assert bank is not None and t.stash is not None
+        in_graph = g.fwd_in_graph
+        if not in_graph:
+            b.wait_event(s, t.fwd_done)  # the copy stream waits only on the forward
+        for k, part in enumerate(g.stash_pieces(t.stash)):
+            if in_graph:
+                b.wait_event(s, g._written[k] if g._wrote[k] else t.fwd_done)
+            for slot_bytes, stash_bytes in part:
+                b.copy_async(stash_bytes, slot_bytes, s)
+            b.record_event(bank.copied_out[k], s)
 
     # -- backward ------------------------------------------------------------------------
 
@@ -1424,15 +1510,30 @@ class OffloadEngine:
         return True
 
     def _copy_in(self, t: Ticket, s: Any) -> None:
+        """Queue ``t``'s stash back into its bank on stream ``s``, section by section in
+        the order its backward graph reads them. Each section's copy waits for the bank's
+        last reader to be done with that section (the backward graph's own event where it
+        records one) and for the section's latest copy out, and records the event the
+        backward graph waits for before it reads the section."""
         b, g, st = self.backend, t.group, t.stash
-        assert st is not None
-        dst_host, dst_dev = g._slot_bytes_view()
+        assert st is not None and g.bank is not None
+        bank = g.bank
+        f = bank.fences
         try:
             with self._span("h2d", f"{g.name} mb{t.microbatch}", s, g.host_bytes):
-                if dst_host is not None:
-                    b.copy_async(dst_host, st.host, s)
-                if dst_dev is not None:
-                    b.copy_async(dst_dev, st.device, s)
+                if f.written is not None:  # a writer other than a copy out
+                    b.wait_event(s, f.written)
+                pieces, read, waited = g.stash_pieces(st), f.read_sections, None
+                for k in g.restore_order:
+                    r = f.read if read is None or read[k] is None else read[k]
+                    if r is not None and r is not waited:
+                        b.wait_event(s, r)
+                        if read is None or read[k] is None:
+                            waited = r  # (the whole graph's end: once is enough)
+                    b.wait_event(s, bank.copied_out[k])
+                    for slot_bytes, stash_bytes in pieces[k]:
+                        b.copy_async(slot_bytes, stash_bytes, s)
+                    b.record_event(bank.copied_in[k], s)
         except BaseException:
             # Part of the copy may be queued: the slot's next writer and the host buffer's
             # next user go after it (on whichever thread the copy was queued from).
@@ -1462,7 +1563,9 @@ class OffloadEngine:
         if t.restore_done is None:
             return  # nothing was copied in for it (kept on the device, or nothing saved)
         b = self.backend
-        b.wait_event(b.current_stream(), t.restore_done)
+        if not (g.bwd_in_graph and not t.in_place):
+            # (a backward graph that waits for each section itself needs no host fence)
+            b.wait_event(b.current_stream(), t.restore_done)
         if self.debug_checksums and t.checksums:  # (none: never copied out, or its copy out failed)
             got = self._checksums(g)
             if got != t.checksums:
@@ -1502,10 +1605,11 @@ class OffloadEngine:
                 t.stash = None
             self._free_slot(g, backward=False)
 
-    def _free_slot(self, g: OffloadGroup, backward: bool) -> None:
-        """The slot's last user so far is queued: the residency lets it go after that."""
+    def _free_slot(self, g: OffloadGroup, backward: bool, replayed: bool = True) -> None:
+        """The slot's last user so far is queued: the residency lets it go after that
+        (``replayed`` False: a backward that held the slot but never ran)."""
         b = self.backend
-        g.residency.free(g, b.record_event(b.new_event()), backward)
+        g.residency.free(g, b.record_event(b.new_event()), backward, replayed)
 
     # -- inspection ----------------------------------------------------------------------
 

@@ -110,6 +110,8 @@ def test_bench_runs_every_configuration_on_small_shapes(backend, tmp_path):
             assert mb["host_pinned_bytes"] >= 0.9 * r["saved_activation_bytes"] / (1 if name == "graph_remap" else 1)
         if name == "graph_resident":
             assert mb["slot_bytes"] > 0  # the two banks stay mapped
+        if name == "graph_remap":
+            assert mb["slot_bytes"] == 0  # nothing in flight after the step: its banks went
         if c["peak_device_bytes"] is not None:
             # The peak is the allocator's peak reserved plus graphslot's peak pages: at
             # least what both hold after the step; the driver's context is reported apart.
@@ -126,19 +128,21 @@ def test_bench_runs_every_configuration_on_small_shapes(backend, tmp_path):
     cf = r["configs"]
     saved = r["saved_activation_bytes"]
     assert cf["eager"]["activation_bytes_at_boundary"] == saved == cf["graph"]["activation_bytes_at_boundary"]
-    assert cf["graph_remap"]["activation_bytes_at_boundary"] == 0
-    # Resident: every layer but the last goes to the host; the last one's backward follows
-    # its forward, so its activations stay in their bank, never copied, and the layer before
-    # it is still in the other bank at its backward, so it is not copied back. Remap moves
-    # them all, both ways.
+    # At the boundary remap holds its banks (a pass is in flight), no more than resident's.
+    assert 0 < cf["graph_remap"]["activation_bytes_at_boundary"] <= \
+        cf["graph_resident"]["activation_bytes_at_boundary"] < saved
+    # Every graph but the last goes to the host; the last one's backward follows its
+    # forward, so its activations stay in their bank, never copied, and with two banks
+    # (resident; remap with slots of one section) the graph before it is still in the other
+    # bank at its backward, so it is not copied back.
     c = cf["graph_resident"]
     assert 0 < c["held_bytes"] < c["offloaded_bytes"], c
     assert c["offloaded_bytes"] + c["held_bytes"] >= 0.9 * saved, c
     assert c["kept_in_place_bytes"] > 0
     assert c["restored_bytes"] + c["kept_in_place_bytes"] == c["offloaded_bytes"], c
     rm = cf["graph_remap"]
-    assert rm["held_bytes"] == rm["kept_in_place_bytes"] == 0
-    assert rm["restored_bytes"] == rm["offloaded_bytes"] >= 0.9 * saved
+    assert rm["held_bytes"] > 0 and rm["offloaded_bytes"] + rm["held_bytes"] >= 0.9 * saved, rm
+    assert rm["restored_bytes"] + rm["kept_in_place_bytes"] == rm["offloaded_bytes"], rm
     # The ideal counts the bytes each way; the offload ideal is every saved activation's trip.
     assert c["ideal_ms"] <= c["offload_ideal_ms"] == rm["offload_ideal_ms"]
     assert cf["graph"]["offload_ideal_ms"] is None

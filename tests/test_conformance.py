@@ -172,6 +172,119 @@ def test_event_ordering_holds_while_one_copy_is_slowed(clean):
     assert torch.equal(dst.cpu(), src.cpu())
 
 
+def _needs_graph_events(b: graphslot.Backend) -> None:
+    if not b.graph_events:
+        pytest.skip(f"the {b.name} backend's graphs cannot record or wait on events")
+
+
+def _captured(b: graphslot.Backend, body) -> graphslot.DeviceGraph:
+    g = b.new_graph()
+    with g.capture(b.side_stream()):
+        body()
+    return g
+
+
+def test_a_graph_waits_inside_for_the_record_queued_before_each_replay(clean):
+    b = clean
+    _needs_graph_events(b)
+    n = 1 << 16
+    ev = b.new_graph_event()
+    src = torch.zeros(n, dtype=torch.uint8, device=b.device)
+    out = torch.zeros_like(src)
+
+    def body():
+        b.graph_wait(ev)
+        out.copy_(src)
+
+    g = _captured(b, body)
+    b.synchronize()
+    copy = b.new_stream()
+    for seed in (1, 2):  # each replay waits for the record queued before it
+        want = random_bytes(n, b.device, seed)
+        spin(b, 0.2, copy)  # the copy that fills src starts late
+        b.copy_async(src, want, copy)
+        b.record_event(ev, copy)
+        g.replay()
+        b.synchronize()
+        assert torch.equal(out.cpu(), want.cpu())
+
+
+def test_a_wait_outside_waits_for_the_record_inside_the_replay(clean):
+    b = clean
+    _needs_graph_events(b)
+    n = 1 << 16
+    ev = b.new_graph_event()
+    flag = torch.zeros(n, dtype=torch.uint8, device=b.device)
+    ones = torch.ones_like(flag)
+    seen = torch.zeros_like(flag)
+
+    def body():
+        spin(b, 0.2)  # (on a device: a kernel of the graph; on cpu: at capture only)
+        flag.copy_(ones)
+        b.graph_record(ev)
+        flag.zero_()  # after the record: the wait outside must not need it
+
+    g = _captured(b, body)
+    b.synchronize()
+    flag.zero_()
+    copy = b.new_stream()
+    g.replay()
+    b.wait_event(copy, ev)
+    b.copy_async(seen, flag, copy)
+    b.synchronize()
+    # The copy ran between the record and the zeroing, or after the zeroing (cpu, where the
+    # replay ran to its end before the wait was queued); never before the record.
+    assert torch.equal(seen.cpu(), ones.cpu()) or (b.name == "cpu" and not seen.any())
+
+
+def test_a_graph_waits_for_the_record_at_its_launch_not_for_a_later_one(clean):
+    """The later record waits for the graph's own record node: waiting for it from inside
+    the graph would never end."""
+    b = clean
+    _needs_graph_events(b)
+    a, r = b.new_graph_event(), b.new_graph_event()
+    x = torch.ones(1 << 10, device=b.device)
+    y = torch.zeros_like(x)
+
+    def body():
+        b.graph_wait(a)
+        y.copy_(x)
+        b.graph_record(r)
+
+    g = _captured(b, body)
+    copy = b.new_stream()
+    b.record_event(a, copy)
+    b.synchronize()
+    spin(b, 0.2)  # the graph starts after the host queued what follows
+    g.replay()
+    b.wait_event(copy, r)
+    b.copy_async(x, torch.full_like(x, 2.0), copy)
+    b.record_event(a, copy)
+    done = b.record_event(b.new_event())
+    deadline = time.monotonic() + 20
+    while not b.query_event(done):
+        assert time.monotonic() < deadline, "the graph waited for a record queued after its launch"
+        time.sleep(0.01)
+    b.synchronize()
+    assert torch.all(y.cpu() == 1.0)
+
+
+def test_graph_events_are_refused_where_they_cannot_be(clean, monkeypatch):
+    b = clean
+    if b.graph_events:
+        with pytest.raises(UsageError, match="no capture is under way"):
+            b.graph_record(b.new_graph_event())
+        with pytest.raises(UsageError, match="no capture is under way"):
+            b.graph_wait(b.new_graph_event())
+        g = b.new_graph()
+        with pytest.raises(UsageError, match="before the capture that uses them"):
+            with g.capture(b.side_stream()):
+                b.new_graph_event()
+    monkeypatch.setattr(b, "graph_events", False)
+    with pytest.raises(UsageError, match="graphs cannot record or wait on events"):
+        b.new_graph_event()
+
+
 def test_timing_events_measure_queued_work(clean):
     b = clean
     s = b.new_stream()

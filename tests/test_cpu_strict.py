@@ -244,3 +244,18 @@ def test_a_good_granularity_variable_is_used(monkeypatch, value, expect):
 def test_a_bad_granularity_argument_is_a_usage_error(value):
     with pytest.raises(UsageError, match="cpu granularity"):
         CpuBackend(granularity=value)
+
+
+# --------------------------------------------------------------------------- graphs
+
+
+def test_an_allocation_under_capture_is_no_work_of_the_graph(b):
+    """As on a device, where the pool hands out the bytes at capture: a replay does not
+    allocate again, nor write an uninitialised result over what lives there now."""
+    g = b.new_graph()
+    with g.capture(b.side_stream()):
+        buf = torch.empty(64)
+        out = buf * 2.0
+    buf.fill_(3.0)
+    g.replay()
+    assert torch.all(buf == 3.0) and torch.all(out == 6.0)

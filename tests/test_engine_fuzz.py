@@ -1,7 +1,8 @@
 """A random engine-call fuzzer: schedules of forwards (training and evaluation),
 restores, look-ahead restores, backwards, abandons, settles and stalled copy streams over
-groups of two slot sizes (some with a small kept part, some not offloaded), in resident
-and remap, with copy failures injected part way through a copy.
+groups of two slot sizes (some with a small kept part, some not offloaded), slots of one
+section or of several, in resident and remap, with copy failures injected part way
+through a copy.
 
 Every training forward writes values of its own; after every ``wait_restored`` the slot
 must hold exactly them, at once and after a synchronisation. Between calls: no host
@@ -43,7 +44,10 @@ class Harness:
         self.mode = mode
         self.faults = faults
         min_bytes = rng.choice([0, 0, 64])
-        self.eng = eng = OffloadEngine(b, mode, min_bytes=min_bytes, debug_checksums=checksums)
+        # Slots of one section, or several (and in remap then one bank for the 6000 B class)
+        section_bytes = rng.choice([1 << 20, 1024])
+        self.eng = eng = OffloadEngine(b, mode, min_bytes=min_bytes, section_bytes=section_bytes,
+                                       debug_checksums=checksums)
         n = rng.randint(1, 4)
         self.groups = []
         self.kept_mem = {}
@@ -300,7 +304,8 @@ def run(seed: int, mode: str, faults: bool) -> None:
     except BaseException:
         print(f"seed {seed} mode {m} checksums {h.eng.debug_checksums} min_bytes {h.eng.min_bytes}")
         for g in h.groups:
-            print("  ", g.name, "bank", getattr(g.bank, "index", None), "slot", g.slot_bytes, "n", len(g.views))
+            print("  ", g.name, "bank", getattr(g.bank, "index", None), "slot", g.slot_bytes, "n", len(g.views),
+                  "sections", len(g.sections))
         print("\n".join(h.log[-40:]))  # pytest shows it with the failure
         raise
     finally:

@@ -179,3 +179,36 @@ def test_tensor_hooks_on_parameters_see_each_gradient(clean):
     with graphed(model, b, "resident"):
         assert_bitwise(run(model, b, 2, 2, False), want)
     assert_bitwise(seen["graphed"], seen["eager"])
+
+
+def _input_gradients(model: TinyGPT, stack: nn.Module, b: graphslot.Backend,
+                     lent: Callable[[torch.Tensor], None] = lambda g: None) -> list[torch.Tensor]:
+    """The stack's input gradients through a leaf input: accumulated over three backwards,
+    then a reference kept while the next backward makes a new one."""
+    x = model.hidden_in(model.batch(0, b.device)[0]).detach().requires_grad_()
+    out = []
+    for k in range(3):
+        stack(x).square().mean().backward()
+        if k == 0:
+            lent(x.grad)
+        out.append(x.grad.detach().clone())
+    kept, x.grad = x.grad, None
+    stack(x).square().mean().backward()
+    return out + [kept.detach().clone(), x.grad.detach().clone()]
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_the_input_gradient_is_the_first_layers_buffer_with_eager_semantics(clean, mode):
+    """No copy of the stack's input gradient: it is the first layer's gradient buffer, lent
+    as parameter gradients are, and accumulation and a kept reference behave as eagerly."""
+    b = clean
+    base = small(b)
+    eager = copy.deepcopy(base)
+    want = _input_gradients(eager, nn.Sequential(*eager.blocks), b)
+    model = copy.deepcopy(base)
+    with graphed(model, b, mode) as stack:
+        lent: list[bool] = []
+        got = _input_gradients(model, stack, b,
+                               lambda g: lent.append(g.data_ptr() == stack._input_grad.ptr))
+        assert lent == [True]
+    assert_bitwise(got, want)

@@ -69,27 +69,35 @@ def slow_copies(monkeypatch: pytest.MonkeyPatch, engine: OffloadEngine, seconds:
 
 @pytest.mark.parametrize("mode", ["resident", "remap"])
 @pytest.mark.parametrize("layers", [1, 2, 3])
-def test_bitwise_equal_with_eager_for_20_steps(engine_clean, mode, layers):
+@pytest.mark.parametrize("section_bytes", [None, 4096])
+def test_bitwise_equal_with_eager_for_20_steps(engine_clean, mode, layers, section_bytes):
     b = engine_clean
     base, _ = small(b, layers)
     want = train(copy.deepcopy(base), b, 20)
     model = copy.deepcopy(base)
-    with graphed(model, b, mode) as stack:
+    kw = {} if section_bytes is None else {"section_bytes": section_bytes}
+    with graphed(model, b, mode, **kw) as stack:
         got = train(model, b, 20)
         assert_bitwise(got, want)
         stats = stack.engine.stats
-        # Resident: the last layer's backward follows its forward, so its activations stay
-        # in their bank, never copied; the layer before it goes to the host, but its bank
-        # (the other one) still holds it at its backward, so it is not copied back; every
-        # other layer's go to the host and back. Remap moves them all (it holds no pages
-        # between the passes).
+        banks = len(stack.engine.residency.classes[0])
+        sections = len(stack.engine.groups[0].sections)
+        # Both modes hold the newest forward in its bank, so the last layer's activations,
+        # whose backward comes next, are never copied. With two banks alternating (resident;
+        # remap with slots of one section) the layer before it goes to the host, but its
+        # bank still holds it at its backward, so it is not copied back. Remap with slots
+        # that stream in sections (where graphs hold events) has one bank, which the last
+        # layer rewrote. Every other layer goes to the host and back.
+        assert sections == (1 if section_bytes is None else -(-stack.engine.groups[0].slot_bytes // 4096))
+        assert banks == (1 if mode == "remap" and sections > 1 and b.graph_events else 2)
         one = max(g.host_bytes for g in stack.engine.groups)
-        held = 1 if mode == "resident" else 0
-        in_place = min(1, layers - 1) if mode == "resident" else 0
-        assert stats["held_bytes"] == 20 * held * one
+        in_place = min(1, layers - 1) if banks == 2 else 0
+        assert stats["held_bytes"] == 20 * one
         assert stats["kept_in_place_bytes"] == 20 * in_place * one
-        assert stats["offloaded_bytes"] == 20 * (layers - held) * one
-        assert stats["restored_bytes"] == 20 * (layers - held - in_place) * one
+        assert stats["offloaded_bytes"] == 20 * (layers - 1) * one
+        assert stats["restored_bytes"] == 20 * (layers - 1 - in_place) * one
+        g = stack.engine.groups[0]
+        assert g.fwd_in_graph == g.bwd_in_graph == b.graph_events
 
 
 def test_gradient_accumulation_and_mode_off(engine_clean):
@@ -258,26 +266,39 @@ def test_kept_groups_refuse_what_they_cannot_do(engine_clean):
 
 
 @pytest.mark.parametrize("mode", ["resident", "remap"])
-def test_fences_hold_when_the_copy_streams_are_slowed(engine_clean, mode, monkeypatch):
+@pytest.mark.parametrize("graph_events", [True, False])
+@pytest.mark.parametrize("section_bytes", [None, 16384])
+def test_fences_hold_when_the_copy_streams_are_slowed(engine_clean, mode, monkeypatch, graph_events,
+                                                      section_bytes):
+    """Copies that start late still land in order: in the graphs' own section events where
+    the backend has them, and in the host's fences where it has not (or is told so)."""
     b = engine_clean
+    if graph_events and not b.graph_events:
+        pytest.skip(f"the {b.name} backend's graphs hold no events")
+    monkeypatch.setattr(b, "graph_events", graph_events)
     base, _ = small(b, 4)
     want = train(copy.deepcopy(base), b, 3)
     model = copy.deepcopy(base)
-    with graphed(model, b, mode) as stack:
+    kw = {} if section_bytes is None else {"section_bytes": section_bytes}
+    with graphed(model, b, mode, **kw) as stack:
+        g = stack.engine.groups[0]
+        assert g.fwd_in_graph == g.bwd_in_graph == graph_events
         slow_copies(monkeypatch, stack.engine, 0.05)
         assert_bitwise(train(model, b, 3), want)
 
 
-def test_without_the_bank_fences_slowed_copies_corrupt_activations(engine_clean, monkeypatch):
-    """The control for the test above: the fences are what keeps it right."""
+@pytest.mark.parametrize("mode", ["resident", "remap"])
+def test_without_the_graphs_section_waits_slowed_copies_corrupt_activations(engine_clean, monkeypatch, mode):
+    """The control for the test above: the waits inside the graphs are what keeps it right."""
     b = engine_clean
+    if not b.graph_events:
+        pytest.skip(f"the {b.name} backend's graphs hold no events")
     base, _ = small(b, 4)
     want = train(copy.deepcopy(base), b, 2)
     model = copy.deepcopy(base)
-    with graphed(model, b, "resident") as stack:
+    monkeypatch.setattr(b, "graph_wait", lambda event: None)  # graphs captured without waits
+    with graphed(model, b, mode, section_bytes=16384) as stack:
         slow_copies(monkeypatch, stack.engine, 0.1)
-        monkeypatch.setattr(stack.engine.residency, "fence_forward", lambda bank: None)
-        monkeypatch.setattr(stack.engine.residency, "fence_restore", lambda bank, stream: None)
         got = train(model, b, 2)
         stack.engine.settle()
         assert not all(torch.equal(x, y) for x, y in zip(got, want))
@@ -299,7 +320,7 @@ def test_resident_mode_makes_no_driver_calls_and_no_host_syncs(engine_clean):
 def test_remap_mode_releases_memory_and_runs_driver_calls_off_the_training_thread(engine_clean, monkeypatch):
     b = engine_clean
     model, _ = small(b, 3)
-    stack = graphed(model, b, "remap")
+    stack = graphed(model, b, "remap", section_bytes=4096)
     threads: list[str] = []
     real = b.driver.map
 
@@ -309,78 +330,81 @@ def test_remap_mode_releases_memory_and_runs_driver_calls_off_the_training_threa
 
     try:
         monkeypatch.setattr(b.driver, "map", spy)
+        assert b.ledger.mapped_bytes == 0, "remap mode holds pages before any pass"
+        banks = stack.engine.residency.banks
+        assert len(banks) == (1 if b.graph_events else 2)
         syncs = b.counters["host_sync"]
         tokens, targets = model.batch(0, b.device)
         loss = model(tokens, targets)
         stack.engine.settle()
-        assert b.ledger.mapped_bytes == 0, "remap mode left activation pages mapped at the boundary"
+        # In flight: the bank, one slot's worth where slots stream in sections.
+        assert b.ledger.mapped_bytes == sum(bank.size for bank in banks)
         loss.backward()
         stack.engine.settle()
-        assert b.ledger.mapped_bytes == 0
+        assert b.ledger.mapped_bytes == 0 and b.ledger.allocated_bytes == 0
         assert threads and set(threads) == {"graphslot-driver"}
         assert b.counters["host_sync"] - syncs == 2  # only the two settle() calls above
     finally:
         stack.close()
 
 
-@pytest.mark.parametrize("unit_layers", [1, 2, 4])
-def test_remap_reuses_its_pages_within_a_step_and_holds_none_between_steps(engine_clean, unit_layers):
+@pytest.mark.parametrize("section_bytes", [None, 4096])
+def test_remap_maps_each_bank_once_a_step_and_holds_none_while_idle(engine_clean, section_bytes):
     b = engine_clean
-    layers = 4
-    model, _ = small(b, layers)
-    probe = graphed(model, b, "remap", remap_unit_bytes=0)
-    slot = max(g.nbytes for g in probe.engine.groups)
-    probe.close()
-    # unit_layers slots fit a unit (each slot is placed at the saved-tensor alignment)
-    unit = 0 if unit_layers == 1 else unit_layers * (slot + 256)
-    stack = graphed(model, b, "remap", remap_unit_bytes=unit)
+    model, _ = small(b, 4)
+    kw = {} if section_bytes is None else {"section_bytes": section_bytes}
+    stack = graphed(model, b, "remap", **kw)
     try:
-        units = stack.engine.residency.units
-        assert len(units) == layers // unit_layers and all(len(u.members) == unit_layers for u in units)
+        banks = stack.engine.residency.banks
+        ops = ("create", "map", "set_access", "unmap", "release")
+
         def step() -> None:
             model(*model.batch(0, b.device)).backward()
-            stack.engine.settle()
 
         step()
+        stack.engine.settle()
         before = dict(b.counters)
         steps = 3
         for _ in range(steps):
             step()
-            # between steps: no pages mapped and none kept aside
+            stack.engine.settle()  # the device runs dry: the banks go
             assert b.ledger.mapped_bytes == 0 and b.ledger.allocated_bytes == 0
-        calls = {op: b.counters[op] - before.get(op, 0) for op in ("create", "map", "set_access", "unmap", "release")}
-        per_unit = {op: n / (steps * len(units)) for op, n in calls.items()}
-        # A map, an access grant and an unmap per unit and pass...
-        assert per_unit["map"] == per_unit["set_access"] == per_unit["unmap"] == 2, per_unit
-        # ...and backing made only for what is in flight at once (about three units), not
-        # created and released for every unit and pass.
-        assert calls["create"] == calls["release"] <= 3 * steps, calls
-        # Evaluation forwards hand their pages from unit to unit too: backing is made for
-        # the first unit and the look-ahead one, not for every unit.
+        calls = {op: b.counters[op] - before.get(op, 0) for op in ops}
+        assert calls == {op: steps * len(banks) for op in ops}, calls
+        # Evaluation forwards announce the next layer: the banks stay for the whole pass.
         before = dict(b.counters)
         with torch.no_grad():
-            for _ in range(steps):
-                model(*model.batch(0, b.device))
-                stack.engine.settle()
-                assert b.ledger.mapped_bytes == 0 and b.ledger.allocated_bytes == 0
-        created = b.counters["create"] - before.get("create", 0)
-        assert created <= 2 * steps, created
-        assert b.counters["map"] - before.get("map", 0) == steps * len(units)
+            model(*model.batch(0, b.device))
+        stack.engine.settle()
+        assert b.ledger.mapped_bytes == 0
+        assert b.counters["map"] - before.get("map", 0) == len(banks)
+        # Steps queued back to back: a pass that comes before the release started takes
+        # the banks back as they are (the worker is held up here, as by a busy device).
+        gate = threading.Event()
+        loss = model(*model.batch(0, b.device))  # maps the banks
+        before = dict(b.counters)
+        stack.engine.worker.submit(gate.wait)
+        loss.backward()  # its release is queued behind the gate...
+        step()  # ...and called off by this step's first forward
+        gate.set()
+        stack.engine.worker.drain()
+        assert all(b.counters[op] == before.get(op, 0) for op in ops[:3]), "the banks were mapped again"
+        assert b.counters["unmap"] - before.get("unmap", 0) == len(banks)  # the second step's release
+        stack.engine.settle()
+        assert b.ledger.mapped_bytes == 0 and b.ledger.allocated_bytes == 0
     finally:
         stack.close()
 
 
-def test_remap_units_hold_at_most_three_units_and_train_like_a_mapping_per_layer(engine_clean):
+def test_remap_holds_one_bank_where_slots_stream_and_trains_like_resident(engine_clean):
     b = engine_clean
     layers = 6
     grads = {}
-    for unit in (0, None):
+    for mode in ("resident", "remap"):
         model, _ = small(b, layers)
-        kw = {} if unit is None else {"remap_unit_bytes": unit}
-        with graphed(model, b, "remap", **kw) as stack:
+        with graphed(model, b, mode, section_bytes=4096) as stack:
             eng = stack.engine
-            if unit is None:  # the default packs these small layers: fewer mappings
-                assert len(eng.residency.units) < layers
+            banks = eng.residency.banks
             peak = 0
             for step in range(3):
                 b.ledger.reset_peak()
@@ -388,16 +412,18 @@ def test_remap_units_hold_at_most_three_units_and_train_like_a_mapping_per_layer
                 loss.backward()
                 eng.settle()
                 peak = max(peak, b.ledger.peak_mapped_bytes)
+            assert peak == sum(bank.size for bank in banks)
+            if mode == "remap":
                 assert b.ledger.mapped_bytes == 0
-            biggest = max(u.size for u in eng.residency.units)
-            assert peak <= 3 * biggest, (peak, biggest)  # a unit, the look-ahead one, one draining
-            grads[unit] = [p.grad.clone() for p in model.parameters() if p.grad is not None]
-    assert all(torch.equal(x, y) for x, y in zip(grads[0], grads[None]))
+                assert len(banks) == (1 if b.graph_events else 2)
+            grads[mode] = [p.grad.clone() for p in model.parameters() if p.grad is not None]
+    assert all(torch.equal(x, y) for x, y in zip(grads["resident"], grads["remap"]))
 
 
-def test_remap_unit_bytes_is_checked(engine_clean):
-    with pytest.raises(UsageError, match="remap_unit_bytes must be an integer >= 0, got -1"):
-        OffloadEngine(engine_clean, "remap", remap_unit_bytes=-1)
+def test_section_bytes_is_checked(engine_clean):
+    for bad in (0, -1, 1.5, True):
+        with pytest.raises(UsageError, match="section_bytes must be a positive integer"):
+            OffloadEngine(engine_clean, "remap", section_bytes=bad)
 
 
 def test_restore_ahead_starts_only_a_restore_the_slot_can_take(engine_clean):
@@ -430,7 +456,10 @@ def test_resident_banks_hold_two_layers_at_the_boundary(engine_clean):
         assert b.ledger.mapped_bytes == 2 * groups[0].slot_bytes
 
 
-def test_lookahead_restores_the_next_layer_before_this_backward_graph(engine_clean, monkeypatch):
+def test_lookahead_restores_the_next_layer_right_after_this_backward_graph(engine_clean, monkeypatch):
+    """The next layer's restore is queued right after this layer's backward graph is
+    launched (its section copies wait for what that graph records as it goes), so it runs
+    under this graph rather than after it."""
     b = engine_clean
     model, _ = small(b, 3)
     with graphed(model, b, "resident") as stack:
@@ -443,8 +472,11 @@ def test_lookahead_restores_the_next_layer_before_this_backward_graph(engine_cle
             monkeypatch.setattr(r.bwd, "replay", (lambda real, n: lambda: (log.append(f"bwd layer{n}"), real())[1])(real, r.index))
         loss = model(*model.batch(0, b.device))
         loss.backward()
-        assert log.index("restore layer1") < log.index("bwd layer2")
-        assert log.index("restore layer0") < log.index("bwd layer1")
+        assert log == ["restore layer2", "bwd layer2", "restore layer1", "bwd layer1",
+                       "restore layer0", "bwd layer0"]
+        # layer2 was held in its bank and layer1 still in place in the other: only layer0's
+        # copy comes back, queued before layer1's backward graph had even left the host.
+        assert eng.stats["restored_bytes"] == eng.groups[0].host_bytes
 
 
 # --------------------------------------------------------------------------- pointer semantics
@@ -644,7 +676,7 @@ def test_empty_groups_cost_nothing(engine_clean):
 
 
 def _captured_groups(b: graphslot.Backend, n: int, mode: str = "remap"):
-    """An engine with ``n`` one-tensor groups (one remap unit), captured and ready."""
+    """An engine with ``n`` one-tensor groups (alternating banks), captured and ready."""
     eng = OffloadEngine(b, mode)
     groups = []
     for i in range(n):
@@ -666,28 +698,9 @@ def _forward(eng: OffloadEngine, g, mb: int, value: float):
     return t
 
 
-def test_remap_queues_every_copy_out_at_once(engine_clean):
-    """Remap holds no pages between the passes, so it never keeps a forward in its slot."""
+@pytest.mark.parametrize("mode", ["resident", "remap"])
+def test_the_newest_forward_stays_in_its_bank_until_something_else_comes(engine_clean, mode):
     b = engine_clean
-    eng, (g0, g1) = _captured_groups(b, 2, "remap")
-    try:
-        t0 = _forward(eng, g0, 1, 1.0)
-        t1 = _forward(eng, g1, 1, 2.0)
-        assert t0.state is t1.state is State.RELEASED
-        assert eng.stats["offloaded_bytes"] == g0.host_bytes + g1.host_bytes
-        eng.settle()
-        assert b.ledger.mapped_bytes == 0
-        for t in (t1, t0):
-            eng.wait_restored(t)
-            eng.consumed(t)
-        assert eng.stats["held_bytes"] == 0
-    finally:
-        eng.close()
-
-
-def test_resident_holds_the_newest_forward_in_its_bank_until_something_else_comes(engine_clean):
-    b = engine_clean
-    mode = "resident"
     eng, (g0, g1) = _captured_groups(b, 2, mode)
     try:
         t0 = _forward(eng, g0, 1, 1.0)
@@ -722,6 +735,8 @@ def test_resident_holds_the_newest_forward_in_its_bank_until_something_else_come
         eng.abandon(t3)
         eng.settle()
         assert not eng.in_flight()
+        if mode == "remap":  # nothing in flight: the banks went
+            assert b.ledger.mapped_bytes == 0 and b.ledger.allocated_bytes == 0
     finally:
         eng.close()
 
@@ -793,7 +808,7 @@ def test_a_forward_whose_copy_out_fails_gives_its_slot_back_when_abandoned(engin
         g = groups[0]
         monkeypatch.setattr(g, "_take_stash", lambda: (_ for _ in ()).throw(MemoryError("no pinned memory")))
         t = eng.before_forward(g, 1)
-        with pytest.raises(MemoryError):  # remap queues the copy out at once, resident at the next call
+        with pytest.raises(MemoryError):  # the copy out is queued at the next call
             eng.after_forward(t)
             eng.settle()
         assert t.state is State.HELD  # nothing moved: it never left the device
@@ -801,9 +816,8 @@ def test_a_forward_whose_copy_out_fails_gives_its_slot_back_when_abandoned(engin
         eng.abandon(t)
         eng.settle()
         assert not eng.in_flight()
-        if mode == "remap":
-            assert b.ledger.mapped_bytes == 0
-            assert all(u.users == 0 and u.mapped is None for u in eng.residency.units)
+        if mode == "remap":  # nothing in flight: its banks went
+            assert b.ledger.mapped_bytes == 0 and b.ledger.allocated_bytes == 0
         # a failure after the host buffer was taken: the buffer goes back to the pool
         real_copy = b.copy_async
         monkeypatch.setattr(b, "copy_async", lambda *a: (_ for _ in ()).throw(RuntimeError("no copy")))
@@ -823,12 +837,13 @@ def test_a_forward_whose_copy_out_fails_gives_its_slot_back_when_abandoned(engin
         eng.close()
 
 
-def test_a_restore_whose_copy_fails_leaves_its_unit_usable(engine_clean, monkeypatch):
+def test_a_restore_whose_copy_fails_leaves_its_bank_usable(engine_clean, monkeypatch):
     b = engine_clean
     eng, (g,) = _captured_groups(b, 1)
     try:
         t = _forward(eng, g, 1, 3.0)
-        eng.settle()
+        eng.settle()  # on the host
+        eng.forget(eng.before_forward(g, 99))  # an evaluation forward rewrites the bank
         real = b.copy_async
 
         def failing(dst, src, stream=None):
@@ -840,7 +855,7 @@ def test_a_restore_whose_copy_fails_leaves_its_unit_usable(engine_clean, monkeyp
         with pytest.raises(RuntimeError, match="copy refused"):
             eng.wait_restored(t)
         monkeypatch.undo()
-        eng.wait_restored(t)  # the retry maps (or finds mapped) and copies in
+        eng.wait_restored(t)  # the retry copies in
         b.synchronize()
         assert torch.all(g.views[0] == 3.0)
         eng.consumed(t)
@@ -948,7 +963,7 @@ def test_checksums_skip_a_held_forward_whose_copy_out_failed(engine_clean, monke
 
 @pytest.mark.parametrize("way", ["out", "in"])
 def test_remap_unmaps_a_slot_only_after_a_copy_that_failed_part_way(engine_clean, monkeypatch, way):
-    """What a failed copy queued still touches the slot: its unit is unmapped after it."""
+    """What a failed copy queued still touches the bank: it is unmapped after it."""
     b = engine_clean
     eng, (g,) = _two_part_groups(b, "remap", [0])
     try:
@@ -956,14 +971,15 @@ def test_remap_unmaps_a_slot_only_after_a_copy_that_failed_part_way(engine_clean
         for v in g.views:
             v.fill_(1.0)
         stream = eng.d2h_stream if way == "out" else eng.h2d_stream
+        eng.after_forward(t)  # held in its bank
         if way == "in":
-            eng.after_forward(t)
-            eng.settle()  # on the host; the unit unmapped
+            eng.settle()  # on the host
+            eng.forget(eng.before_forward(g, 99))  # an evaluation forward rewrites the bank
         spin(b, 0.3, stream)
         _second_copy_fails(monkeypatch, b, stream)
         with pytest.raises(RuntimeError, match="copy refused"):
             if way == "out":
-                eng.after_forward(t)  # remap queues the copy out at once
+                eng.settle()  # queues the held ticket's copy out
             else:
                 eng.wait_restored(t)
         monkeypatch.undo()
@@ -979,7 +995,8 @@ def test_abandoning_a_restore_under_way_lets_the_slot_go_only_after_its_copy(eng
     eng, (g,) = _captured_groups(b, 1)
     try:
         t = _forward(eng, g, 1, 3.0)
-        eng.settle()
+        eng.settle()  # on the host
+        eng.forget(eng.before_forward(g, 99))  # an evaluation forward rewrites the bank
         done_at_unmap: list[bool] = []
         real = b.unmap
 
@@ -1019,13 +1036,17 @@ def test_a_restore_the_slot_cannot_take_leaves_the_ticket_as_it_was(engine_clean
 def test_an_unmap_that_fails_on_the_worker_surfaces_at_settle_and_close_still_releases(engine_clean):
     b = engine_clean
     eng, (g,) = _captured_groups(b, 1)
-    b.faults.fail("unmap")
-    t = _forward(eng, g, 1, 3.0)  # its copy out is queued; then the unit's unmap, which fails
-    with pytest.raises(InjectedFault):
-        eng.settle()
-    eng.settle()  # reported once
-    eng.abandon(t)
-    eng.close()  # releases what is still mapped: engine_clean finds nothing left
+    try:
+        b.faults.fail("unmap")
+        t = _forward(eng, g, 1, 3.0)
+        eng.wait_restored(t)
+        eng.consumed(t)  # nothing in flight: the bank's release is queued, and its unmap fails
+        with pytest.raises(InjectedFault):
+            eng.settle()
+        eng.settle()  # reported once
+        assert b.ledger.mapped_bytes > 0  # still mapped, and known to be
+    finally:
+        eng.close()  # releases what is still mapped: engine_clean finds nothing left
 
 
 def test_abandoning_the_last_pass_drops_the_map_it_queued_for_its_next_layer(engine_clean):
@@ -1041,7 +1062,10 @@ def test_abandoning_the_last_pass_drops_the_map_it_queued_for_its_next_layer(eng
         eng.close()
 
 
-def test_failed_remap_during_restore_keeps_the_host_copy_and_a_retry_succeeds(engine_clean):
+def test_a_failed_map_refuses_the_forward_and_a_retry_succeeds(engine_clean):
+    """Remap maps its bank when a pass first needs it (never while a ticket is in flight,
+    when the bank stays): a map that fails refuses that forward, with nothing left mapped
+    or in flight, and the next try maps again."""
     b = engine_clean
     eng, g = _allocated_group(b, n=2)
     try:
@@ -1049,21 +1073,23 @@ def test_failed_remap_during_restore_keeps_the_host_copy_and_a_retry_succeeds(en
         for v in (1.0, 2.0):
             g.save_tensor(torch.full((64,), v, device=b.device))
         g.finish_capture()
-        t = eng.before_forward(g, 1)
+        assert b.ledger.mapped_bytes == 0
+        b.faults.fail("map")
+        with pytest.raises(InjectedFault):
+            eng.before_forward(g, 1)
+        assert not eng.in_flight() and b.ledger.mapped_bytes == 0 and b.ledger.allocated_bytes == 0
+        t = eng.before_forward(g, 1)  # the retry maps
         for i, v in enumerate((3.0, 4.0)):
             g.views[i].fill_(v)  # what the forward replay writes
         eng.after_forward(t)
         eng.settle()
-        assert b.ledger.mapped_bytes == 0 and t.state is State.RELEASED
-        b.faults.fail("map")
-        with pytest.raises(InjectedFault):
-            eng.wait_restored(t)
-        assert t.state is State.RELEASED and b.ledger.mapped_bytes == 0
-        assert torch.all(t.stash.host.view(torch.float32)[:64] == 3.0)  # nothing lost
-        eng.wait_restored(t)  # the retry maps again and copies in
+        eng.forget(eng.before_forward(g, 99))  # an evaluation forward rewrites the bank
+        eng.wait_restored(t)
         b.synchronize()
         assert torch.all(g.views[0] == 3.0) and torch.all(g.views[1] == 4.0)
         eng.consumed(t)
+        eng.settle()
+        assert b.ledger.mapped_bytes == 0
     finally:
         eng.close()
 
@@ -1090,8 +1116,10 @@ def test_offloading_a_subset_of_layers_reloads_ahead_across_the_others(engine_cl
         assert [g.bank.index for g in offloaded] == [1, 0]  # bank 0 goes to the first reloaded
         assert_bitwise(train(model, b, 3), want)
         first = log[: log.index("bwd layer0") + 1]
-        assert first.index("restore layer2") < first.index("bwd layer3")  # reached across layer 3
-        assert first.index("restore layer0") < first.index("bwd layer1")
+        # Each restore is queued right after the backward graph of the layer above it that
+        # offloads or, across a layer that keeps its activations, before that layer's graph.
+        assert first == ["bwd layer3", "restore layer2", "bwd layer2", "restore layer0", "bwd layer1",
+                         "bwd layer0"]
         # Layers 1 and 3 keep theirs in the graph's memory, and still take a second one.
         assert sorted(g.name for g in eng.kept.groups) == ["layer1", "layer3"]
         model(*model.batch(0, b.device))
@@ -1325,3 +1353,40 @@ def test_a_layer_that_saves_more_under_capture_than_eagerly(engine_clean, mode):
             # x and the extra (w is a parameter): the extra was seen only because discovery
             # ran under capture
             assert all(len(g.specs) == 2 for g in stack.engine.groups)
+
+
+# --------------------------------------------------------------------------- sections
+
+
+def test_sections_cut_a_bank_evenly_and_aligned():
+    from graphslot.offload import sections_of
+
+    assert sections_of(4096, 32 << 20) == [(0, 4096)]
+    secs = sections_of(514 << 20, 32 << 20)
+    assert len(secs) == 17 and secs[0][0] == 0 and secs[-1][1] == 514 << 20
+    assert all(a % 256 == 0 for a, _ in secs)
+    assert all(e - a <= 32 << 20 for a, e in secs)
+    assert all(secs[i][1] == secs[i + 1][0] for i in range(len(secs) - 1))
+    assert sections_of(1000, 300) == [(0, 256), (256, 512), (512, 768), (768, 1000)]
+
+
+def test_the_backward_graph_learns_which_sections_it_reads_first_and_lets_go_of(engine_clean):
+    b = engine_clean
+    model, _ = small(b, 2)
+    with graphed(model, b, "remap", section_bytes=1024) as stack:
+        for g in stack.engine.groups:
+            n = len(g.sections)
+            assert n > 4 and sorted(g.restore_order) == list(range(n))
+            assert g.sections[0][0] == 0 and g.sections[-1][1] == g.nbytes
+            if not b.graph_events:
+                continue
+            # The backward reads the newest saves first, so the restore copies the slot's
+            # last sections first and its first sections (the layer's input) last.
+            assert g.restore_order[0] > g.restore_order[-1]
+            # Sections are let go of as the backward moves on, not only at its end...
+            early = [k for k in range(n) if g.done_events[k] is not None]
+            assert early, "no section is free before the backward graph's end"
+            # ...each with the event recorded when the node after its last reader began.
+            assert len({id(g.done_events[k]) for k in early}) > 1
+            # The first saves are read by the backward's last nodes.
+            assert g.done_events[g.restore_order[-1]] is None

@@ -22,7 +22,7 @@ import graphslot
 from graphslot.adapters.torch import GraphedLayers
 from graphslot.cli.toy import GPTConfig, TinyGPT
 
-# CI runs 125 sequences per mode (250 in all) and 20 across remap units;
+# CI runs 125 sequences per mode (250 in all) and 20 per mode with streamed sections;
 # GRAPHSLOT_STATEFUL_EXAMPLES=N runs another number.
 _EXAMPLES = int(os.environ.get("GRAPHSLOT_STATEFUL_EXAMPLES", "125"))
 
@@ -131,30 +131,31 @@ class _Resident(_StackMachine):
 
 
 class _Remap(_StackMachine):
-    mode = "remap"  # the default unit packs both small layers into one mapping
+    mode = "remap"  # slots of one section: two banks, mapped while a pass is in flight
 
 
-class _RemapUnits(_StackMachine):
-    """Remap with two layers per unit over four layers: passes cross unit boundaries."""
+class _Streamed(_StackMachine):
+    """Four layers whose slots move in sections of 1 KiB: the graphs wait for and record
+    each section themselves (where the backend's graphs hold events), and remap shares one
+    bank between all layers, section by section."""
 
-    mode = "remap"
     layers = 4
-    _unit_bytes = 0  # two slots' worth, found once from a stack with a mapping per layer
 
     def _stack_kwargs(self) -> dict[str, int]:
-        cls = type(self)
-        if not cls._unit_bytes:
-            probe = GraphedLayers(list(self.graphed.blocks), self.sample, mode="remap",
-                                  backend=self.b, remap_unit_bytes=0, layers_per_graph=1)
-            cls._unit_bytes = 2 * (max(g.nbytes for g in probe.engine.groups) + 256)
-            probe.close()
-        return {"remap_unit_bytes": cls._unit_bytes, "layers_per_graph": 1}
+        return {"layers_per_graph": 1, "section_bytes": 1024}
 
     def _build(self) -> GraphedLayers:
         stack = super()._build()
-        units = stack.engine.residency.units  # type: ignore[union-attr]
-        assert [len(u.members) for u in units] == [2, 2]
+        assert all(len(g.sections) > 1 for g in stack.engine.groups)
         return stack
+
+
+class _StreamedResident(_Streamed):
+    mode = "resident"
+
+
+class _StreamedRemap(_Streamed):
+    mode = "remap"
 
 
 class _Joined(_StackMachine):
@@ -190,10 +191,11 @@ def test_random_training_sequences_match_eager(clean, machine):
     machine.TestCase().runTest()
 
 
-def test_random_training_sequences_match_eager_across_remap_units(clean):
+@pytest.mark.parametrize("machine", [_StreamedResident, _StreamedRemap], ids=["resident", "remap"])
+def test_random_training_sequences_match_eager_with_streamed_sections(clean, machine):
     # Fewer sequences than the two above (each stack is twice as deep); CI's time goes there.
-    _RemapUnits.TestCase.settings = settings(_settings, max_examples=max(1, _EXAMPLES // 6))
-    _RemapUnits.TestCase().runTest()
+    machine.TestCase.settings = settings(_settings, max_examples=max(1, _EXAMPLES // 6))
+    machine.TestCase().runTest()
 
 
 @pytest.mark.parametrize("machine", [_JoinedResident, _JoinedRemap], ids=["resident", "remap"])

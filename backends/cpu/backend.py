@@ -73,8 +73,9 @@ class CpuBackend(Backend, RegionGraphBackend):
     def _is_capturing(self) -> bool:
         return bool(getattr(self._capture, "active", False))
 
-    def _set_capturing(self, on: bool) -> None:
+    def _set_capturing(self, on: bool, graph: Any = None) -> None:
         self._capture.active = on
+        self._capture.graph = graph
 
     # -- streams and events -----------------------------------------------------
 
@@ -91,6 +92,24 @@ class CpuBackend(Backend, RegionGraphBackend):
 
     def _new_event(self, timing: bool) -> _s.CpuEvent:
         return _s.CpuEvent(timing)
+
+    # A graph under capture keeps a record or a wait as a host step of its own, run at
+    # its place at every replay on the replaying thread's stream (a replay runs in program
+    # order, so a record there marks everything before it as done, and a wait blocks the
+    # replay until the copy thread gets there): the device graph's record and wait nodes.
+    graph_events = True
+
+    def _new_graph_event(self) -> _s.CpuEvent:
+        return _s.CpuEvent()
+
+    def _capturing_graph(self) -> Any:
+        return self._capture.graph
+
+    def _graph_record(self, event: Any) -> None:
+        self._capturing_graph().host_step(lambda: event.record(_s.current()))
+
+    def _graph_wait(self, event: Any) -> None:
+        self._capturing_graph().host_step(lambda: event.wait(_s.current()))
 
     def _synchronize(self) -> None:
         for s in list(self._streams):

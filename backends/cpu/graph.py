@@ -45,6 +45,11 @@ if TYPE_CHECKING:
 # Operations a graph cannot hold: they sync with the host or have data-dependent shapes.
 _REFUSED = {"aten::_local_scalar_dense", "aten::item", "aten::nonzero", "aten::masked_select",
             "aten::unique", "aten::_unique2", "aten::equal"}
+# Operations that only allocate: on a device they are no work of the graph (the pool hands
+# out the bytes at capture), so a replay must not run them again (nor write their
+# uninitialised result over what lives at that address now).
+_ALLOCATE_ONLY = {"aten::empty", "aten::empty_like", "aten::empty_strided", "aten::new_empty",
+                  "aten::new_empty_strided"}
 
 
 @dataclass(frozen=True)
@@ -98,6 +103,23 @@ class _Op:
             want.copy_(got)
 
 
+class _HostStep:
+    """Host work a graph runs at its place in every replay (a record or a wait)."""
+
+    __slots__ = ("fn",)
+    in_refs: list[Any] = []
+    out_refs: list[Any] = []
+
+    def __init__(self, fn: Any) -> None:
+        self.fn = fn
+
+    def bind(self) -> None:
+        pass
+
+    def run(self) -> None:
+        self.fn()
+
+
 class _Recorder(TorchDispatchMode):
     def __init__(self, graph: CpuGraph) -> None:
         super().__init__()
@@ -113,8 +135,8 @@ class _Recorder(TorchDispatchMode):
         region = self.graph._region
         if region is not None:
             out = region.relocate(out, (args, kwargs))
-        op = _Op(func, args, kwargs, out)
-        self.graph._ops.append(op)
+        if name not in _ALLOCATE_ONLY:
+            self.graph._ops.append(_Op(func, args, kwargs, out))
         for x in pytree.tree_leaves(out):
             if isinstance(x, torch.Tensor) and not (region is not None and region.holds(x)):
                 self.graph._pool.append(x)  # keep capture-time memory: the graph's private pool
@@ -197,7 +219,7 @@ class CpuGraph(DeviceGraph):
     def __init__(self, backend: CpuBackend, region: RegionPool | None = None) -> None:
         self._backend = backend
         self._region = region
-        self._ops: list[_Op] = []
+        self._ops: list[_Op | _HostStep] = []
         self._pool: list[torch.Tensor] = []
         self._checks: list[tuple[Any, int, int]] = []  # (reservation, offset, size) to verify
         self._state = "empty"
@@ -209,7 +231,7 @@ class CpuGraph(DeviceGraph):
         if self._backend.is_capturing():
             raise StateError("a graph is already being captured on this thread")
         self._state = "capturing"
-        self._backend._set_capturing(True)
+        self._backend._set_capturing(True, self)
         try:
             with _Recorder(self):
                 yield
@@ -219,6 +241,12 @@ class CpuGraph(DeviceGraph):
         finally:
             self._backend._set_capturing(False)
         self._finish()
+
+    def host_step(self, fn: Any) -> None:
+        """Under capture: run ``fn`` now and at this place in every replay (capture runs
+        every op as it records it)."""
+        fn()
+        self._ops.append(_HostStep(fn))
 
     def _finish(self) -> None:
         ledger = self._backend.ledger

@@ -26,6 +26,15 @@ class _CudaArray:
         }
 
 
+def _external_events() -> bool:
+    """Whether this torch has external events (``torch.cuda.Event(external=True)``)."""
+    try:
+        torch.cuda.Event(external=True)
+    except TypeError:
+        return False
+    return True
+
+
 class CudaBackend(Backend, RegionGraphBackend):
     """graphslot on an NVIDIA GPU."""
 
@@ -46,6 +55,7 @@ class CudaBackend(Backend, RegionGraphBackend):
             torch.empty(1, device=self._torch_device)
         self.driver = CudaDriver(self._index)
         self._streams: dict[int, torch.cuda.Stream] = {}
+        self.graph_events = _external_events()
 
     def empty_cache(self) -> None:
         torch.cuda.empty_cache()
@@ -118,6 +128,23 @@ class CudaBackend(Backend, RegionGraphBackend):
 
     def _new_event(self, timing: bool) -> torch.cuda.Event:
         return torch.cuda.Event(enable_timing=timing)
+
+    # Graph events are torch's external events: recorded and waited on under capture they
+    # become the graph's own record and wait nodes (benchmarks/graph_events.py checked the
+    # semantics on an H200). torch makes the device event at its first record, and a wait
+    # on an event never recorded is no wait at all (no node under capture), so each is
+    # recorded once at birth. (Whether this torch has them is known in __init__.)
+
+    def _new_graph_event(self) -> torch.cuda.Event:
+        ev = torch.cuda.Event(external=True)
+        ev.record(self.current_stream())
+        return ev
+
+    def _graph_record(self, event: Any) -> None:
+        event.record(self.current_stream())
+
+    def _graph_wait(self, event: Any) -> None:
+        self.current_stream().wait_event(event)
 
     def _synchronize(self) -> None:
         torch.cuda.synchronize(self._torch_device)
