@@ -88,7 +88,7 @@ def test_bitwise_equal_with_eager_for_20_steps(engine_clean, mode, layers, secti
         # bank still holds it at its backward, so it is not copied back. Remap with slots
         # that stream in sections (where graphs hold events) has one bank, which the last
         # layer rewrote. Every other layer goes to the host and back.
-        assert sections == (1 if section_bytes is None else -(-stack.engine.groups[0].slot_bytes // 4096))
+        assert sections == (1 if section_bytes is None else -(-stack.engine.groups[0].nbytes // 4096))
         assert banks == (1 if mode == "remap" and sections > 1 and b.graph_events else 2)
         one = max(g.host_bytes for g in stack.engine.groups)
         in_place = min(1, layers - 1) if banks == 2 else 0
