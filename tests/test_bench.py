@@ -130,7 +130,7 @@ def test_bench_runs_every_configuration_on_small_shapes(backend, tmp_path):
     assert cf["eager"]["activation_bytes_at_boundary"] == saved == cf["graph"]["activation_bytes_at_boundary"]
     # At the boundary remap holds its banks (a pass is in flight), no more than resident's.
     assert 0 < cf["graph_remap"]["activation_bytes_at_boundary"] <= \
-        cf["graph_resident"]["activation_bytes_at_boundary"] < saved
+        cf["graph_resident"]["activation_bytes_at_boundary"]
     # Every graph but the last goes to the host; the last one's backward follows its
     # forward, so its activations stay in their bank, never copied, and with two banks
     # (resident; remap with slots of one section) the graph before it is still in the other

@@ -222,19 +222,20 @@ def test_a_wait_outside_waits_for_the_record_inside_the_replay(clean):
         spin(b, 0.2)  # (on a device: a kernel of the graph; on cpu: at capture only)
         flag.copy_(ones)
         b.graph_record(ev)
-        flag.zero_()  # after the record: the wait outside must not need it
+        spin(b, 0.2)
+        flag.zero_()  # well after the record: the wait outside must not need it
 
     g = _captured(b, body)
     b.synchronize()
-    flag.zero_()
+    flag.fill_(7)
     copy = b.new_stream()
     g.replay()
     b.wait_event(copy, ev)
     b.copy_async(seen, flag, copy)
     b.synchronize()
-    # The copy ran between the record and the zeroing, or after the zeroing (cpu, where the
-    # replay ran to its end before the wait was queued); never before the record.
-    assert torch.equal(seen.cpu(), ones.cpu()) or (b.name == "cpu" and not seen.any())
+    # Never before the record (7). On a device, between the record and the zeroing; on cpu
+    # the replay ran to its end on the host before the wait was queued.
+    assert torch.equal(seen.cpu(), (ones if b.name != "cpu" else torch.zeros_like(ones)).cpu())
 
 
 def test_a_graph_waits_for_the_record_at_its_launch_not_for_a_later_one(clean):
