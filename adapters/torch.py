@@ -140,6 +140,10 @@ def _parameters_as(module: nn.Module, alias_of: dict[int, torch.Tensor]) -> Iter
             params[name] = p
 
 
+def _shares_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+
+
 def _storage_id(t: torch.Tensor) -> int:
     return int(t.untyped_storage()._cdata)
 
@@ -657,14 +661,15 @@ class GraphedLayers(nn.Module):
             out = r.build_forward(x)
             # The next layer is captured reading this layer's output buffer itself.
             x = out.detach().requires_grad_(x.requires_grad or bool(r.params))
-            if i == 0 and pooled:
+            if i == 0 and pooled and not _shares_storage(r.static_out, r.static_in):
                 view = self.backend.return_to_pool(r.static_in)
                 if view is not None:
                     r.static_in = view
             if i >= 1:
                 self._free_boundary(runners[i - 1], r)
         last = runners[-1]
-        if last.group.offload_enabled:
+        # (an output that views the layer's input stays: the input is another's buffer)
+        if last.group.offload_enabled and not _shares_storage(last.static_out, last.static_in):
             # The stack's output buffer is copied for the caller right after its replay;
             # nothing else reads it (a saved output is in the slot): the backward graphs,
             # captured next, may use its bytes.
@@ -722,6 +727,8 @@ class GraphedLayers(nn.Module):
         is copied into ``b``'s slot): give its bytes back to the pool, so later captures
         reuse them instead of each boundary holding an activation's worth for good."""
         if not (a.group.offload_enabled and b.group.offload_enabled) or a is self._runners[-1]:
+            return
+        if _shares_storage(b.static_out, b.static_in):  # b hands on a view of its input
             return
         view = self.backend.return_to_pool(a.static_out)
         if view is not None:

@@ -88,8 +88,9 @@ SECTION_BYTES = 32 << 20
 
 
 def sections_of(size: int, section_bytes: int = SECTION_BYTES) -> list[tuple[int, int]]:
-    """``[start, end)`` byte ranges cutting ``size`` bytes into equal sections of at most
-    ``section_bytes`` (each start 256-byte aligned; the last may be shorter)."""
+    """``[start, end)`` byte ranges cutting ``size`` bytes into about equal sections of
+    about ``section_bytes`` (as many as ``section_bytes`` asks for, each start 256-byte
+    aligned, so a section may be up to 255 bytes longer; the last may be shorter)."""
     n = max(1, -(-size // max(section_bytes, _ALIGN)))
     step = align_up(-(-size // n), _ALIGN)
     return [(a, min(a + step, size)) for a in range(0, size, step)]
@@ -140,7 +141,6 @@ TRANSITIONS: dict[tuple[State, str], State] = {
     (S.RESIDENT_PENDING, "restore"): S.RESTORING,
     (S.RESTORING, "restore"): S.RESTORING,  # a look-ahead already started it
     (S.RESTORING, "wait_restored"): S.RESTORED,
-    (S.RESTORING, "restore_failed"): S.RELEASED,  # remap: the mapping failed; the host copy stays
     (S.RESTORED, "consumed"): S.DONE,
     # Kept on the device: moved out while another microbatch's graphs run, and back at the
     # backward itself (nothing to copy ahead, so a restore leaves them where they are).
@@ -317,12 +317,14 @@ class DriverWorker:
 @dataclass(eq=False)
 class SlotFences:
     """What orders the uses of one bank's bytes besides its section events (see
-    :class:`Bank`): the next forward waits for ``written`` (a writer other than a copy out:
-    an evaluation forward, a copy in that failed part way or that no backward read); a
-    restore waits for ``written`` and for the last backward graph that read the bank
-    (``read``, or section by section ``read_sections``), and neither overwrites ``holder``."""
+    :class:`Bank`): forwards wait for ``written``; a restore waits for ``written`` and for
+    the last backward graph that read the bank (``read``, or section by section
+    ``read_sections``); neither overwrites ``holder``. (A restore abandoned before its
+    backward counts as that backward: the compute stream waited for its copy.)"""
 
-    written: Any = None  #: a writer the next forward and restore wait for (None: none pending)
+    #: a writer the next forwards and restores wait for (None: none yet), other than a copy
+    #: out: an evaluation forward, or a copy in that failed part way
+    written: Any = None
     read: Any = None  #: the end of the last backward graph that read the bank
     #: per bank section, when that backward graph was done with it (an event recorded in the
     #: graph, at the autograd node after its last reader), or None: ``read``
@@ -359,7 +361,8 @@ class Bank:
     pages: str = "mapped"
     map_job: Future[Any] | None = None
     pending_release: object | None = None
-    release_job: Future[Any] | None = None
+    #: releases queued since the last drain (a failed one surfaces there)
+    release_jobs: list[Future[Any]] = field(default_factory=list)
 
 
 @dataclass(eq=False)
@@ -400,8 +403,9 @@ class Ticket:
 class _BackwardCapture:
     """What a group learns while its backward graph is captured (see :meth:`OffloadGroup.load_tensor`)."""
 
-    left: list[int]  #: per section, saved tensors in it not unpacked yet
-    node: Any = None  #: the autograd node that unpacked last
+    left: list[set[int]]  #: per section, the saved tensors in it not unpacked yet
+    task: Any = None  #: the backward's own graph task (its first unpack's)
+    node: Any = None  #: the node of that task that unpacked last
     waited: set[int] = field(default_factory=set)  #: sections the graph waits for already
     finished: list[int] = field(default_factory=list)  #: read in full by the nodes so far
     unpacks: int = 0  #: unpacks under capture with graph events
@@ -409,10 +413,14 @@ class _BackwardCapture:
     records: int = 0  #: done events recorded so far
 
 
-def _current_node() -> Any:
-    """The autograd node running on this thread (None where torch cannot say)."""
-    fn = getattr(torch._C, "_current_autograd_node", None)
-    return None if fn is None else fn()
+def _current_node() -> tuple[Any, Any]:
+    """The autograd node running on this thread and its graph task's id (None where torch
+    cannot say)."""
+    node = getattr(torch._C, "_current_autograd_node", None)
+    task = getattr(torch._C, "_current_graph_task_id", None)
+    if node is None or task is None:
+        return None, None
+    return node(), task()
 
 
 class OffloadGroup:
@@ -692,8 +700,11 @@ class OffloadGroup:
             assert bank is not None
             for k in self._first_write.get(i, ()):
                 # The graph writes this section only once the copy that took its previous
-                # occupant's bytes to the host is done (queued before each launch).
+                # occupant's bytes to the host is done, and the latest copy into it (a
+                # restore whose backward never read this section waited for nothing
+                # there); both were queued before the launch.
                 b.graph_wait(bank.copied_out[k])
+                b.graph_wait(bank.copied_in[k])
         else:
             self._fwd_plain = True
         if key not in self._copied:  # a tensor saved twice is copied once
@@ -708,9 +719,13 @@ class OffloadGroup:
     def load_tensor(self, packed: Any) -> Any:
         """Unpack hook during capture: return what :meth:`save_tensor` packed, and teach the
         backward graph under capture the slot's sections. Before the graph first reads a
-        section, it waits for that section's copy in; once the autograd nodes that read a
-        section are done (seen when the next node unpacks), it records so, and a restore
-        into the bank may overwrite that section from then on. Anything else passes through.
+        section, it waits for that section's copy in. Once every saved tensor in a section
+        has been unpacked and the node that unpacked the last of them is done (seen when
+        the next node of the backward's own graph task unpacks: nodes run one after another
+        there; a backward nested inside a node, another graph task, is no such sign), the
+        graph records so, and a restore into the bank may overwrite that section from then
+        on. A node must not hand out a saved tensor (or a view of one) as a gradient: later
+        nodes would read it after its section was let go. Anything else passes through.
         """
         i = self._view_index.get(id(packed)) if isinstance(packed, torch.Tensor) else None
         if i is None or self.state is not State.CAPTURING:
@@ -719,18 +734,21 @@ class OffloadGroup:
         assert bank is not None
         bs = self._bwd
         if bs is None:  # the first unpack of this capture
-            bs = self._bwd = _BackwardCapture([0] * len(self.sections))
-            for secs in self._spec_sections:
+            bs = self._bwd = _BackwardCapture([set() for _ in self.sections])
+            for j, secs in enumerate(self._spec_sections):
                 for k in secs:
-                    bs.left[k] += 1
+                    bs.left[k].add(j)
             self.restore_order = []
             self.done_events = [None] * len(self.sections)
         if not (self._written and b.is_capturing()):
             bs.plain += 1
             return packed
-        node = _current_node()
-        if node is not None and node is not bs.node and bs.finished:
-            # Every node before this one is queued: what they read in full is free.
+        node, task = _current_node()
+        if bs.task is None:
+            bs.task = task
+        own = node is not None and task == bs.task  # (not a backward nested in a node)
+        if own and node is not bs.node and bs.finished:
+            # Every node of this task before this one is queued: what they read is free.
             ev = self._done_pool[bs.records]  # (each record frees a section: enough of them)
             bs.records += 1
             b.graph_record(ev)
@@ -742,10 +760,12 @@ class OffloadGroup:
                 bs.waited.add(k)
                 self.restore_order.append(k)
                 b.graph_wait(bank.copied_in[k])
-            bs.left[k] -= 1
-            if bs.left[k] == 0:
-                bs.finished.append(k)
-        bs.node = node
+            if i in bs.left[k]:
+                bs.left[k].discard(i)
+                if not bs.left[k]:
+                    bs.finished.append(k)
+        if own:
+            bs.node = node
         bs.unpacks += 1
         return packed
 
@@ -789,10 +809,6 @@ class OffloadGroup:
     def _give_stash(self, st: Stash, free_after: Any) -> None:
         st.free_after = free_after
         self._host_pool.append(st)
-
-    def _slot_bytes_view(self) -> tuple[Any, Any]:
-        """(offloaded part, kept part) of the slot as flat byte views (made at allocate)."""
-        return self._bytes
 
 
 def _dense_stride(s: SavedTensorSpec) -> tuple[int, ...] | None:
@@ -896,7 +912,8 @@ class Residency:
         return held is None or held is t
 
     def restored(self, t: Ticket) -> None:
-        """The host side of ``t``'s restore is done; raises if it failed."""
+        """``t``'s backward replays next: bring back what only comes back at the backward
+        itself (kept activations moved out for another microbatch)."""
 
     def free(self, g: OffloadGroup, done: Any, backward: bool, replayed: bool = True) -> None:
         """The slot's last user so far is queued before event ``done``: a backward graph
@@ -1081,12 +1098,14 @@ class ResidentBanks(Residency):
         b = self.backend
         cur = b.current_stream()
         if f.written is not None:  # a writer other than a copy out; the replay comes after it
+            # (it stays the bank's: a restore into sections this forward does not reach, a
+            # larger slot's, still has to wait for it)
             b.wait_event(cur, f.written)
-            f.written = None
         if not g.fwd_in_graph:
             # The graph cannot wait section by section: the host fences the whole slot.
             for k in range(len(g.sections)):
                 b.wait_event(cur, bank.copied_out[k])
+                b.wait_event(cur, bank.copied_in[k])
         f.fresh = None  # the replay rewrites the bank (after_offload names its ticket)
 
     def after_offload(self, g: OffloadGroup, t: Ticket) -> None:
@@ -1111,7 +1130,10 @@ class ResidentBanks(Residency):
         f = self.fences(g)
         if backward:
             f.read, f.holder, f.fresh = done, None, None
-            f.read_sections = g.done_events if replayed and g.bwd_in_graph else None
+            # Per bank section (a larger slot placed in this bank later covers more of them:
+            # those this backward did not reach go after its end).
+            pad = [None] * (len(self._bank(g).sections) - len(g.done_events))
+            f.read_sections = g.done_events + pad if replayed and g.bwd_in_graph else None
         else:
             f.written = done  # an evaluation forward wrote the bank
 
@@ -1180,8 +1202,10 @@ class RemapBanks(ResidentBanks):
         """A map of ``bank`` under way (queued now if needed), or None: it is mapped. A
         release queued but not started is called off instead."""
         with self._lock:
+            # A release queued but not started is called off: it would find its token gone
+            # (also one queued behind a map still to run, which this pass now waits for).
+            bank.pending_release = None
             if bank.pages == "mapped":
-                bank.pending_release = None  # (if one was queued, it will find it called off)
                 return None
             if bank.map_job is None:
                 bank.map_job = self._worker.submit(lambda: self._map(bank))
@@ -1231,16 +1255,21 @@ class RemapBanks(ResidentBanks):
             if events is None:  # the ends of what every stream queued so far
                 events = [b.record_event(b.new_event(), s)
                           for s in (b.current_stream(), eng.d2h_stream, eng.h2d_stream)]
-            bank.release_job = self._worker.submit(functools.partial(self._release_after, bank, token, events))
+            bank.release_jobs.append(
+                self._worker.submit(functools.partial(self._release_after, bank, token, events)))
 
     def drain(self) -> None:
         """Wait for queued driver work; raises the first release that failed since the last
         drain (nobody else waits for a release, so its error would go unseen)."""
         self._worker.drain()
+        failed = None
         for bank in self.banks:
-            job, bank.release_job = bank.release_job, None
-            if job is not None and job.exception() is not None:
-                raise job.exception()  # type: ignore[misc]
+            jobs, bank.release_jobs = bank.release_jobs, []
+            for job in jobs:
+                if failed is None and job.exception() is not None:
+                    failed = job.exception()
+        if failed is not None:
+            raise failed
 
     def close(self) -> None:
         self._worker.close()
@@ -1250,6 +1279,10 @@ class RemapBanks(ResidentBanks):
 
     def _map(self, bank: Bank) -> None:
         try:
+            if bank.reservation.mapping_at(0) is not None:  # a release whose unmap failed
+                with self._lock:
+                    bank.pages = "mapped"
+                return
             alloc = self.backend.map_new(bank.reservation, 0, bank.size)
             with self._lock:
                 bank.allocation, bank.pages = alloc, "mapped"
@@ -1544,21 +1577,17 @@ class OffloadEngine:
         self.stats["restored_bytes"] += g.host_bytes
 
     def wait_restored(self, t: Ticket) -> None:
-        """Make the compute stream wait for ``t``'s restore (the host does not block on the copy).
+        """Make the compute stream wait for ``t``'s restore (the host does not block on the
+        copy; a backward graph that waits for each section itself needs no wait here).
 
-        In remap mode a failed mapping surfaces here; the host copy is kept and
-        :meth:`restore` may be called again.
+        A restore that fails (a remap bank's map, a copy) raises with the ticket as it was:
+        the host copy is kept and the call may be made again.
         """
         g = t.group
         if t.state is not State.RESTORING and g.offloads:
             self.restore(t)  # (kept activations have nothing to restore ahead of this)
         self.kept.claim(t.microbatch)  # the backward replay may overwrite what another keeps
-        try:
-            g.residency.restored(t)
-        except BaseException:
-            if t.state is State.RESTORING:
-                t._go("restore_failed")  # nothing lost: the stash still holds the bytes
-            raise
+        g.residency.restored(t)
         t._go("wait_restored")
         if t.restore_done is None:
             return  # nothing was copied in for it (kept on the device, or nothing saved)
@@ -1670,10 +1699,6 @@ class OffloadEngine:
         if slots is self.kept:
             slots.abandon(g, t, prev)
             return
-        try:
-            slots.restored(t)
-        except BaseException:  # the mapping failed: nothing was mapped for it
-            prev = State.RELEASED
         if t.restore_done is not None:  # (also a copy in that failed part way)
             # The copy into the slot may still run: what lets the slot go comes after it.
             b = self.backend

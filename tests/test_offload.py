@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import threading
+import time
 
 import pytest
 import torch
@@ -1390,3 +1391,252 @@ def test_the_backward_graph_learns_which_sections_it_reads_first_and_lets_go_of(
             assert len({id(g.done_events[k]) for k in early}) > 1
             # The first saves are read by the backward's last nodes.
             assert g.done_events[g.restore_order[-1]] is None
+
+
+def _linear_stack(widths: list[int], seed: int = 0) -> list[nn.Module]:
+    torch.manual_seed(seed)
+    return [nn.Sequential(nn.Linear(16, w), nn.Tanh(), nn.Linear(w, 16)) for w in widths]
+
+
+@pytest.mark.parametrize("mode", ["resident", "remap"])
+@pytest.mark.parametrize("widths", [[512, 16, 16], [16, 512, 64, 512, 16]])
+@pytest.mark.parametrize("in_flight", [1, 2])
+def test_layers_of_different_sizes_share_banks_and_train_like_eager(engine_clean, monkeypatch, mode,
+                                                                    widths, in_flight):
+    """A slot goes to the smallest class whose banks fit it, so slots of different sizes and
+    section counts share a bank: each restore is fenced by whichever layer read the bank
+    last, section by section, with copies slowed, microbatches in flight and an evaluation
+    forward in between."""
+    b = engine_clean
+    layers = _linear_stack(widths)
+    eager = copy.deepcopy(layers)
+    x = torch.randn(8, 16, device=b.device)
+    with GraphedLayers([m.to(b.device) for m in layers], x, mode=mode, backend=b, layers_per_graph=1,
+                       section_bytes=1024) as stack:
+        eager = [m.to(b.device) for m in eager]
+        assert len({g.bank.index for g in stack.engine.groups}) < len(widths)  # banks are shared
+        slow_copies(monkeypatch, stack.engine, 0.003)
+        for step in range(3):
+            xs = [torch.randn(8, 16, generator=torch.Generator().manual_seed(10 * step + i)).to(b.device)
+                  for i in range(in_flight)]
+            ys = [stack(xi) for xi in xs]
+            with torch.no_grad():
+                stack(xs[0])
+            for y in reversed(ys):
+                y.square().sum().backward()
+            hs = []
+            for xi in xs:
+                h = xi
+                for m in eager:
+                    h = m(h)
+                hs.append(h)
+            for h in reversed(hs):
+                h.square().sum().backward()
+            got = [p.grad for m in layers for p in m.parameters()]
+            want = [p.grad for m in eager for p in m.parameters()]
+            assert_bitwise(got, want)
+
+
+@pytest.mark.parametrize("mode", ["resident", "remap"])
+def test_graphs_of_uneven_joins_share_a_bank(engine_clean, mode):
+    b = engine_clean
+    base, _ = small(b, 3)
+    want = train(copy.deepcopy(base), b, 3)
+    model = copy.deepcopy(base)
+    with graphed(model, b, mode, layers_per_graph=2, section_bytes=4096) as stack:
+        assert stack.graph_layers == ((0, 1), (2,))
+        assert_bitwise(train(model, b, 3), want)
+
+
+class _SavesUnread(torch.autograd.Function):
+    """Saves its input (into the slot) and never unpacks it."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return x * 1.0
+
+    @staticmethod
+    def backward(ctx, g):
+        return g
+
+
+class _Unread(nn.Module):
+    def forward(self, x):
+        return _SavesUnread.apply(x)
+
+
+@pytest.mark.parametrize("mode", ["resident", "remap"])
+def test_a_section_the_backward_never_reads_still_fences_the_next_forward(engine_clean, monkeypatch, mode):
+    """A restore copies every section, read or not; the backward graph waits only for those
+    it reads. The next forward into the bank waits for the copy into the others too, or a
+    layer whose bytes sit there would be overwritten by that stale copy."""
+    b = engine_clean
+    torch.manual_seed(0)
+    d = 256
+    layers = [nn.Sequential(nn.Linear(d, d), _Unread()), nn.Sequential(nn.Linear(d, d), _Unread()),
+              nn.Sequential(_Unread(), nn.Linear(d, d))]
+    layers = [m.to(b.device) for m in layers]
+    eager = copy.deepcopy(layers)
+    x = torch.randn(64, d, device=b.device)
+    with GraphedLayers(layers, x, mode=mode, backend=b, layers_per_graph=1, section_bytes=4096) as stack:
+        eng = stack.engine
+        real = b.copy_async
+
+        def slowed(dst, src, stream=None):
+            if stream is eng.h2d_stream:
+                spin(b, 0.02, stream)
+            return real(dst, src, stream)
+
+        monkeypatch.setattr(b, "copy_async", slowed)
+        for step in range(3):
+            xs = torch.randn(64, d, generator=torch.Generator().manual_seed(step)).to(b.device)
+            for p in stack.parameters():
+                p.grad = None
+            stack(xs).square().sum().backward()
+            for p in (q for m in eager for q in m.parameters()):
+                p.grad = None
+            h = xs
+            for m in eager:
+                h = m(h)
+            h.square().sum().backward()
+            assert_bitwise([p.grad for m in layers for p in m.parameters()],
+                           [p.grad for m in eager for p in m.parameters()])
+
+
+class _UnpacksTwice(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        a = x.sin()
+        ctx.save_for_backward(x, a)
+        return a * x
+
+    @staticmethod
+    def backward(ctx, g):
+        x, a = ctx.saved_tensors
+        x2, _ = ctx.saved_tensors  # unpacked again
+        return g * (a + x2 * x.cos())
+
+
+class _NestedBackward(torch.autograd.Function):
+    """Its backward runs a backward of its own over nodes saved under the forward's hooks,
+    then reads its own saved tensors again."""
+
+    @staticmethod
+    def forward(ctx, x):
+        with torch.enable_grad():
+            xd = x.detach().requires_grad_()
+            y = (xd.exp() * xd).sum(-1, keepdim=True)
+        ctx.save_for_backward(x, xd, y)
+        return y.detach() * x
+
+    @staticmethod
+    def backward(ctx, g):
+        x, xd, y = ctx.saved_tensors
+        (gx,) = torch.autograd.grad(y, xd, (g * x).sum(-1, keepdim=True))
+        return gx * 0.5 + g * y + x * 0.0
+
+
+class _Wrap(nn.Module):
+    def __init__(self, fn, d: int) -> None:
+        super().__init__()
+        self.fn, self.lin = fn, nn.Linear(d, d)
+
+    def forward(self, x):
+        return self.fn.apply(torch.tanh(self.lin(x)))
+
+
+@pytest.mark.parametrize("fn", [_UnpacksTwice, _NestedBackward], ids=["unpacked-twice", "nested-backward"])
+def test_the_backward_graph_lets_go_of_a_section_only_after_its_last_reader(engine_clean, fn):
+    """The cpu graph holds its ops and its records: no op after a section's done record
+    touches that section (a restore queued after the launch may overwrite it from there)."""
+    b = engine_clean
+    if b.name != "cpu":
+        pytest.skip("reads the cpu backend's recorded graph")
+    from graphslot.backends.cpu.graph import _HostStep, _Ref
+
+    d = 64
+    torch.manual_seed(0)
+    x = torch.randn(32, d, requires_grad=True)
+    with GraphedLayers([_Wrap(fn, d), _Wrap(fn, d)], x, mode="remap", backend=b, layers_per_graph=1,
+                       section_bytes=256) as stack:
+        for r in stack._runners:
+            g = r.group
+            base = g.reservation.va + g.slot_offset
+            by_event: dict[int, list[int]] = {}
+            for k, ev in enumerate(g.done_events):
+                if ev is not None:
+                    by_event.setdefault(id(ev), []).append(k)
+            assert by_event, "no section was let go of before the graph's end"
+            free: set[int] = set()
+            for op in r.bwd._ops:
+                if isinstance(op, _HostStep):
+                    cells = dict(zip(op.fn.__code__.co_freevars, (c.cell_contents for c in op.fn.__closure__)))
+                    if "record" in op.fn.__code__.co_names:
+                        free |= set(by_event.get(id(cells["event"]), ()))
+                    continue
+                for ref in [*op.in_refs, *op.out_refs]:
+                    if isinstance(ref, _Ref) and ref.nbytes:
+                        lo, hi = ref.ptr - base, ref.ptr - base + ref.nbytes
+                        hit = [k for k in free if lo < g.sections[k][1] and g.sections[k][0] < hi]
+                        assert not hit, f"{op.func} touches sections {hit} after they were let go"
+        got = []
+        for _ in range(2):
+            stack(x).square().sum().backward()
+            got.append(x.grad.clone())
+            x.grad = None
+    assert not torch.equal(got[0], torch.zeros_like(got[0]))
+
+
+def test_a_pass_waiting_for_a_queued_map_calls_off_the_release_queued_behind_it(engine_clean):
+    """The worker is busy; a pass announces its next layer (a map queued), is dropped
+    (nothing in flight: a release queued behind that map), and a new pass comes: it waits
+    for the map and must not find its bank released under it."""
+    b = engine_clean
+    eng, (g0, g1) = _captured_groups(b, 2, "remap")
+    gate = threading.Event()
+    try:
+        t0 = _forward(eng, g0, 1, 1.0)
+        eng.worker.submit(gate.wait)
+        eng.prefetch_forward(g1)
+        eng.abandon(t0)
+        assert g1.bank.pending_release is not None
+        threading.Timer(0.2, gate.set).start()
+        t1 = eng.before_forward(g1, 2)
+        eng.worker.drain()
+        assert g1.bank.reservation.mapping_at(0) is not None and g1.bank.pages == "mapped"
+        g1.views[0].fill_(2.0)  # (the replay would fault on an unmapped bank)
+        eng.abandon(t1)
+        eng.settle()
+        assert b.ledger.mapped_bytes == 0
+    finally:
+        gate.set()
+        eng.close()
+
+
+def test_a_pass_after_a_release_whose_unmap_failed_finds_its_bank_mapped(engine_clean, monkeypatch):
+    b = engine_clean
+    eng, (g,) = _captured_groups(b, 1, "remap")
+    try:
+        t = _forward(eng, g, 1, 1.0)
+        eng.wait_restored(t)
+        real = b.unmap_release
+        started = threading.Event()
+
+        def slow_failing(res, off):
+            started.set()
+            time.sleep(0.2)
+            b.faults.fail("unmap")
+            return real(res, off)
+
+        monkeypatch.setattr(b, "unmap_release", slow_failing)
+        eng.consumed(t)  # nothing in flight: the release is queued, and its unmap will fail
+        assert started.wait(10)
+        t2 = eng.before_forward(g, 2)  # queued behind the release; the bank stays mapped
+        monkeypatch.undo()
+        assert g.bank.pages == "mapped"
+        eng.abandon(t2)
+        with pytest.raises(InjectedFault):
+            eng.settle()  # the failed release is reported
+    finally:
+        eng.close()

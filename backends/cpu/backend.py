@@ -94,9 +94,10 @@ class CpuBackend(Backend, RegionGraphBackend):
         return _s.CpuEvent(timing)
 
     # A graph under capture keeps a record or a wait as a host step of its own, run at
-    # its place at every replay on the replaying thread's stream (a replay runs in program
-    # order, so a record there marks everything before it as done, and a wait blocks the
-    # replay until the copy thread gets there): the device graph's record and wait nodes.
+    # its place at every replay on the replaying thread itself (a replay runs its ops
+    # there, in program order, whatever stream is current: a record marks everything
+    # before it as done, and a wait blocks the replay until the copy thread gets there):
+    # the device graph's record and wait nodes.
     graph_events = True
 
     def _new_graph_event(self) -> _s.CpuEvent:
@@ -106,10 +107,10 @@ class CpuBackend(Backend, RegionGraphBackend):
         return self._capture.graph
 
     def _graph_record(self, event: Any) -> None:
-        self._capturing_graph().host_step(lambda: event.record(_s.current()))
+        self._capturing_graph().host_step(lambda: event.record(_s.INLINE))
 
     def _graph_wait(self, event: Any) -> None:
-        self._capturing_graph().host_step(lambda: event.wait(_s.current()))
+        self._capturing_graph().host_step(lambda: event.wait(_s.INLINE))
 
     def _synchronize(self) -> None:
         for s in list(self._streams):

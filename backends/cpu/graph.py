@@ -48,8 +48,8 @@ _REFUSED = {"aten::_local_scalar_dense", "aten::item", "aten::nonzero", "aten::m
 # Operations that only allocate: on a device they are no work of the graph (the pool hands
 # out the bytes at capture), so a replay must not run them again (nor write their
 # uninitialised result over what lives at that address now).
-_ALLOCATE_ONLY = {"aten::empty", "aten::empty_like", "aten::empty_strided", "aten::new_empty",
-                  "aten::new_empty_strided"}
+_ALLOCATE_ONLY = {"aten::empty", "aten::empty_like", "aten::empty_strided", "aten::empty_permuted",
+                  "aten::new_empty", "aten::new_empty_strided"}
 
 
 @dataclass(frozen=True)
