@@ -164,6 +164,11 @@ class _ParamGrad:
         #: whose earlier gradient somebody kept
         self.copy = copy
 
+    def settle(self) -> None:
+        """After the build: count the references graphslot itself holds to the buffer."""
+        if _use_count is not None:
+            self.base_refs = _use_count(self.storage)
+
     def aliased(self) -> bool:
         if self.param is None:  # the stack's input gradient: no .grad of ours to look at
             return False
@@ -355,8 +360,8 @@ class _Runner:
     def settle_refs(self) -> None:
         """After the build: count the references graphslot itself holds to each buffer."""
         for pg in self.grads:
-            if pg is not None and _use_count is not None:
-                pg.base_refs = _use_count(pg.storage)
+            if pg is not None:
+                pg.settle()
 
     # -- run -------------------------------------------------------------------------------
 
@@ -694,8 +699,8 @@ class GraphedLayers(nn.Module):
         gc.collect()
         for r in self._runners:
             r.settle_refs()
-        if self._input_grad is not None and _use_count is not None:
-            self._input_grad.base_refs = _use_count(self._input_grad.storage)
+        if self._input_grad is not None:
+            self._input_grad.settle()
 
     def _pool_buffer(self, like: torch.Tensor) -> torch.Tensor:
         """A copy of ``like`` in memory of the graphs' shared pool (an allocation captured

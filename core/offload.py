@@ -64,7 +64,7 @@ from typing import Any, Callable, Iterable, Iterator
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from .backend import Allocation, Backend, Reservation, align_up
+from .backend import Backend, Reservation, align_up
 from .errors import CaptureMismatchError, StateError, UsageError
 from .sizes import view_extent
 
@@ -352,7 +352,6 @@ class Bank:
     sections: list[tuple[int, int]]
     copied_out: list[Any]
     copied_in: list[Any]
-    allocation: Allocation | None = None  #: its pages (None: unmapped, remap between passes)
     fences: SlotFences = field(default_factory=SlotFences)
     members: list[OffloadGroup] = field(default_factory=list)
     captured: int = 0  #: members whose graphs are captured
@@ -455,7 +454,6 @@ class OffloadGroup:
         #: graph's end, which the engine records after the replay)
         self.done_events: list[Any] = []
         self._written: list[Any] = []  # per section: recorded by its forward graph once written
-        self._wrote: list[bool] = []  # per section: whether a saved tensor writes it
         self._done_pool: list[Any] = []
         self._spec_sections: list[range] = []
         self._first_write: dict[int, list[int]] = {}  # saved tensor -> sections it writes first
@@ -617,7 +615,6 @@ class OffloadGroup:
             self._first_write.setdefault(i, []).append(k)
         for k, i in last.items():
             self._last_write.setdefault(i, []).append(k)
-        self._wrote = [k in first for k in range(n)]
         self._view_index = {id(v): i for i, v in enumerate(self.views)}
         if b.graph_events:
             self._written = [b.new_graph_event() for _ in range(n)]
@@ -1074,7 +1071,7 @@ class ResidentBanks(Residency):
 
     def _new_pages(self, bank: Bank) -> None:
         """A new bank's pages: mapped for good here."""
-        bank.allocation = self.backend.map_new(bank.reservation, 0, bank.size)
+        self.backend.map_new(bank.reservation, 0, bank.size)
         bank.pages = "mapped"
 
     def _ready(self, bank: Bank) -> None:
@@ -1225,10 +1222,8 @@ class RemapBanks(ResidentBanks):
         self.release_when_idle()
 
     def abandon(self, g: OffloadGroup, t: Ticket, prev: State) -> None:
-        if self.fences(g).holder is t:  # its restore holds the bank
-            self.engine._free_slot(g, backward=True, replayed=False)
-        else:
-            self.release_when_idle()
+        super().abandon(g, t, prev)
+        self.release_when_idle()  # (after a free that already queued it, a no-op)
 
     def nothing_in_flight(self) -> None:
         # The last ticket was abandoned (a dropped or interrupted pass): a forward announced
@@ -1283,9 +1278,9 @@ class RemapBanks(ResidentBanks):
                 with self._lock:
                     bank.pages = "mapped"
                 return
-            alloc = self.backend.map_new(bank.reservation, 0, bank.size)
+            self.backend.map_new(bank.reservation, 0, bank.size)
             with self._lock:
-                bank.allocation, bank.pages = alloc, "mapped"
+                bank.pages = "mapped"
         finally:
             with self._lock:  # (queued under this lock: the job is the bank's by now)
                 bank.map_job = None
@@ -1306,10 +1301,7 @@ class RemapBanks(ResidentBanks):
                 self.backend.unmap_release(bank.reservation, 0)
         finally:
             with self._lock:
-                mapped = bank.reservation.mapping_at(0) is not None
-                bank.pages = "mapped" if mapped else "unmapped"
-                if not mapped:
-                    bank.allocation = None
+                bank.pages = "mapped" if bank.reservation.mapping_at(0) is not None else "unmapped"
 
 
 # --------------------------------------------------------------------------- engine
@@ -1483,8 +1475,8 @@ class OffloadEngine:
         if not in_graph:
             b.wait_event(s, t.fwd_done)  # the copy stream waits only on the forward
         for k, part in enumerate(g.stash_pieces(t.stash)):
-            if in_graph:
-                b.wait_event(s, g._written[k] if g._wrote[k] else t.fwd_done)
+            if in_graph:  # (a section no saved tensor writes, padding, has no record to wait for)
+                b.wait_event(s, g._written[k])
             for slot_bytes, stash_bytes in part:
                 b.copy_async(stash_bytes, slot_bytes, s)
             b.record_event(bank.copied_out[k], s)
@@ -1559,10 +1551,9 @@ class OffloadEngine:
                 pieces, read, waited = g.stash_pieces(st), f.read_sections, None
                 for k in g.restore_order:
                     r = f.read if read is None or read[k] is None else read[k]
-                    if r is not None and r is not waited:
+                    if r is not None and r is not waited:  # (the graph's end: waited once)
                         b.wait_event(s, r)
-                        if read is None or read[k] is None:
-                            waited = r  # (the whole graph's end: once is enough)
+                        waited = r
                     b.wait_event(s, bank.copied_out[k])
                     for slot_bytes, stash_bytes in pieces[k]:
                         b.copy_async(slot_bytes, stash_bytes, s)
