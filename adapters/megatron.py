@@ -30,6 +30,15 @@ What it touches, all restored by :meth:`MegatronOffload.disable`:
   replay, or give the slot back when no backward follows) and ``bwd_graph`` (restore,
   look-ahead restore of the runner whose backward came next the step before, replay).
 
+* with ``release_graph_pool`` (the default in remap): ``CudaGraphManager.global_mempool``
+  becomes a :class:`~graphslot.paged.PagedPool`, a graph pool in a graphslot VA region, so
+  the pool's free pages (the graphs' working memory, buffers Megatron let go of) are
+  unmapped once a backward leaves no graph waiting for its backward, and mapped again
+  before the next forward replay; the runner class's ``create_fwd_graph``,
+  ``create_bwd_graph`` and ``replay_graph_capture`` and the module's
+  ``alloc_tensor_from_graph_mempool`` are wrapped to map the pool before anything runs on
+  it. Device memory between steps then approaches eager's.
+
 ``disable()`` after the graphs exist calls Megatron's ``delete_cuda_graphs()`` first
 (those graphs read graphslot's slots), so the next step records and captures them again
 without graphslot.
@@ -52,15 +61,18 @@ import contextlib
 import importlib
 import re
 import sys
+import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable
 
 import torch
 
-from graphslot.backend import Backend
+from graphslot.backend import Backend, align_up
 from graphslot.errors import IncompatibleError, StateError, UsageError
 from graphslot.offload import (Mode, OffloadEngine, OffloadGroup, SavedTensorSpec, State, Ticket,
                                never_offloaded, state_storages)
+from graphslot.paged import PagedPool
+from graphslot.regions import RegionGraphBackend
 from graphslot.selection import get_backend
 
 __all__ = ["MIN_VERSION", "FP8_RECIPES_SERVED", "MegatronOffload", "check_megatron", "check_config", "enable", "disable", "active"]
@@ -307,6 +319,14 @@ class _Layer:
         self.specs = seen
 
 
+def _segment_bound(nbytes: int) -> int:
+    """The most torch's caching allocator asks a pool for to serve ``nbytes``: small
+    requests take a 2 MiB segment, up to 10 MiB a 20 MiB one, larger ones their size in
+    2 MiB steps."""
+    mib = 1 << 20
+    return 2 * mib if nbytes <= mib else 20 * mib if nbytes < 10 * mib else align_up(nbytes, 2 * mib)
+
+
 def _key(s: SavedTensorSpec) -> tuple[Any, ...]:
     return (s.shape, s.stride, s.dtype, s.device, s.storage, s.storage_offset)
 
@@ -359,6 +379,7 @@ class _BackwardGraph:
 
 
 _ACTIVE: MegatronOffload | None = None
+_KEPT_POOLS: list[PagedPool] = []  # pools whose bytes tensors still held at disable()
 
 
 class MegatronOffload:
@@ -375,6 +396,9 @@ class MegatronOffload:
         backend: the graphslot backend (default :func:`graphslot.get_backend`); it must
             run on the model's device type.
         debug_checksums: check every restored activation against what was offloaded.
+        release_graph_pool: give the free pages of Megatron's graph pool back between
+            steps (see the module docs); default: in remap mode. Needs a backend whose
+            graphs draw pools from regions.
 
     Raises:
         IncompatibleError: a Megatron-Core or a configuration the adapter cannot serve,
@@ -388,7 +412,7 @@ class MegatronOffload:
 
     def __init__(self, model: Any, *, mode: Mode | str = Mode.RESIDENT, layers: Iterable[int] | None = None,
                  min_offload_bytes: int = 0, backend: Backend | None = None,
-                 debug_checksums: bool = False) -> None:
+                 debug_checksums: bool = False, release_graph_pool: bool | None = None) -> None:
         global _ACTIVE
         info = check_megatron()
         self.megatron_version = info.version
@@ -437,7 +461,13 @@ class MegatronOffload:
         self._last_bwd: _Runner | None = None
         self._next_fwd: dict[int, _Runner | None] = {}
         self._next_bwd: dict[int, _Runner | None] = {}
+        self.pool: PagedPool | None = None
+        self._graph_runners: list[Any] = []  # every Megatron runner whose graphs use the pool
+        self._release_task: Any = None  # the backward pass a pool release is queued for
+        release = (m is Mode.REMAP) if release_graph_pool is None else bool(release_graph_pool)
         try:
+            if release:
+                self._page_pool()
             for L in self.layers.values():
                 L.handles = [L.module.register_forward_pre_hook(self._pre_hook(L)),
                              L.module.register_forward_hook(self._post_hook(L), always_call=True)]
@@ -450,9 +480,115 @@ class MegatronOffload:
             self._patches.append(_Patch.set(rec, "create_cudagraphs", classmethod(create_cudagraphs)))
         except BaseException:
             self._undo()
+            if self.pool is not None:
+                self.pool.close()
             self.engine.close()
             raise
         _ACTIVE = self
+
+    # -- the graph pool -----------------------------------------------------------------
+
+    def _page_pool(self) -> None:
+        """Make Megatron's global graph pool a :class:`PagedPool` (see the module docs)."""
+        cg, b = self._cg, self.backend
+        if not isinstance(b, RegionGraphBackend):
+            raise IncompatibleError(f"release_graph_pool needs a backend whose graphs draw their pool "
+                                    f"from a region; the {b.name} backend's do not (pass "
+                                    "release_graph_pool=False)")
+        # (Megatron's GTP, which allocates into the pool on its own, is refused by check_config.)
+        manager: Any = getattr(cg, "CudaGraphManager", None)
+        runner_cls: Any = getattr(cg, "_CudaGraphRunner", None)
+        missing = [n for n, ok in (("CudaGraphManager.global_mempool", hasattr(manager, "global_mempool")),
+                                   ("_CudaGraphRunner", runner_cls is not None)) if not ok]
+        if missing:
+            raise IncompatibleError(f"Megatron-Core {self.megatron_version}: release_graph_pool needs "
+                                    f"{missing} (pass release_graph_pool=False)")
+        # VA for the whole device: the pool can never outgrow it, and pages follow use.
+        capacity = align_up(b.mem_info()[1], b.granularity)
+        pool = PagedPool(b, capacity, worker=getattr(self.engine, "worker", None))
+        self.pool = pool
+        patch = self._patches.append
+        patch(_Patch.set(manager, "global_mempool", pool.pool_handle))
+        # Megatron 0.17+ allocates graph buffers into the pool outside capture and fills them.
+        alloc: Any = getattr(cg, "alloc_tensor_from_graph_mempool", None)
+
+        def alloc_tensor_from_graph_mempool(meta: Any) -> Any:
+            # Megatron fills the buffer at once: map where torch may put its segment first.
+            n = int(torch.Size(meta.shape).numel()) * torch.empty((), dtype=meta.dtype).element_size()
+            pool.acquire()
+            pool.grow(extra=_segment_bound(n))
+            with pool.lend():
+                out = alloc(meta)
+            pool.grow()
+            return out
+
+        if alloc is not None:
+            patch(_Patch.set(cg, "alloc_tensor_from_graph_mempool", alloc_tensor_from_graph_mempool))
+        for name in ("create_fwd_graph", "create_bwd_graph"):
+            patch(_Patch.set(runner_cls, name, self._creating(pool, getattr(runner_cls, name))))
+        patch(_Patch.set(runner_cls, "replay_graph_capture", self._replaying(pool, runner_cls.replay_graph_capture)))
+
+    def _creating(self, pool: PagedPool, create: Callable[..., Any]) -> Callable[..., Any]:
+        runners = self._graph_runners
+        graph_cls: Any = getattr(getattr(torch, self.backend.device.type, None), "graph", None)
+        grows: Any = None
+        if isinstance(graph_cls, type):
+            class _GrowAfterCapture(graph_cls):  # type: ignore[misc, valid-type]
+                """The framework's capture context; once a capture ends, the pool maps
+                what it added, before Megatron runs anything on it (restoring fp8 state,
+                say)."""
+
+                def __exit__(self, *exc: Any) -> Any:
+                    out = super().__exit__(*exc)
+                    pool.grow()
+                    return out
+            grows = _GrowAfterCapture
+
+        def run(runner: Any, *args: Any, **kwargs: Any) -> Any:
+            # Warm-up reads what earlier captures left in the pool; the capture only records.
+            pool.acquire()
+            pool.grow()
+            if not any(x is runner for x in runners):
+                runners.append(runner)
+            with pool.lend(), contextlib.ExitStack() as stack:
+                if grows is not None:
+                    module = getattr(torch, self.backend.device.type)
+                    stack.callback(setattr, module, "graph", module.graph)
+                    module.graph = grows
+                out = create(runner, *args, **kwargs)
+            pool.grow()
+            if not self._cg._CudagraphGlobalRecord.cudagraph_record:
+                pool.settle()  # a graph created outside create_cudagraphs
+            return out
+        return run
+
+    def _replaying(self, pool: PagedPool, replay: Callable[..., Any]) -> Callable[..., Any]:
+        def run(runner: Any, *args: Any, **kwargs: Any) -> Any:
+            pool.acquire()  # before Megatron copies the inputs into the graph's buffers
+            return replay(runner, *args, **kwargs)
+        return run
+
+    def _queue_pool_release(self, stream: Any) -> None:
+        """From a backward replay: once this backward pass is over, give the pool's free
+        pages back if no graph then waits for its backward."""
+        pool = self.pool
+        if pool is None:
+            return
+        task = getattr(torch._C, "_current_graph_task_id", lambda: None)()
+        if task is not None and task == self._release_task:
+            return
+        self._release_task = task
+        ready = self._cg._GraphStatus.FWD_READY
+        b = self.backend
+
+        def at_end() -> None:
+            self._release_task = None
+            if any(getattr(r, "status", ready) is not ready for r in self._graph_runners):
+                return  # a forward's backward is still to come: its buffers are in the pool
+            events = [b.record_event(b.new_event(), stream), b.record_event(b.new_event())]
+            pool.release(after=events)
+
+        torch.autograd.Variable._execution_engine.queue_callback(at_end)
 
     # -- discovery (Megatron's recording step) ------------------------------------------
 
@@ -489,8 +625,14 @@ class MegatronOffload:
         # From here Megatron's graphs may read the slots: disable() must delete them first,
         # even if this creation fails half way.
         self._created = True
+        if self.pool is not None:
+            for entry in rec.cudagraph_record:
+                if not any(x is entry[0] for x in self._graph_runners):
+                    self._graph_runners.append(entry[0])
         result = create(rec)
         self._after_capture()
+        if self.pool is not None:
+            self.pool.settle()
         return result
 
     def _prepare(self, record: list[tuple[Any, ...]]) -> None:
@@ -562,7 +704,7 @@ class MegatronOffload:
         # Capture is over: the capture wrappers go; replay goes through graphslot.
         keep = []
         for p in self._patches:
-            if p.name in ("func", "create_bwd_graph"):
+            if p.name in ("func", "create_bwd_graph") and not isinstance(p.obj, type):
                 p.undo()
             else:
                 keep.append(p)
@@ -618,8 +760,11 @@ class MegatronOffload:
         if t is None:
             raise StateError(f"{r.group.name}: backward graph replayed with no forward pending")
         eng.wait_restored(t)
+        if self.pool is not None:
+            self.pool.acquire()
         graph.replay()
         eng.consumed(t)
+        self._queue_pool_release(self.backend.current_stream())
         r.ticket = None
         nxt = self._next_bwd.get(id(r))
         if nxt is not None and nxt.ticket is not None:
@@ -657,7 +802,18 @@ class MegatronOffload:
             "peak_mapped_bytes": self.backend.ledger.peak_mapped_bytes,
             "peak_allocated_bytes": self.backend.ledger.peak_allocated_bytes,
             "stats": dict(self.engine.stats),
+            "graph_pool": self.pool.report() if self.pool is not None else None,
         }
+
+    def drain(self) -> None:
+        """Wait until the driver work queued so far ran: after a step, the graph pool's
+        release (which otherwise finishes on its own, shortly after the step's last
+        backward pass) is then done, e.g. before reading device memory."""
+        w = getattr(self.engine, "worker", None)
+        if w is not None:
+            w.drain()
+        if self.pool is not None:
+            self.pool.drain()
 
     def _undo(self) -> None:
         self._remove_hooks()
@@ -678,8 +834,16 @@ class MegatronOffload:
         if busy:
             raise StateError(f"cannot disable with microbatches in flight (forward without backward: {busy})")
         self._undo()
+        if self.pool is not None:
+            self.pool.acquire()
         if self._created:
             self._cg.delete_cuda_graphs()
+        if self.pool is not None:
+            still = self.pool.close()
+            if still:
+                _KEPT_POOLS.append(self.pool)  # tensors still use its bytes: keep them mapped
+                warnings.warn(f"graphslot: {still} bytes of Megatron's graph pool are still held by "
+                              "tensors after disable(); its region stays mapped", stacklevel=2)
         self.engine.close()
         self._closed = True
         if _ACTIVE is self:

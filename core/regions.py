@@ -61,6 +61,11 @@ class RegionGraph(DeviceGraph):
             unmapped and freed).
         """
 
+    @abc.abstractmethod
+    def live_ranges(self) -> list[tuple[int, int]]:
+        """``(offset, size)`` in the region of every block the pool still hands out (a
+        tensor holds it, or a stream may still use it); the rest of the pool is free."""
+
     @property
     def pool_handle(self) -> Any:
         """What to give code that captures its own graphs into this pool.

@@ -255,6 +255,8 @@ def main() -> None:
 
     # Steady state: the graph pools (and graphslot's banks) stay; cached blocks go.
     torch.cuda.synchronize()
+    if offload is not None:
+        offload.drain()  # the graph pool's release runs on graphslot's driver thread
     torch.cuda.empty_cache()
     free, total = torch.cuda.mem_get_info()
     graph_pool = None

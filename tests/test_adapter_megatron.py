@@ -224,6 +224,53 @@ def test_enable_installs_its_hooks_and_disable_removes_every_one(local_gpt, host
     assert host.ledger.mapped_bytes == 0
 
 
+def test_remap_pages_megatrons_graph_pool_and_disable_gives_it_back(local_gpt, host):
+    """remap (by default) makes Megatron's global graph pool a graphslot paged pool and
+    wraps what allocates into it or replays from it; disable() restores every one and
+    frees the region. resident leaves the pool alone unless asked."""
+    manager, runner = cg.CudaGraphManager, cg._CudaGraphRunner
+    names = ("create_fwd_graph", "create_bwd_graph", "replay_graph_capture")
+    before = {n: runner.__dict__[n] for n in names}
+    pool_before = manager.__dict__.get("global_mempool")
+    alloc_before = getattr(cg, "alloc_tensor_from_graph_mempool", None)
+    off = gsm.enable(local_gpt, mode="remap", backend=host)
+    assert off.pool is not None and manager.global_mempool is off.pool.pool_handle
+    assert all(runner.__dict__[n] is not before[n] for n in names)
+    if alloc_before is not None:
+        assert cg.alloc_tensor_from_graph_mempool is not alloc_before
+    rep = off.report()["graph_pool"]
+    assert rep["state"] == "mapped" and rep["mapped_bytes"] == 0 and rep["capacity_bytes"] > 0
+    assert host.ledger.reserved_bytes >= rep["capacity_bytes"]
+    off.disable()
+    assert manager.__dict__.get("global_mempool") is pool_before
+    assert {n: runner.__dict__[n] for n in names} == before
+    assert getattr(cg, "alloc_tensor_from_graph_mempool", None) is alloc_before
+    assert host.ledger.reserved_bytes == 0 and off.pool.state.value == "closed"
+    off = gsm.enable(local_gpt, mode="resident", backend=host)
+    assert off.pool is None and off.report()["graph_pool"] is None
+    assert manager.__dict__.get("global_mempool") is pool_before
+    off.disable()
+    off = gsm.enable(local_gpt, mode="resident", backend=host, release_graph_pool=True)
+    assert off.pool is not None
+    off.disable()
+
+
+def test_the_graph_pool_is_paged_with_gtp_importable_but_unused(local_gpt, host, monkeypatch):
+    """With TransformerEngine importable Megatron has GTP, which allocates into the graph
+    pool on its own only when in use (and check_config refuses it then)."""
+    monkeypatch.setattr(cg, "HAVE_GTP", True, raising=False)
+    off = gsm.enable(local_gpt, mode="remap", backend=host)
+    assert off.pool is not None
+    off.disable()
+    off = gsm.enable(local_gpt, mode="remap", backend=host, release_graph_pool=False)
+    assert off.pool is None and cg.CudaGraphManager.__dict__.get("global_mempool") is None
+    off.disable()
+    monkeypatch.setattr(local_gpt.config, "gtp_weight_remat_size", 2, raising=False)
+    with pytest.raises(IncompatibleError, match="gtp_weight_remat_size > 1"):
+        gsm.enable(local_gpt, mode="remap", backend=host)
+    assert gsm.active() is None and host.ledger.reserved_bytes == 0
+
+
 def test_one_adapter_at_a_time_and_only_before_the_first_step(local_gpt, host, monkeypatch):
     off = gsm.enable(local_gpt, backend=host)
     with pytest.raises(StateError, match="already enabled"):
@@ -375,12 +422,25 @@ def test_local_graphs_with_graphslot_offload_train_like_local_graphs_alone(backe
     _needs_cuda(backend)
     steps = ["--steps", "20"]
     keep = ["--keep-graph-buffers"] if have("transformer_engine") else []
+    eager = _run("eager", tmp_path, *steps)
     ref = _run("graphs", tmp_path, *steps, *keep)
     runs = {m: _run(m, tmp_path, *steps, "--checksums") for m in ("resident", "remap")}
     summary = _check_offload_runs(ref, runs, bitwise=False)
     summary["transformer_engine"] = ref.get("transformer_engine")  # Megatron weak-refs graph I/O with TE
+    summary["eager"] = {k: eager[k] for k in ("driver_used_bytes", "driver_used_peak_bytes",
+                                              "median_step_ms_after_capture")}
     print("megatron summary:", json.dumps(summary))
-    _save_results("megatron", {"graphs": ref, **runs})
+    _save_results("megatron", {"eager": eager, "graphs": ref, **runs})
+    # Issue 15, item 3: remap gives the graph pool's free pages back between steps, so its
+    # device memory after the steps is within 1 GiB of eager's and its peak below eager's.
+    remap = runs["remap"]
+    pool = remap["graphslot"]["graph_pool"]
+    assert pool is not None and pool["releases"] >= 1 and pool["state"] == "released", pool
+    assert remap["driver_used_bytes"] <= eager["driver_used_bytes"] + GiB, (
+        remap["driver_used_bytes"] / GiB, eager["driver_used_bytes"] / GiB)
+    assert remap["driver_used_peak_bytes"] < eager["driver_used_peak_bytes"], (
+        remap["driver_used_peak_bytes"] / GiB, eager["driver_used_peak_bytes"] / GiB)
+    assert runs["resident"]["graphslot"]["graph_pool"] is None  # resident keeps Megatron's pool
 
 
 #: What the TE-spec runs set: Megatron's TE layer spec, bf16, deterministic attention.

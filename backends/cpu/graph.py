@@ -164,6 +164,12 @@ class RegionPool:
         self._bufs = [r for r in self._bufs if r() is not None]
         return sum(ctypes.sizeof(b) for b in (r() for r in self._bufs) if b is not None)
 
+    def live_ranges(self) -> list[tuple[int, int]]:
+        """``(offset, size)`` of every relocated storage still alive."""
+        self._bufs = [r for r in self._bufs if r() is not None]
+        return [(ctypes.addressof(b) - self.va, ctypes.sizeof(b))
+                for b in (r() for r in self._bufs) if b is not None]
+
     def holds(self, t: torch.Tensor) -> bool:
         p = t.untyped_storage().data_ptr()
         return self.va <= p < self.va + self.size
@@ -326,3 +332,7 @@ class RegionCpuGraph(CpuGraph, RegionGraph):
     def pool_region(self) -> tuple[int, int]:
         assert self._region is not None
         return (self._region.va, self._region.size)
+
+    def live_ranges(self) -> list[tuple[int, int]]:
+        assert self._region is not None
+        return self._region.live_ranges()

@@ -269,6 +269,24 @@ class _Region:
             self.id = -1
         return live
 
+    def live_ranges(self) -> list[tuple[int, int]]:
+        """``(offset, size)`` of every block of the region's segments that torch has not
+        freed (allocated, or freed but still waiting for a stream), from its snapshot."""
+        import torch
+
+        out = []
+        for seg in torch.cuda.memory_snapshot():
+            addr = int(seg["address"])
+            if not self.va <= addr < self.va + self.size:
+                continue
+            pos = addr
+            for blk in seg["blocks"]:
+                start = int(blk.get("address", pos))
+                if blk["state"] != "inactive":
+                    out.append((start - self.va, int(blk["size"])))
+                pos = start + int(blk["size"])
+        return out
+
     def check_mapped(self) -> None:
         used = self.used
         res = self.reservation
@@ -371,6 +389,9 @@ def _define() -> type:
         @property
         def pool_region(self) -> tuple[int, int]:
             return (self._region.va, self._region.size)
+
+        def live_ranges(self) -> list[tuple[int, int]]:
+            return self._region.live_ranges() if self._region.id >= 0 else []
 
         @property
         def pool_used_bytes(self) -> int:

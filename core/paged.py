@@ -1,0 +1,369 @@
+"""A graph pool whose free pages go back to the device between steps.
+
+A framework graph pool (torch's private pool of a CUDA graph, say) keeps every byte its
+graphs ever used for as long as the graphs live: their working memory, and the blocks of
+buffers that the framework has already let go of. Eager code gives the same memory back
+after each step. :class:`PagedPool` closes that gap: the pool is drawn from a graphslot
+VA region (a :class:`~graphslot.regions.RegionGraph`'s pool), so its physical pages are
+graphslot's to map and unmap, while every address the graphs captured stays valid.
+
+The pool's bytes are kept in *chunks*, each one physical allocation mapped at one offset:
+
+* :meth:`grow` maps a new chunk behind the region's high-water mark, before anything
+  runs on the bytes a capture or an allocation added;
+* :meth:`settle` (after captures) asks the pool which blocks are still handed out and
+  splits every chunk that holds both such *live* blocks and free bytes, copying the live
+  bytes across, so that from then on each chunk is wholly live or wholly free;
+* :meth:`release` unmaps and releases the free chunks once the given events completed
+  (on the driver worker, so the training thread never waits for the device), and
+  :meth:`acquire` maps them again before the next replay. An acquire that comes while a
+  release still waits for its events calls the release off: no driver call at all.
+
+Live chunks are never unmapped: tensors the framework still hands out keep their bytes.
+The contract is the framework's own between steps: no graph of the pool runs and nothing
+reads bytes the pool considers free from the release until the next :meth:`acquire`.
+
+Device neutral: only the checked :class:`~graphslot.backend.Backend` methods and the
+region-graph interface are used.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+import threading
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any, Iterator, Sequence
+
+from .backend import Allocation, Backend, align_up
+from .errors import StateError, UsageError
+from .regions import RegionGraph
+
+__all__ = ["PagedPool", "PoolState"]
+
+MiB = 1 << 20
+
+
+class PoolState(enum.Enum):
+    """Where a :class:`PagedPool`'s free chunks are."""
+
+    MAPPED = "mapped"  #: every chunk mapped: graphs may replay and captures allocate
+    RELEASING = "releasing"  #: a release waits for its events; an acquire calls it off
+    RELEASED = "released"  #: the free chunks are unmapped; live chunks stay
+    CLOSED = "closed"
+
+
+_TRANSITIONS: dict[PoolState, frozenset[PoolState]] = {
+    PoolState.MAPPED: frozenset({PoolState.RELEASING, PoolState.CLOSED}),
+    PoolState.RELEASING: frozenset({PoolState.MAPPED, PoolState.RELEASED, PoolState.CLOSED}),
+    PoolState.RELEASED: frozenset({PoolState.MAPPED, PoolState.CLOSED}),
+    PoolState.CLOSED: frozenset(),
+}
+
+
+@dataclass(eq=False)
+class _Chunk:
+    offset: int
+    size: int
+    alloc: Allocation | None  #: None while released
+    live: bool = False  #: holds a block the pool still hands out: never released
+
+    @property
+    def end(self) -> int:
+        return self.offset + self.size
+
+
+@dataclass(eq=False)
+class _Release:
+    """One queued release; an acquire sets ``called_off`` before it unmaps anything."""
+
+    called_off: bool = False
+
+
+def _runs(ranges: Sequence[tuple[int, int]], granule: int, limit: int) -> list[tuple[int, int]]:
+    """The granule-aligned ``(start, end)`` runs covering ``ranges`` (offset, size), merged."""
+    spans = sorted((o // granule * granule, min(limit, align_up(o + n, granule)))
+                   for o, n in ranges if n > 0)
+    out: list[tuple[int, int]] = []
+    for s, e in spans:
+        if out and s <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], e))
+        else:
+            out.append((s, e))
+    return out
+
+
+class PagedPool:
+    """A graph pool over a reserved VA region whose free pages come and go.
+
+    Args:
+        backend: the graphslot backend; its graphs must draw pools from regions.
+        capacity: VA bytes to reserve: the most the pool can ever use (VA is cheap;
+            physical memory follows what the graphs use).
+        worker: the :class:`~graphslot.offload.DriverWorker` that runs the driver calls
+            (an offload engine's ``worker``), so they stay on one thread; default: one of
+            the pool's own, closed by :meth:`close`.
+
+    Raises:
+        UsageError: a capacity that is not a positive int, or a backend without region
+            graphs.
+    """
+
+    def __init__(self, backend: Backend, capacity: int, *, worker: Any = None) -> None:
+        if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity <= 0:
+            raise UsageError(f"PagedPool: capacity must be a positive int, got {capacity!r}")
+        from .offload import DriverWorker  # (offload imports nothing of this module)
+
+        self._own_worker = worker is None
+        worker = DriverWorker(backend) if worker is None else worker
+        self._backend = backend
+        self._granule = backend.granularity
+        self.capacity = align_up(capacity, self._granule)
+        self._worker = worker
+        self.reservation = backend.reserve(self.capacity)
+        try:
+            graph = backend.new_graph(pool_region=(self.reservation.va, self.capacity))
+        except BaseException:
+            backend.free(self.reservation)
+            if self._own_worker:
+                worker.close()
+            raise
+        if not isinstance(graph, RegionGraph):
+            backend.free(self.reservation)
+            if self._own_worker:
+                worker.close()
+            raise UsageError(f"the {backend.name} backend's graphs do not draw pools from regions")
+        #: the pool's owner graph (never captured): its pool handle is the pool
+        self.graph: RegionGraph = graph
+        self._chunks: list[_Chunk] = []
+        self._lock = threading.Lock()
+        self._state = PoolState.MAPPED
+        self._job: _Release | None = None
+        self._pending: Future[Any] | None = None
+        self._lending = False
+        self.counters = {"releases": 0, "called_off": 0, "acquires": 0, "split_chunks": 0,
+                         "released_bytes_last": 0}
+
+    # -- state ----------------------------------------------------------------------------
+
+    @property
+    def state(self) -> PoolState:
+        return self._state
+
+    def _move(self, to: PoolState) -> None:
+        if to not in _TRANSITIONS[self._state]:
+            raise StateError(f"paged pool: {self._state.value} -> {to.value} is not a transition")
+        self._state = to
+
+    def _check_open(self, what: str) -> None:
+        if self._state is PoolState.CLOSED:
+            raise StateError(f"paged pool: {what} after close()")
+
+    @property
+    def pool_handle(self) -> Any:
+        """What a framework captures into (``torch.cuda.graph(pool=...)`` on cuda)."""
+        return self.graph.pool_handle
+
+    @property
+    def used_bytes(self) -> int:
+        """The pool's high-water mark in the region."""
+        return self.graph.pool_used_bytes
+
+    @property
+    def mapped_bytes(self) -> int:
+        return sum(c.size for c in self._chunks if c.alloc is not None)
+
+    @property
+    def live_bytes(self) -> int:
+        """Bytes of the chunks that hold live blocks (as of the last :meth:`settle`)."""
+        return sum(c.size for c in self._chunks if c.live)
+
+    @property
+    def free_bytes(self) -> int:
+        """Bytes of the chunks a release gives back."""
+        return sum(c.size for c in self._chunks if not c.live)
+
+    # -- growing and settling ---------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def lend(self) -> Iterator[None]:
+        """Route the pool's allocations into its region while other code captures into
+        :attr:`pool_handle` (or allocates into it); the pool must be mapped."""
+        self._check_open("lend()")
+        if self._state is not PoolState.MAPPED:
+            raise StateError(f"paged pool: lend() while {self._state.value}; acquire() first")
+        if self._lending:  # nested (an allocation inside a graph's creation): already routed
+            yield
+            return
+        self._lending = True
+        try:
+            with self.graph.lend():
+                yield
+        finally:
+            self._lending = False
+
+    def grow(self, extra: int = 0) -> None:
+        """Map a chunk from the mapped end to the high-water mark plus ``extra`` bytes,
+        before anything runs on bytes the pool handed out since the last call."""
+        self._check_open("grow()")
+        if self._state is not PoolState.MAPPED:
+            raise StateError(f"paged pool: grow() while {self._state.value}; acquire() first")
+        end = self._chunks[-1].end if self._chunks else 0
+        want = min(self.capacity, align_up(self.used_bytes + max(0, int(extra)), self._granule))
+        if want <= end:
+            return
+        res, size = self.reservation, want - end
+        alloc = self._worker.submit(lambda: self._backend.map_new(res, end, size)).result()
+        self._chunks.append(_Chunk(end, size, alloc))
+
+    def settle(self) -> None:
+        """Split every chunk that holds live blocks and free bytes (copying the live bytes
+        over), so each chunk is wholly live or wholly free. Waits for the device; call it
+        after captures, with the pool mapped."""
+        self._check_open("settle()")
+        if self._state is not PoolState.MAPPED:
+            raise StateError(f"paged pool: settle() while {self._state.value}; acquire() first")
+        self.grow()
+        live = _runs(self.graph.live_ranges(), self._granule, self.capacity)
+        b = self._backend
+        chunks: list[_Chunk] = []
+        for c in self._chunks:
+            parts = [(max(s, c.offset), min(e, c.end)) for s, e in live if s < c.end and e > c.offset]
+            if not parts:
+                c.live = False
+                chunks.append(c)
+            elif parts == [(c.offset, c.end)]:
+                c.live = True
+                chunks.append(c)
+            else:
+                chunks.extend(self._split(c, parts))
+        self._chunks = chunks
+
+    def _split(self, c: _Chunk, parts: list[tuple[int, int]]) -> list[_Chunk]:
+        b, res = self._backend, self.reservation
+        b.synchronize()
+        kept = [(s, b.alias_bytes(res.va + s, e - s).clone()) for s, e in parts]
+        b.synchronize()
+        cuts = sorted({c.offset, c.end, *(x for p in parts for x in p)})
+        live = {s for s, _ in parts}
+
+        def remap() -> list[_Chunk]:
+            b.unmap_release(res, c.offset)
+            return [_Chunk(s, e - s, b.map_new(res, s, e - s), s in live)
+                    for s, e in zip(cuts, cuts[1:])]
+
+        out: list[_Chunk] = self._worker.submit(remap).result()
+        for s, data in kept:
+            b.alias_bytes(res.va + s, data.numel()).copy_(data)
+        b.synchronize()
+        self.counters["split_chunks"] += 1
+        return out
+
+    # -- releasing and acquiring ------------------------------------------------------------
+
+    def release(self, after: Sequence[Any] = ()) -> None:
+        """Give the free chunks back once every event in ``after`` completed (the last
+        work that may touch them). Returns at once; the driver worker does the rest."""
+        self._check_open("release()")
+        with self._lock:
+            if self._state is not PoolState.MAPPED:
+                return  # already released or on its way
+            job = _Release()
+            self._job = job
+            self._move(PoolState.RELEASING)
+        events = list(after)
+        self._pending = self._worker.submit(lambda: self._release(job, events))
+
+    def _release(self, job: _Release, events: list[Any]) -> None:
+        for ev in events:
+            self._worker.wait_event(ev)
+        with self._lock:
+            if job.called_off or self._state is not PoolState.RELEASING:
+                return
+            freed = 0
+            try:
+                for c in self._chunks:
+                    if not c.live and c.alloc is not None:
+                        self._backend.unmap_release(self.reservation, c.offset)
+                        c.alloc = None
+                        freed += c.size
+            finally:
+                self.counters["released_bytes_last"] = freed
+                self.counters["releases"] += 1
+                self._move(PoolState.RELEASED)
+
+    def acquire(self) -> None:
+        """Make every chunk mapped again (calling off a release still waiting); returns
+        once the pool may be used. Cheap when the pool is mapped."""
+        self._check_open("acquire()")
+        if self._state is PoolState.MAPPED:
+            return
+        with self._lock:
+            if self._state is PoolState.RELEASING and self._job is not None:
+                self._job.called_off = True  # nothing was unmapped yet: nothing to map
+                self._job = None
+                self.counters["called_off"] += 1
+                self._move(PoolState.MAPPED)
+                return
+        pending, self._pending = self._pending, None
+        failed: BaseException | None = None
+        if pending is not None:
+            try:
+                pending.result()
+            except BaseException as e:  # the release failed part way: map, then say so
+                failed = e
+        # RELEASED now, and only this thread leaves it: map without holding the lock, so a
+        # called-off release still waiting on the worker can finish.
+        self._worker.submit(self._map_released).result()
+        with self._lock:
+            self.counters["acquires"] += 1
+            self._move(PoolState.MAPPED)
+        if failed is not None:
+            raise StateError(f"paged pool: the last release failed part way ({failed}); "
+                             "the pool is mapped again") from failed
+
+    def _map_released(self) -> None:
+        for c in self._chunks:
+            if c.alloc is None:
+                c.alloc = self._backend.map_new(self.reservation, c.offset, c.size)
+
+    def drain(self) -> None:
+        """Wait for a queued release to finish (or to see it was called off)."""
+        pending = self._pending
+        if pending is not None:
+            pending.exception()  # a failure is raised by the next acquire()
+
+    # -- reporting and teardown ---------------------------------------------------------------
+
+    def report(self) -> dict[str, Any]:
+        return {"state": self._state.value, "capacity_bytes": self.capacity,
+                "used_bytes": self.used_bytes if self._state is not PoolState.CLOSED else 0,
+                "mapped_bytes": self.mapped_bytes, "live_bytes": self.live_bytes,
+                "free_bytes": self.free_bytes, "chunks": len(self._chunks), **self.counters}
+
+    def close(self) -> int:
+        """Drop the pool once no graph captured into it lives. Returns the region bytes
+        that live tensors still reference; while any do, the region stays reserved and
+        mapped (nothing is lost) and a later close() tries again."""
+        if self._state is PoolState.CLOSED:
+            return 0
+        self.acquire()
+        still = self.graph.release_pool()
+        if still:
+            return still
+        self._backend.synchronize()
+
+        def unmap_all() -> None:
+            for c in self._chunks:
+                if c.alloc is not None:
+                    self._backend.unmap_release(self.reservation, c.offset)
+                    c.alloc = None
+            self._backend.free(self.reservation)
+
+        self._worker.submit(unmap_all).result()
+        if self._own_worker:
+            self._worker.close()
+        self._chunks = []
+        self._move(PoolState.CLOSED)
+        return 0

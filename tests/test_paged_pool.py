@@ -1,0 +1,232 @@
+"""PagedPool: a graph pool whose free pages go back between steps (same tests per backend).
+
+On cpu a recorded graph keeps every buffer it wrote, so its pool's free bytes are those
+of a graph that is gone; on cuda the allocator frees a capture's temporaries at once.
+Either way the tests drop a graph, keep one of its outputs, and keep a second graph to
+replay: what a framework's pool holds between steps.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import graphslot
+from graphslot.errors import StateError, UsageError
+from graphslot.offload import DriverWorker
+from graphslot.paged import PagedPool, PoolState
+from graphslot.regions import RegionGraphBackend
+
+from devices import spin
+
+MiB = 1 << 20
+
+
+@pytest.fixture
+def pooled(clean):
+    b = clean
+    if not isinstance(b, RegionGraphBackend):
+        pytest.skip(f"the {b.name} backend's graphs do not draw their pool from a region")
+    worker = DriverWorker(b)
+    made: list[PagedPool] = []
+
+    def make(capacity: int = 256 * MiB) -> PagedPool:
+        p = PagedPool(b, capacity, worker=worker)
+        made.append(p)
+        return p
+
+    yield b, make
+    for p in made:
+        if p.state is not PoolState.CLOSED:
+            p.acquire()
+            assert p.close() == 0, "a test left tensors in its pool"
+    worker.close()
+
+
+def _capture(b: graphslot.Backend, pool: PagedPool, x: torch.Tensor):
+    """A graph in the pool: big temporaries, a small output."""
+    g = b.new_graph(share_pool_with=pool.graph)
+    pool.grow(extra=64 * MiB)  # the cpu backend's capture runs the work in the region
+    with pool.lend(), g.capture():
+        t = x * 2.0
+        u = t + 1.0
+        out = (u * t).sum(dim=1)
+    pool.grow()
+    return g, out
+
+
+def _expected(x: torch.Tensor) -> torch.Tensor:
+    t = x * 2.0
+    return ((t + 1.0) * t).sum(dim=1)
+
+
+def _input(b: graphslot.Backend, rows: int = 1024, cols: int = 2048) -> torch.Tensor:
+    g = torch.Generator().manual_seed(rows)
+    return torch.randn(rows, cols, generator=g).to(b.device)
+
+
+def test_free_pages_go_back_and_live_bytes_stay(pooled):
+    b, make = pooled
+    pool = make()
+    x = _input(b)
+    gone, kept = _capture(b, pool, x)
+    gone.replay()
+    want = _expected(x)
+    # the graph goes; one of its outputs stays in the pool, with data of its own
+    gone.release_pool()
+    del gone
+    kept.copy_(want)
+    g, out = _capture(b, pool, x)
+    pool.settle()
+    assert pool.live_bytes > 0 and pool.free_bytes > 0
+    mapped = pool.mapped_bytes
+    ledger_mapped = b.ledger.mapped_bytes
+
+    ev = b.record_event(b.new_event())
+    pool.release(after=[ev])
+    assert pool._pending is not None
+    pool._pending.result()
+    assert pool.state is PoolState.RELEASED
+    assert pool.mapped_bytes == pool.live_bytes < mapped
+    assert b.ledger.mapped_bytes == ledger_mapped - (mapped - pool.live_bytes)
+    assert pool.report()["released_bytes_last"] == mapped - pool.live_bytes
+    # the live output is readable while the pool is released, its bytes intact
+    assert torch.equal(kept, want)
+
+    pool.acquire()
+    assert pool.state is PoolState.MAPPED and pool.mapped_bytes == mapped
+    x2 = _input(b, cols=2048) * 0.5
+    x.copy_(x2)
+    g.replay()
+    torch.testing.assert_close(out, _expected(x2), rtol=1e-5, atol=1e-3)
+    assert torch.equal(kept, want)
+    del kept
+    g.release_pool()
+    del g, out
+
+
+def test_a_chunk_with_live_and_free_bytes_is_split_keeping_the_live_bytes(pooled):
+    b, make = pooled
+    pool = make()
+    x = _input(b)
+    gone, kept = _capture(b, pool, x)
+    gone.release_pool()
+    del gone
+    pattern = torch.arange(kept.numel(), dtype=kept.dtype).to(b.device)
+    kept.copy_(pattern)
+    chunks = pool.report()["chunks"]
+    pool.settle()
+    assert pool.counters["split_chunks"] >= 1 and pool.report()["chunks"] > chunks
+    assert torch.equal(kept, pattern)
+    # every chunk is now wholly live or wholly free: the live one holds the output
+    va = kept.untyped_storage().data_ptr() - pool.reservation.va
+    assert any(c.live and c.offset <= va < c.end for c in pool._chunks)
+    assert all(not c.live or any(c.offset <= o < c.end or o <= c.offset < o + n
+                                 for o, n in pool.graph.live_ranges()) for c in pool._chunks)
+    del kept
+
+
+def test_an_acquire_calls_off_a_release_that_still_waits(pooled):
+    b, make = pooled
+    pool = make()
+    x = _input(b)
+    g, out = _capture(b, pool, x)
+    pool.settle()
+    mapped, maps_before = pool.mapped_bytes, b.ledger.snapshot()
+    s = b.new_stream()
+    spin(b, 0.3, s)  # the release's event completes only after this
+    ev = b.record_event(b.new_event(), s)
+    pool.release(after=[ev])
+    assert pool.state is PoolState.RELEASING
+    pool.acquire()
+    assert pool.state is PoolState.MAPPED and pool.counters["called_off"] == 1
+    pool._pending.result()  # the worker saw the call-off after its wait
+    assert pool.mapped_bytes == mapped and pool.counters["releases"] == 0
+    assert b.ledger.snapshot() == maps_before
+    # a release after the call-off is a release of its own
+    pool.release(after=[b.record_event(b.new_event())])
+    pool._pending.result()
+    assert pool.state is PoolState.RELEASED and pool.counters["releases"] == 1
+    pool.acquire()
+    g.replay()
+    torch.testing.assert_close(out, _expected(x), rtol=1e-5, atol=1e-3)
+    g.release_pool()
+    del g, out
+
+
+def test_misuse_is_named_and_nothing_is_lost(pooled):
+    b, make = pooled
+    for bad in (0, -1, True, 1.5):
+        with pytest.raises(UsageError, match="capacity"):
+            PagedPool(b, bad, worker=None)  # type: ignore[arg-type]
+    pool = make()
+    x = _input(b)
+    g, out = _capture(b, pool, x)
+    pool.settle()
+    pool.release()
+    pool._pending.result()
+    for call in (pool.grow, pool.settle):
+        with pytest.raises(StateError, match="acquire"):
+            call()
+    with pytest.raises(StateError, match="acquire"):
+        with pool.lend():
+            pass
+    pool.release()  # already released: nothing to do
+    assert pool.state is PoolState.RELEASED
+    pool.acquire()
+    pool.acquire()  # mapped: nothing to do
+    assert pool.counters["acquires"] == 1
+    # a graph that still lives keeps the pool: close() says how many bytes, and keeps them
+    assert pool.close() > 0 and pool.state is PoolState.MAPPED
+    g.replay()
+    torch.testing.assert_close(out, _expected(x), rtol=1e-5, atol=1e-3)
+    g.release_pool()
+    del g, out
+    assert pool.close() == 0 and pool.state is PoolState.CLOSED
+    with pytest.raises(StateError, match="after close"):
+        pool.acquire()
+
+
+def test_a_release_that_fails_leaves_the_pool_mapped_and_says_so(pooled):
+    b, make = pooled
+    pool = make()
+    x = _input(b)
+    gone, kept = _capture(b, pool, x)
+    gone.release_pool()
+    del gone
+    kept.zero_()
+    pool.settle()
+    mapped = pool.mapped_bytes
+    b.faults.fail("unmap")
+    pool.release()
+    assert pool._pending is not None and pool._pending.exception(timeout=30) is not None
+    with pytest.raises(StateError, match="release failed part way"):
+        pool.acquire()
+    b.faults.clear()
+    assert pool.state is PoolState.MAPPED and pool.mapped_bytes == mapped
+    assert torch.count_nonzero(kept) == 0
+    del kept
+
+
+def test_concurrent_releases_and_acquires_keep_the_pool_consistent(pooled):
+    """The training thread's acquires race the worker's releases; every chunk ends either
+    mapped with the pool MAPPED, or the pool RELEASED with only live chunks mapped."""
+    b, make = pooled
+    pool = make()
+    x = _input(b)
+    g, out = _capture(b, pool, x)
+    pool.settle()
+    mapped = pool.mapped_bytes
+    for k in range(40):
+        if k % 3 == 0:
+            spin(b, 0.002)
+        pool.release(after=[b.record_event(b.new_event())])
+        if k % 2:
+            pool._pending.result()
+        pool.acquire()
+        assert pool.state is PoolState.MAPPED and pool.mapped_bytes == mapped
+    b.synchronize()
+    g.replay()
+    torch.testing.assert_close(out, _expected(x), rtol=1e-5, atol=1e-3)
+    g.release_pool()
+    del g, out
