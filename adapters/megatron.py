@@ -462,6 +462,8 @@ class MegatronOffload:
         self._next_fwd: dict[int, _Runner | None] = {}
         self._next_bwd: dict[int, _Runner | None] = {}
         self.pool: PagedPool | None = None
+        self._reserved_at_enable = 0
+        self._recording_bytes = 0  # allocator bytes Megatron's recording step needed (0: unknown)
         self._graph_runners: list[Any] = []  # every Megatron runner whose graphs use the pool
         self._release_task: Any = None  # the backward pass a pool release is queued for
         release = (m is Mode.REMAP) if release_graph_pool is None else bool(release_graph_pool)
@@ -507,6 +509,10 @@ class MegatronOffload:
         capacity = align_up(b.mem_info()[1], b.granularity)
         pool = PagedPool(b, capacity, worker=getattr(self.engine, "worker", None))
         self.pool = pool
+        # What the recording step needs beyond what the model holds now sizes the room
+        # mapped ahead of each capture (see _capture_headroom).
+        b.empty_cache()
+        self._reserved_at_enable = b.allocator_stats(reset_peak=True)["reserved_bytes"] or 0
         patch = self._patches.append
         patch(_Patch.set(manager, "global_mempool", pool.pool_handle))
         # Megatron 0.17+ allocates graph buffers into the pool outside capture and fills them.
@@ -533,16 +539,33 @@ class MegatronOffload:
         graph_cls: Any = getattr(getattr(torch, self.backend.device.type, None), "graph", None)
         grows: Any = None
         if isinstance(graph_cls, type):
-            class _GrowAfterCapture(graph_cls):  # type: ignore[misc, valid-type]
-                """The framework's capture context; once a capture ends, the pool maps
-                what it added, before Megatron runs anything on it (restoring fp8 state,
-                say)."""
+            owner = self
+
+            class _MappedCapture(graph_cls):  # type: ignore[misc, valid-type]
+                """The framework's capture context, with room mapped in the pool for what
+                the capture allocates (its copy nodes check their addresses); once the
+                capture ends the pool keeps what it used, mapped before Megatron runs
+                anything on it (restoring fp8 state, say)."""
+
+                def __enter__(self) -> Any:
+                    self._room = pool.headroom(owner._capture_headroom())
+                    self._room.__enter__()
+                    try:
+                        return super().__enter__()
+                    except BaseException as e:
+                        self._room.__exit__(type(e), e, e.__traceback__)
+                        raise
 
                 def __exit__(self, *exc: Any) -> Any:
-                    out = super().__exit__(*exc)
-                    pool.grow()
+                    try:
+                        out = super().__exit__(*exc)
+                    except BaseException as e:
+                        if not self._room.__exit__(type(e), e, e.__traceback__):
+                            raise
+                        return None
+                    self._room.__exit__(*exc)
                     return out
-            grows = _GrowAfterCapture
+            grows = _MappedCapture
 
         def run(runner: Any, *args: Any, **kwargs: Any) -> Any:
             # Warm-up reads what earlier captures left in the pool; the capture only records.
@@ -561,6 +584,15 @@ class MegatronOffload:
                 pool.settle()  # a graph created outside create_cudagraphs
             return out
         return run
+
+    def _capture_headroom(self) -> int:
+        """Pool bytes to map ahead of one capture: what Megatron's recording step needed
+        beyond what the model held before it (a capture of one layer allocates no more),
+        with a margin; within the device's free memory."""
+        free = self.backend.mem_info()[0]
+        step = self._recording_bytes
+        want = int(1.5 * step) + (512 << 20) if step else free // 2
+        return max(0, min(want, free - (1 << 30)))
 
     def _replaying(self, pool: PagedPool, replay: Callable[..., Any]) -> Callable[..., Any]:
         def run(runner: Any, *args: Any, **kwargs: Any) -> Any:
@@ -626,6 +658,8 @@ class MegatronOffload:
         # even if this creation fails half way.
         self._created = True
         if self.pool is not None:
+            peak = self.backend.allocator_stats()["peak_reserved_bytes"] or 0
+            self._recording_bytes = max(0, peak - self._reserved_at_enable)
             for entry in rec.cudagraph_record:
                 if not any(x is entry[0] for x in self._graph_runners):
                     self._graph_runners.append(entry[0])

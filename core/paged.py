@@ -217,6 +217,38 @@ class PagedPool:
         alloc = self._worker.submit(lambda: self._backend.map_new(res, end, size)).result()
         self._chunks.append(_Chunk(end, size, alloc))
 
+    @contextlib.contextmanager
+    def headroom(self, nbytes: int) -> Iterator[None]:
+        """Map ``nbytes`` beyond the high-water mark for the block, then keep only what the
+        pool handed out in it. For a capture: it runs nothing, but the nodes it records
+        may check their addresses (a memory copy's do), so what it allocates must be
+        mapped already. Nothing may run on the pool's new bytes inside the block: they
+        are mapped anew at its end."""
+        self._check_open("headroom()")
+        if self._state is not PoolState.MAPPED:
+            raise StateError(f"paged pool: headroom() while {self._state.value}; acquire() first")
+        self.grow()
+        res, end = self.reservation, (self._chunks[-1].end if self._chunks else 0)
+        size = min(align_up(max(0, int(nbytes)), self._granule), self.capacity - end)
+        room = None
+        if size > 0:
+            alloc = self._worker.submit(lambda: self._backend.map_new(res, end, size)).result()
+            room = _Chunk(end, size, alloc)
+            self._chunks.append(room)
+        try:
+            yield
+        except BaseException as e:
+            if self.used_bytes > end + size:
+                raise StateError(f"paged pool: the capture took {self.used_bytes - end} bytes of the "
+                                 f"pool beyond what was there, more than the {size} mapped ahead of "
+                                 "it") from e
+            raise
+        finally:
+            if room is not None:
+                self._chunks.remove(room)
+                self._worker.submit(lambda: self._backend.unmap_release(res, end)).result()
+            self.grow()
+
     def settle(self) -> None:
         """Split every chunk that holds live blocks and free bytes (copying the live bytes
         over), so each chunk is wholly live or wholly free. Waits for the device; call it

@@ -230,3 +230,33 @@ def test_concurrent_releases_and_acquires_keep_the_pool_consistent(pooled):
     torch.testing.assert_close(out, _expected(x), rtol=1e-5, atol=1e-3)
     g.release_pool()
     del g, out
+
+
+def test_a_capture_under_headroom_keeps_only_what_it_used(pooled):
+    """Room is mapped ahead of a capture (cuda's copy nodes check their addresses), and
+    once the capture ends the pool maps exactly up to its high-water mark."""
+    b, make = pooled
+    pool = make()
+    x = _input(b)
+    g = b.new_graph(share_pool_with=pool.graph)
+    before = pool.mapped_bytes
+    with pool.headroom(96 * MiB):
+        assert pool.mapped_bytes >= before + 96 * MiB
+        with pool.lend(), g.capture():
+            t = x * 2.0
+            y = t.clone()  # a copy in the graph
+            out = ((y + 1.0) * t).sum(dim=1)
+    used = pool.used_bytes
+    assert 0 < used <= 96 * MiB
+    assert pool.mapped_bytes == -(-used // b.granularity) * b.granularity
+    assert b.ledger.mapped_bytes >= pool.mapped_bytes
+    g.replay()
+    torch.testing.assert_close(out, _expected(x), rtol=1e-5, atol=1e-3)
+    with pytest.raises(StateError, match="acquire"):
+        pool.release()
+        pool._pending.result()
+        with pool.headroom(MiB):
+            pass
+    pool.acquire()
+    g.release_pool()
+    del g, out, t, y
