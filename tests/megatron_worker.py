@@ -138,6 +138,8 @@ def main() -> None:
                          "cannot see, such as what torch's own norms save in C++)")
     ap.add_argument("--census", action="store_true",
                     help="record allocations and report what Megatron's graph pool holds, by allocating frame")
+    ap.add_argument("--keep-graph-pool", action="store_true",
+                    help="graphslot keeps Megatron's graph pool as it is (release_graph_pool=False)")
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
     if a.fp8 and a.spec != "te":
@@ -204,7 +206,8 @@ def main() -> None:
         from graphslot.adapters import megatron as gs_megatron
 
         layers = [int(x) for x in a.offload_layers.split(",") if x] or None
-        offload = gs_megatron.enable(model, mode=a.mode, layers=layers, debug_checksums=a.checksums)
+        offload = gs_megatron.enable(model, mode=a.mode, layers=layers, debug_checksums=a.checksums,
+                                     **({"release_graph_pool": False} if a.keep_graph_pool else {}))
 
     dev = torch.device("cuda")
     position_ids = torch.arange(a.seq, device=dev).unsqueeze(0).expand(a.batch, -1)
@@ -278,6 +281,7 @@ def main() -> None:
         "params_sha256": digest.hexdigest(),
         "spec": a.spec, "dtype": "bf16" if config.bf16 else "fp32", "fp8": a.fp8 or None,
         "deterministic": a.deterministic, "keep_graph_buffers": a.keep_graph_buffers,
+        "keep_graph_pool": a.keep_graph_pool,
         "median_step_ms_after_capture": 1000 * sorted(times[3:])[len(times[3:]) // 2] if len(times) > 3 else None,
         "driver_used_bytes": total - free, "driver_used_peak_bytes": used_peak,
         "torch_reserved_bytes": torch.cuda.memory_reserved(), "graph_pool": graph_pool,
