@@ -875,9 +875,15 @@ class MegatronOffload:
         if self.pool is not None:
             still = self.pool.close()
             if still:
-                _KEPT_POOLS.append(self.pool)  # tensors still use its bytes: keep them mapped
-                warnings.warn(f"graphslot: {still} bytes of Megatron's graph pool are still held by "
-                              "tensors after disable(); its region stays mapped", stacklevel=2)
+                # Megatron's runners still hold graph buffers in the pool. Nothing replays
+                # from it or allocates in it any more: keep the chunks those buffers live in
+                # mapped, give the free ones back for good.
+                self.pool.release()
+                self.pool.drain()
+                _KEPT_POOLS.append(self.pool)
+                warnings.warn(f"graphslot: tensors still hold bytes of Megatron's graph pool after "
+                              f"disable(); {self.pool.mapped_bytes} bytes of it stay mapped",
+                              stacklevel=2)
         self.engine.close()
         self._closed = True
         if _ACTIVE is self:

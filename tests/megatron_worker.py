@@ -306,6 +306,8 @@ def main() -> None:
     if offload is not None:
         res["graphslot"] = offload.report()
         offload.disable()
+        if offload.pool is not None:  # what of the paged graph pool stays after disable()
+            res["graph_pool_after_disable"] = offload.pool.report()
     with open(a.out, "w") as f:
         json.dump(res, f, indent=1)
     dist.destroy_process_group()

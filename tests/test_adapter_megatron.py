@@ -441,6 +441,9 @@ def test_local_graphs_with_graphslot_offload_train_like_local_graphs_alone(backe
     assert remap["driver_used_peak_bytes"] < eager["driver_used_peak_bytes"], (
         remap["driver_used_peak_bytes"] / GiB, eager["driver_used_peak_bytes"] / GiB)
     assert runs["resident"]["graphslot"]["graph_pool"] is None  # resident keeps Megatron's pool
+    # disable(): Megatron's runners still hold buffers in the pool; only their chunks stay
+    after = remap["graph_pool_after_disable"]
+    assert after["state"] == "closed" or after["mapped_bytes"] == after["live_bytes"] < pool["used_bytes"], after
 
 
 #: What the TE-spec runs set: Megatron's TE layer spec, bf16, deterministic attention.
