@@ -464,7 +464,7 @@ class MegatronOffload:
         self.pool: PagedPool | None = None
         self._reserved_at_enable = 0
         self._recording_bytes = 0  # allocator bytes Megatron's recording step needed (0: unknown)
-        self._graph_runners: list[Any] = []  # every Megatron runner whose graphs use the pool
+        self._graph_runners: dict[int, Any] = {}  # every Megatron runner whose graphs use the pool
         self._release_task: Any = None  # the backward pass a pool release is queued for
         release = (m is Mode.REMAP) if release_graph_pool is None else bool(release_graph_pool)
         try:
@@ -501,7 +501,8 @@ class MegatronOffload:
         manager: Any = getattr(cg, "CudaGraphManager", None)
         runner_cls: Any = getattr(cg, "_CudaGraphRunner", None)
         missing = [n for n, ok in (("CudaGraphManager.global_mempool", hasattr(manager, "global_mempool")),
-                                   ("_CudaGraphRunner", runner_cls is not None)) if not ok]
+                                   ("_CudaGraphRunner", runner_cls is not None),
+                                   ("_GraphStatus", hasattr(cg, "_GraphStatus"))) if not ok]
         if missing:
             raise IncompatibleError(f"Megatron-Core {self.megatron_version}: release_graph_pool needs "
                                     f"{missing} (pass release_graph_pool=False)")
@@ -520,13 +521,8 @@ class MegatronOffload:
 
         def alloc_tensor_from_graph_mempool(meta: Any) -> Any:
             # Megatron fills the buffer at once: map where torch may put its segment first.
-            n = int(torch.Size(meta.shape).numel()) * torch.empty((), dtype=meta.dtype).element_size()
-            pool.acquire()
-            pool.grow(extra=_segment_bound(n))
-            with pool.lend():
-                out = alloc(meta)
-            pool.grow()
-            return out
+            with pool.allocating(extra=_segment_bound(torch.Size(meta.shape).numel() * meta.dtype.itemsize)):
+                return alloc(meta)
 
         if alloc is not None:
             patch(_Patch.set(cg, "alloc_tensor_from_graph_mempool", alloc_tensor_from_graph_mempool))
@@ -569,17 +565,13 @@ class MegatronOffload:
 
         def run(runner: Any, *args: Any, **kwargs: Any) -> Any:
             # Warm-up reads what earlier captures left in the pool; the capture only records.
-            pool.acquire()
-            pool.grow()
-            if not any(x is runner for x in runners):
-                runners.append(runner)
-            with pool.lend(), contextlib.ExitStack() as stack:
+            runners[id(runner)] = runner
+            with pool.allocating(), contextlib.ExitStack() as stack:
                 if grows is not None:
                     module = getattr(torch, self.backend.device.type)
                     stack.callback(setattr, module, "graph", module.graph)
                     module.graph = grows
                 out = create(runner, *args, **kwargs)
-            pool.grow()
             if not self._cg._CudagraphGlobalRecord.cudagraph_record:
                 pool.settle()  # a graph created outside create_cudagraphs
             return out
@@ -615,7 +607,7 @@ class MegatronOffload:
 
         def at_end() -> None:
             self._release_task = None
-            if any(getattr(r, "status", ready) is not ready for r in self._graph_runners):
+            if any(r.status is not ready for r in self._graph_runners.values()):
                 return  # a forward's backward is still to come: its buffers are in the pool
             events = [b.record_event(b.new_event(), stream), b.record_event(b.new_event())]
             pool.release(after=events)
@@ -660,9 +652,6 @@ class MegatronOffload:
         if self.pool is not None:
             peak = self.backend.allocator_stats()["peak_reserved_bytes"] or 0
             self._recording_bytes = max(0, peak - self._reserved_at_enable)
-            for entry in rec.cudagraph_record:
-                if not any(x is entry[0] for x in self._graph_runners):
-                    self._graph_runners.append(entry[0])
         result = create(rec)
         self._after_capture()
         if self.pool is not None:
@@ -794,9 +783,7 @@ class MegatronOffload:
         if t is None:
             raise StateError(f"{r.group.name}: backward graph replayed with no forward pending")
         eng.wait_restored(t)
-        if self.pool is not None:
-            self.pool.acquire()
-        graph.replay()
+        graph.replay()  # (the pool is mapped: no release while a runner awaits its backward)
         eng.consumed(t)
         self._queue_pool_release(self.backend.current_stream())
         r.ticket = None

@@ -38,6 +38,7 @@ from typing import Any, Iterator, Sequence
 
 from .backend import Allocation, Backend, align_up
 from .errors import StateError, UsageError
+from .planner import merge_intervals
 from .regions import RegionGraph
 
 __all__ = ["PagedPool", "PoolState"]
@@ -83,15 +84,8 @@ class _Release:
 
 def _runs(ranges: Sequence[tuple[int, int]], granule: int, limit: int) -> list[tuple[int, int]]:
     """The granule-aligned ``(start, end)`` runs covering ``ranges`` (offset, size), merged."""
-    spans = sorted((o // granule * granule, min(limit, align_up(o + n, granule)))
-                   for o, n in ranges if n > 0)
-    out: list[tuple[int, int]] = []
-    for s, e in spans:
-        if out and s <= out[-1][1]:
-            out[-1] = (out[-1][0], max(out[-1][1], e))
-        else:
-            out.append((s, e))
-    return out
+    return merge_intervals((o // granule * granule, min(limit, align_up(o + n, granule)))
+                           for o, n in ranges if n > 0)
 
 
 class PagedPool:
@@ -124,16 +118,13 @@ class PagedPool:
         self.reservation = backend.reserve(self.capacity)
         try:
             graph = backend.new_graph(pool_region=(self.reservation.va, self.capacity))
+            if not isinstance(graph, RegionGraph):
+                raise UsageError(f"the {backend.name} backend's graphs do not draw pools from regions")
         except BaseException:
             backend.free(self.reservation)
             if self._own_worker:
                 worker.close()
             raise
-        if not isinstance(graph, RegionGraph):
-            backend.free(self.reservation)
-            if self._own_worker:
-                worker.close()
-            raise UsageError(f"the {backend.name} backend's graphs do not draw pools from regions")
         #: the pool's owner graph (never captured): its pool handle is the pool
         self.graph: RegionGraph = graph
         self._chunks: list[_Chunk] = []
@@ -159,6 +150,11 @@ class PagedPool:
     def _check_open(self, what: str) -> None:
         if self._state is PoolState.CLOSED:
             raise StateError(f"paged pool: {what} after close()")
+
+    def _check_mapped(self, what: str) -> None:
+        self._check_open(what)
+        if self._state is not PoolState.MAPPED:
+            raise StateError(f"paged pool: {what} while {self._state.value}; acquire() first")
 
     @property
     def pool_handle(self) -> Any:
@@ -190,9 +186,7 @@ class PagedPool:
     def lend(self) -> Iterator[None]:
         """Route the pool's allocations into its region while other code captures into
         :attr:`pool_handle` (or allocates into it); the pool must be mapped."""
-        self._check_open("lend()")
-        if self._state is not PoolState.MAPPED:
-            raise StateError(f"paged pool: lend() while {self._state.value}; acquire() first")
+        self._check_mapped("lend()")
         if self._lending:  # nested (an allocation inside a graph's creation): already routed
             yield
             return
@@ -203,12 +197,22 @@ class PagedPool:
         finally:
             self._lending = False
 
+    @contextlib.contextmanager
+    def allocating(self, extra: int = 0) -> Iterator[None]:
+        """For code that allocates into the pool and runs on what it allocated at once
+        (outside a capture): map the pool and ``extra`` bytes beyond its high-water mark,
+        route the pool's allocations into the region for the block, and map what the
+        block allocated at its end."""
+        self.acquire()
+        self.grow(extra)
+        with self.lend():
+            yield
+        self.grow()
+
     def grow(self, extra: int = 0) -> None:
         """Map a chunk from the mapped end to the high-water mark plus ``extra`` bytes,
         before anything runs on bytes the pool handed out since the last call."""
-        self._check_open("grow()")
-        if self._state is not PoolState.MAPPED:
-            raise StateError(f"paged pool: grow() while {self._state.value}; acquire() first")
+        self._check_mapped("grow()")
         end = self._chunks[-1].end if self._chunks else 0
         want = min(self.capacity, align_up(self.used_bytes + max(0, int(extra)), self._granule))
         if want <= end:
@@ -224,9 +228,7 @@ class PagedPool:
         may check their addresses (a memory copy's do), so what it allocates must be
         mapped already. Nothing may run on the pool's new bytes inside the block: they
         are mapped anew at its end."""
-        self._check_open("headroom()")
-        if self._state is not PoolState.MAPPED:
-            raise StateError(f"paged pool: headroom() while {self._state.value}; acquire() first")
+        self._check_mapped("headroom()")
         self.grow()
         res, end = self.reservation, (self._chunks[-1].end if self._chunks else 0)
         size = min(align_up(max(0, int(nbytes)), self._granule), self.capacity - end)
@@ -253,12 +255,9 @@ class PagedPool:
         """Split every chunk that holds live blocks and free bytes (copying the live bytes
         over), so each chunk is wholly live or wholly free. Waits for the device; call it
         after captures, with the pool mapped."""
-        self._check_open("settle()")
-        if self._state is not PoolState.MAPPED:
-            raise StateError(f"paged pool: settle() while {self._state.value}; acquire() first")
+        self._check_mapped("settle()")
         self.grow()
         live = _runs(self.graph.live_ranges(), self._granule, self.capacity)
-        b = self._backend
         chunks: list[_Chunk] = []
         for c in self._chunks:
             parts = [(max(s, c.offset), min(e, c.end)) for s, e in live if s < c.end and e > c.offset]
@@ -313,15 +312,11 @@ class PagedPool:
         with self._lock:
             if job.called_off or self._state is not PoolState.RELEASING:
                 return
-            freed = 0
             try:
-                for c in self._chunks:
-                    if not c.live and c.alloc is not None:
-                        self._backend.unmap_release(self.reservation, c.offset)
-                        c.alloc = None
-                        freed += c.size
+                self._unmap([c for c in self._chunks if not c.live])
             finally:
-                self.counters["released_bytes_last"] = freed
+                self.counters["released_bytes_last"] = sum(
+                    c.size for c in self._chunks if not c.live and c.alloc is None)
                 self.counters["releases"] += 1
                 self._move(PoolState.RELEASED)
 
@@ -355,6 +350,16 @@ class PagedPool:
             raise StateError(f"paged pool: the last release failed part way ({failed}); "
                              "the pool is mapped again") from failed
 
+    def _unmap(self, chunks: Sequence[_Chunk]) -> int:
+        """Unmap and release the mapped ones of ``chunks`` (driver worker); their bytes."""
+        freed = 0
+        for c in chunks:
+            if c.alloc is not None:
+                self._backend.unmap_release(self.reservation, c.offset)
+                c.alloc = None
+                freed += c.size
+        return freed
+
     def _map_released(self) -> None:
         for c in self._chunks:
             if c.alloc is None:
@@ -387,10 +392,7 @@ class PagedPool:
         self._backend.synchronize()
 
         def unmap_all() -> None:
-            for c in self._chunks:
-                if c.alloc is not None:
-                    self._backend.unmap_release(self.reservation, c.offset)
-                    c.alloc = None
+            self._unmap(self._chunks)
             self._backend.free(self.reservation)
 
         self._worker.submit(unmap_all).result()

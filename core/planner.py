@@ -155,7 +155,7 @@ class _Block:
     nodes: tuple[int, list[int], list[int]] | None = None  # cached: (n, *_tree_nodes(n, spans))
 
 
-def _merge(spans: Iterable[tuple[int, int]]) -> list[tuple[int, int]]:
+def merge_intervals(spans: Iterable[tuple[int, int]]) -> list[tuple[int, int]]:
     """The union of half-open intervals, as sorted disjoint non-touching intervals."""
     out: list[tuple[int, int]] = []
     for s, e in sorted(spans):
@@ -208,7 +208,7 @@ def _validate(tensors: Sequence[TensorSpec],
                     f"alias group {gid!r}: {t.name!r} (alias_offset {t.alias_offset}, align "
                     f"{t.align}) and {a.name!r} (alias_offset {a.alias_offset}, align {a.align}) "
                     f"cannot both be aligned at any group base")
-        spans = _merge((tensors[i].start, tensors[i].end) for i in idx)
+        spans = merge_intervals((tensors[i].start, tensors[i].end) for i in idx)
         blocks.append(_Block(
             extent=max(tensors[i].alias_offset + tensors[i].size for i in idx) - base,
             align=a.align, phase=phase, branch=first.branch, spans=spans,
@@ -238,7 +238,7 @@ def _live_bytes_events(tensors: Sequence[TensorSpec]) -> dict[Hashable | None, l
         cuts = sorted({p for t in members for p in (t.start, t.end)})
         prev = 0
         for s, e in zip(cuts, cuts[1:]):
-            live = _merge((t.alias_offset, t.alias_offset + t.size)
+            live = merge_intervals((t.alias_offset, t.alias_offset + t.size)
                           for t in members if t.start <= s and e <= t.end)
             now = sum(b - a for a, b in live)
             if now != prev:

@@ -55,6 +55,20 @@ def _capture(b: graphslot.Backend, pool: PagedPool, x: torch.Tensor):
     return g, out
 
 
+def _kept_output(b: graphslot.Backend, pool: PagedPool, x: torch.Tensor) -> torch.Tensor:
+    """An output left in the pool by a graph that is gone (its other bytes are free)."""
+    gone, kept = _capture(b, pool, x)
+    gone.release_pool()
+    return kept
+
+
+def _replays_right(g, out: torch.Tensor, x: torch.Tensor) -> None:
+    """Replay ``g`` (the pool mapped), check its output, and let the graph go."""
+    g.replay()
+    torch.testing.assert_close(out, _expected(x), rtol=1e-5, atol=1e-3)
+    g.release_pool()
+
+
 def _expected(x: torch.Tensor) -> torch.Tensor:
     t = x * 2.0
     return ((t + 1.0) * t).sum(dim=1)
@@ -69,12 +83,9 @@ def test_free_pages_go_back_and_live_bytes_stay(pooled):
     b, make = pooled
     pool = make()
     x = _input(b)
-    gone, kept = _capture(b, pool, x)
-    gone.replay()
+    # a graph that is gone left one of its outputs in the pool, with data of its own
+    kept = _kept_output(b, pool, x)
     want = _expected(x)
-    # the graph goes; one of its outputs stays in the pool, with data of its own
-    gone.release_pool()
-    del gone
     kept.copy_(want)
     g, out = _capture(b, pool, x)
     pool.settle()
@@ -109,9 +120,7 @@ def test_a_chunk_with_live_and_free_bytes_is_split_keeping_the_live_bytes(pooled
     b, make = pooled
     pool = make()
     x = _input(b)
-    gone, kept = _capture(b, pool, x)
-    gone.release_pool()
-    del gone
+    kept = _kept_output(b, pool, x)
     pattern = torch.arange(kept.numel(), dtype=kept.dtype).to(b.device)
     kept.copy_(pattern)
     chunks = pool.report()["chunks"]
@@ -148,9 +157,7 @@ def test_an_acquire_calls_off_a_release_that_still_waits(pooled):
     pool._pending.result()
     assert pool.state is PoolState.RELEASED and pool.counters["releases"] == 1
     pool.acquire()
-    g.replay()
-    torch.testing.assert_close(out, _expected(x), rtol=1e-5, atol=1e-3)
-    g.release_pool()
+    _replays_right(g, out, x)
     del g, out
 
 
@@ -178,9 +185,7 @@ def test_misuse_is_named_and_nothing_is_lost(pooled):
     assert pool.counters["acquires"] == 1
     # a graph that still lives keeps the pool: close() says how many bytes, and keeps them
     assert pool.close() > 0 and pool.state is PoolState.MAPPED
-    g.replay()
-    torch.testing.assert_close(out, _expected(x), rtol=1e-5, atol=1e-3)
-    g.release_pool()
+    _replays_right(g, out, x)
     del g, out
     assert pool.close() == 0 and pool.state is PoolState.CLOSED
     with pytest.raises(StateError, match="after close"):
@@ -191,9 +196,7 @@ def test_a_release_that_fails_leaves_the_pool_mapped_and_says_so(pooled):
     b, make = pooled
     pool = make()
     x = _input(b)
-    gone, kept = _capture(b, pool, x)
-    gone.release_pool()
-    del gone
+    kept = _kept_output(b, pool, x)
     kept.zero_()
     pool.settle()
     mapped = pool.mapped_bytes
@@ -209,8 +212,8 @@ def test_a_release_that_fails_leaves_the_pool_mapped_and_says_so(pooled):
 
 
 def test_concurrent_releases_and_acquires_keep_the_pool_consistent(pooled):
-    """The training thread's acquires race the worker's releases; every chunk ends either
-    mapped with the pool MAPPED, or the pool RELEASED with only live chunks mapped."""
+    """The training thread's acquires race the worker's releases (some still waiting for
+    their event, some done): after each acquire the pool is mapped, every chunk of it."""
     b, make = pooled
     pool = make()
     x = _input(b)
@@ -226,9 +229,7 @@ def test_concurrent_releases_and_acquires_keep_the_pool_consistent(pooled):
         pool.acquire()
         assert pool.state is PoolState.MAPPED and pool.mapped_bytes == mapped
     b.synchronize()
-    g.replay()
-    torch.testing.assert_close(out, _expected(x), rtol=1e-5, atol=1e-3)
-    g.release_pool()
+    _replays_right(g, out, x)
     del g, out
 
 

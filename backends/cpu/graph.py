@@ -161,8 +161,7 @@ class RegionPool:
     @property
     def live_bytes(self) -> int:
         """Region bytes still referenced by live tensors (0: the region may be unmapped)."""
-        self._bufs = [r for r in self._bufs if r() is not None]
-        return sum(ctypes.sizeof(b) for b in (r() for r in self._bufs) if b is not None)
+        return sum(n for _, n in self.live_ranges())
 
     def live_ranges(self) -> list[tuple[int, int]]:
         """``(offset, size)`` of every relocated storage still alive."""
