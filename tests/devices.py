@@ -8,6 +8,18 @@ from typing import Any
 import torch
 
 import graphslot
+from graphslot.errors import BackendUnavailableError
+
+
+def selected_backend() -> tuple[graphslot.Backend | None, str]:
+    """The backend ``GRAPHSLOT_BACKEND`` selects, or None and why it cannot run here.
+
+    For tests that need the backend at import (a module-level skip): a module must still
+    collect where the selected backend's device is absent, and skip with the reason."""
+    try:
+        return graphslot.get_backend(), ""
+    except BackendUnavailableError as e:
+        return None, f"selected backend unavailable: {e}"
 
 
 def spin(b: graphslot.Backend, seconds: float, stream: Any = None) -> None:

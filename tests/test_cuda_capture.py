@@ -17,11 +17,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-import graphslot
 from graphslot.adapters.torch import GraphedLayers
+from devices import selected_backend
 
-pytestmark = pytest.mark.skipif(graphslot.get_backend().name != "cuda",
-                                reason="CUDA only: SDPA kernel selection and AccumulateGrad streams")
+_backend, _unavailable = selected_backend()
+pytestmark = pytest.mark.skipif(
+    _backend is None or _backend.name != "cuda",
+    reason=_unavailable or "CUDA only: SDPA kernel selection and AccumulateGrad streams")
 
 
 class _Attn(nn.Module):
