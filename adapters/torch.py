@@ -56,17 +56,23 @@ import gc
 import threading
 import warnings
 import weakref
+from dataclasses import replace
 from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import torch
+import torch.utils.checkpoint
 from torch import nn
 
 from graphslot.backend import Backend, DeviceGraph
+from graphslot.budget import (OFFLOAD, RECOMPUTE, BudgetPlan, StackProfile, banks_bytes,
+                              parse_budget, plan_budget)
 from graphslot.errors import CaptureMismatchError, StateError, UsageError
 from graphslot.memory import saved_bytes_per_layer
 from graphslot.offload import (SECTION_BYTES, Mode, OffloadEngine, OffloadGroup, never_offloaded,
                                recording_saved_tensors, state_storages)
+from graphslot.profile import copy_bandwidth, held_bytes, profile_units
 from graphslot.selection import get_backend
+from graphslot.sizes import format_bytes
 
 __all__ = ["JOIN_BYTES", "GraphedLayers", "plan_graphs"]
 
@@ -78,21 +84,25 @@ JOIN_BYTES = 32 << 20
 
 
 def plan_graphs(n: int, offloaded: set[int], layers_per_graph: int | None,
-                saved_bytes: Sequence[int] | None, join_bytes: int | None = None
-                ) -> tuple[tuple[int, ...], ...]:
+                saved_bytes: Sequence[int] | None, join_bytes: int | None = None,
+                recomputed: set[int] = frozenset()) -> tuple[tuple[int, ...], ...]:  # type: ignore[assignment]
     """Which of ``n`` layers each device graph covers: consecutive runs, never mixing
-    layers in and outside ``offloaded``; ``layers_per_graph`` at a time, or, when it is
-    None, as many as keep ``saved_bytes`` (per layer) within ``join_bytes`` together
-    (default :data:`JOIN_BYTES`)."""
+    layers in and outside ``offloaded`` (or ``recomputed``); ``layers_per_graph`` at a
+    time, or, when it is None, as many as keep ``saved_bytes`` (per layer) within
+    ``join_bytes`` together (default :data:`JOIN_BYTES`)."""
     if layers_per_graph is None and (saved_bytes is None or len(saved_bytes) != n):
         raise UsageError("plan_graphs: joining by size needs every layer's saved bytes")
     join_bytes = JOIN_BYTES if join_bytes is None else join_bytes
+
+    def kind(i: int) -> tuple[bool, bool]:
+        return (i in offloaded, i in recomputed)
+
     plan: list[tuple[int, ...]] = []
     run: list[int] = []
     total = 0
     for i in range(n):
         size = 0 if saved_bytes is None else saved_bytes[i]
-        if run and ((run[0] in offloaded) != (i in offloaded)
+        if run and (kind(run[0]) != kind(i)
                     or (layers_per_graph is not None and len(run) >= layers_per_graph)
                     or (layers_per_graph is None and total + size > join_bytes)):
             plan.append(tuple(run))
@@ -215,6 +225,8 @@ class _Runner:
         # The stack's first layer copies its input in and hands its input gradient out as a
         # copy; the others read and write their neighbours' buffers themselves.
         self.first = index == 0
+        #: its forward saves only its input, and its backward graph runs the forward again
+        self.recompute = layers[0] in stack.recompute_layers
 
     # -- build ---------------------------------------------------------------------------
 
@@ -229,9 +241,18 @@ class _Runner:
         dev = b.device
         alias_of = {id(p): a for p, a in zip(self.params, aliases)}
 
-        def call() -> Any:
+        def run(x: torch.Tensor) -> Any:
             with _parameters_as(self.module, alias_of):
-                return self.module(static_in)
+                return self.module(x)
+
+        def call() -> Any:
+            if self.recompute:
+                # The recompute runs inside the backward graph's capture, so ``run`` swaps
+                # the aliases in again there. No RNG state is stashed: random ops are not
+                # supported inside graphed layers, and the state calls would run in capture.
+                return torch.utils.checkpoint.checkpoint(run, static_in, use_reentrant=False,
+                                                         preserve_rng_state=False)
+            return run(static_in)
 
         def is_state(t: torch.Tensor) -> bool:
             return never_offloaded(t, dev.type, state)
@@ -537,6 +558,25 @@ class _LayerFunction(torch.autograd.Function):
         return (None, None, *grads)
 
 
+def _layer_set(name: str, layers: Iterable[int], n: int) -> set[int]:
+    """``layers`` as a set of layer indices; a UsageError naming what is not one."""
+    chosen = list(layers)
+    bad = [i for i in chosen if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < n]
+    if bad:
+        raise UsageError(f"{name} {bad} are not layer indices (integers 0..{n - 1})")
+    return set(chosen)
+
+
+def _check_sample(sample: Any, backend: Backend) -> None:
+    """A sample input is one tensor on the backend's device type."""
+    if not isinstance(sample, torch.Tensor):
+        raise UsageError(f"sample_input must be a torch.Tensor of the shape, dtype and device "
+                         f"the stack will see, got {type(sample).__name__}")
+    if sample.device.type != backend.device.type:
+        raise UsageError(f"sample_input is on {sample.device}, but the {backend.name} "
+                         f"backend runs on {backend.device}")
+
+
 class GraphedLayers(nn.Module):
     """Run ``layers`` in sequence as graphed callables with slot-based activation offload.
 
@@ -572,9 +612,11 @@ class GraphedLayers(nn.Module):
     """
 
     def __init__(self, layers: Sequence[nn.Module], sample_input: torch.Tensor, *,
-                 mode: Mode | str = Mode.RESIDENT, min_offload_bytes: int = 0,
+                 mode: Mode | str | None = None, min_offload_bytes: int = 0,
                  section_bytes: int = SECTION_BYTES,
                  offload_layers: Iterable[int] | None = None,
+                 recompute_layers: Iterable[int] | None = None,
+                 memory_budget: int | str | None = None,
                  layers_per_graph: int | None = None, warmup_iters: int = 2,
                  backend: Backend | None = None, debug_checksums: bool = False) -> None:
         super().__init__()
@@ -582,27 +624,33 @@ class GraphedLayers(nn.Module):
             raise UsageError("GraphedLayers needs at least one layer")
         self.layers = nn.ModuleList(layers)
         self.backend = backend or get_backend()
-        if sample_input.device.type != self.backend.device.type:
-            raise UsageError(f"sample_input is on {sample_input.device}, but the {self.backend.name} "
-                             f"backend runs on {self.backend.device}")
+        _check_sample(sample_input, self.backend)
         n = len(self.layers)
-        chosen = list(range(n)) if offload_layers is None else list(offload_layers)
-        bad = [i for i in chosen if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < n]
-        if bad:
-            raise UsageError(f"offload_layers {bad} are not layer indices (integers 0..{n - 1})")
-        self.offload_layers = set(chosen)
+        if memory_budget is not None and (offload_layers is not None or recompute_layers is not None):
+            raise UsageError("memory_budget plans which layers to offload and recompute: give "
+                             "it, or offload_layers / recompute_layers, not both")
+        recompute = _layer_set("recompute_layers", [] if recompute_layers is None else recompute_layers, n)
+        offload = _layer_set("offload_layers", (set(range(n)) - recompute) if offload_layers is None
+                             else offload_layers, n)
+        both = sorted(offload & recompute)
+        if both:
+            raise UsageError(f"layers {both} are in both offload_layers and recompute_layers; "
+                             "a layer's activations are offloaded or recomputed, not both")
         if layers_per_graph is not None and (isinstance(layers_per_graph, bool)
                                              or not isinstance(layers_per_graph, int)
                                              or layers_per_graph < 1):
             raise UsageError(f"layers_per_graph must be a positive integer or None (join small "
                              f"layers), got {layers_per_graph!r}")
-        self.engine = OffloadEngine(self.backend, mode, min_bytes=min_offload_bytes,
-                                    section_bytes=section_bytes,
-                                    debug_checksums=debug_checksums)
+        modes = tuple(m.value for m in Mode) if mode is None else (Mode(mode).value,)
+        self._engine_args = dict(min_bytes=min_offload_bytes, section_bytes=section_bytes,
+                                 debug_checksums=debug_checksums)
         self.warmup_iters = max(1, int(warmup_iters))
         self._microbatch = 0
         #: the layers each device graph covers, in order (see ``layers_per_graph``)
         self.graph_layers: tuple[tuple[int, ...], ...] = ()
+        #: what ``memory_budget`` chose (:class:`graphslot.budget.BudgetPlan`, choices per
+        #: layer); None without a budget
+        self.plan: BudgetPlan | None = None
         self._runners: list[_Runner] = []
         #: called with a label after each layer's forward and backward replay (for probes)
         self.probe: Callable[[str], None] | None = None
@@ -628,13 +676,15 @@ class GraphedLayers(nn.Module):
         try:
             saved = None if layers_per_graph is not None else saved_bytes_per_layer(
                 list(self.layers), sample_input.detach().requires_grad_(sample_input.requires_grad))
-            self.graph_layers = plan_graphs(n, self.offload_layers, layers_per_graph, saved)
-            self._runners = [_Runner(self, k, ls) for k, ls in enumerate(self.graph_layers)]
-            self._build(sample_input)
+            if memory_budget is None:
+                self._make(Mode(modes[0]) if mode is not None else Mode.RESIDENT, offload,
+                           recompute, layers_per_graph, saved, sample_input)
+            else:
+                self._make_planned(memory_budget, modes, layers_per_graph, saved, sample_input,
+                                   section_bytes)
         except BaseException:
-            self.engine.close()  # what the failed build made goes before the error does
+            self._unmake()  # what the failed build made goes before the error does
             self._warmup_stream = None
-            self._runners = []
             raise
         # Dropped without close(): the pages, host buffers and threads go with the stack.
         self._finalizer = weakref.finalize(self, OffloadEngine.close, self.engine)
@@ -646,6 +696,90 @@ class GraphedLayers(nn.Module):
             next((r for r in offloaded if r.index > i), None) for i in range(n)]
         self._behind: list[_Runner | None] = [
             next((r for r in reversed(offloaded) if r.index < i), None) for i in range(n)]
+
+    def _make(self, mode: Mode, offload: set[int], recompute: set[int],
+              layers_per_graph: int | None, saved: list[int] | None, sample: torch.Tensor) -> None:
+        """Build the engine, the graphs' plan and every graph."""
+        self.offload_layers, self.recompute_layers = set(offload), set(recompute)
+        self.engine = OffloadEngine(self.backend, mode, **self._engine_args)
+        self.graph_layers = plan_graphs(len(self.layers), self.offload_layers, layers_per_graph,
+                                        saved, recomputed=self.recompute_layers)
+        self._runners = [_Runner(self, k, ls) for k, ls in enumerate(self.graph_layers)]
+        self._build(sample)
+
+    def _unmake(self) -> None:
+        """Give back what :meth:`_make` built (the graphs, their pool, slots and banks)."""
+        engine = getattr(self, "engine", None)
+        if engine is not None:
+            engine.close()
+        self._runners = []
+        self._pool_owner = None
+        self._lent.clear()
+        self._input_grad = None
+        gc.collect()
+        self.backend.synchronize()
+        self.backend.empty_cache()
+
+    def _make_planned(self, budget: int | str, modes: tuple[str, ...], layers_per_graph: int | None,
+                      saved: list[int] | None, sample: torch.Tensor, section_bytes: int) -> None:
+        """Profile the stack, plan the budget, build, and check what the build holds: where
+        the graphs hold more than the model said and the budget no longer fits, plan again
+        with the difference counted and build once more."""
+        b, n = self.backend, len(self.layers)
+        units = plan_graphs(n, set(), layers_per_graph, saved)
+        profile = self._profile(units, sample, section_bytes)
+        for attempt in range(3):
+            plan = plan_budget(profile, budget, modes=modes)
+            per_layer = tuple(plan.choices[k] for k, ls in enumerate(units) for _ in ls)
+            self.plan = replace(plan, choices=per_layer)
+            self._make(Mode(plan.mode), set(self.plan.layers(OFFLOAD)),
+                       set(self.plan.layers(RECOMPUTE)), layers_per_graph, saved, sample)
+            b.synchronize()
+            gc.collect()
+            b.empty_cache()
+            held = held_bytes(b)
+            if held is None:
+                return  # the allocator cannot tell: the model's figure stands
+            # What the step adds to what the build holds: banks mapped only while a pass
+            # runs, and the stack's output and input gradient outside the graphs.
+            banks = 0 if plan.mode != "remap" else banks_bytes(profile, plan.choices, plan.mode)
+            extra = 2 * self._runners[-1].static_out.untyped_storage().nbytes()
+            measured = held + banks + extra
+            self.plan = replace(self.plan, predicted_peak_bytes=measured)
+            over = measured - plan.predicted_peak_bytes
+            if budget == "auto" or measured <= parse_budget(budget) or attempt == 2 or over <= 0:
+                if budget != "auto" and measured > parse_budget(budget):
+                    warnings.warn(f"GraphedLayers: the plan for memory_budget {budget!r} holds "
+                                  f"{format_bytes(measured)} after its build, over the budget; "
+                                  "the layers' memory differs from what their profile showed")
+                return
+            # The graphs hold more than the profile said: count it as fixed, plan again.
+            profile = replace(profile, fixed_bytes=profile.fixed_bytes + over)
+            self._unmake()
+
+    def _profile(self, units: tuple[tuple[int, ...], ...], sample: torch.Tensor,
+                 section_bytes: int) -> StackProfile:
+        """What each graph's layers cost, measured eagerly (:mod:`graphslot.profile`)."""
+        b = self.backend
+        mods = [self.layers[u[0]] if len(u) == 1 else nn.Sequential(*(self.layers[i] for i in u))
+                for u in units]
+        costs = profile_units(b, mods, sample)
+        probe = min(max(c.saved_bytes for c in costs), 256 << 20) or (1 << 20)
+        bw = copy_bandwidth(b, probe, reps=3)
+        b.synchronize()
+        gc.collect()
+        b.empty_cache()
+        params = {id(p): p for m in self.layers for p in m.parameters()}.values()
+        grads = sum(p.numel() * p.element_size() for p in params if p.requires_grad and p.grad is None)
+        act = sample.numel() * sample.element_size()
+        # What the step holds whatever the plan: what the process holds now, the gradients
+        # and a boundary buffer between each two graphs (and the stack's input and output).
+        held = held_bytes(b)
+        if held is None:  # no allocator figures: what the process holds, where it can tell
+            held = b.footprint_bytes() or 0
+        fixed = held + grads + (len(units) + 2) * act
+        return StackProfile(tuple(costs), bw["d2h_gbps"], bw["h2d_gbps"], fixed_bytes=fixed,
+                            granularity=b.granularity, section_bytes=section_bytes)
 
     def _new_graph(self) -> DeviceGraph:
         g = self.backend.new_graph(share_pool_with=self._pool_owner)

@@ -848,13 +848,15 @@ class Backend(abc.ABC):
     def allocator_stats(self, reset_peak: bool = False) -> dict[str, int | None]:
         """The framework allocator's view of device memory, graph private pools included.
 
-        Keys: ``allocated_bytes``, ``reserved_bytes``, ``peak_reserved_bytes`` (since the
-        last ``reset_peak=True``), ``graph_pool_reserved_bytes`` and
+        Keys: ``allocated_bytes``, ``reserved_bytes``, ``peak_reserved_bytes`` and
+        ``peak_allocated_bytes`` (since the last ``reset_peak=True``; the figures returned
+        are those before the reset), ``graph_pool_reserved_bytes`` and
         ``graph_pool_allocated_bytes``. ``None`` where this backend's allocator cannot see
         a figure. The default sees nothing; backends override it.
         """
         return {"allocated_bytes": None, "reserved_bytes": None, "peak_reserved_bytes": None,
-                "graph_pool_reserved_bytes": None, "graph_pool_allocated_bytes": None}
+                "peak_allocated_bytes": None, "graph_pool_reserved_bytes": None,
+                "graph_pool_allocated_bytes": None}
 
     #: whether :meth:`make_graphed_callables` exists here (the framework's own, for comparison)
     has_graphed_callables: bool = False

@@ -167,7 +167,8 @@ class CpuBackend(Backend, RegionGraphBackend):
         # torch's host allocator keeps no statistics; graph pools are ours and exact.
         pools = sum(getattr(g, "pool_bytes", 0) for g in list(self._graphs))
         return {"allocated_bytes": None, "reserved_bytes": None, "peak_reserved_bytes": None,
-                "graph_pool_reserved_bytes": pools, "graph_pool_allocated_bytes": pools}
+                "peak_allocated_bytes": None, "graph_pool_reserved_bytes": pools,
+                "graph_pool_allocated_bytes": pools}
 
     # -- info -------------------------------------------------------------------
 

@@ -73,6 +73,7 @@ class CudaBackend(Backend, RegionGraphBackend):
             "allocated_bytes": int(st.get("allocated_bytes.all.current", 0)),
             "reserved_bytes": int(st.get("reserved_bytes.all.current", 0)),
             "peak_reserved_bytes": int(st.get("reserved_bytes.all.peak", 0)),
+            "peak_allocated_bytes": int(st.get("allocated_bytes.all.peak", 0)),
             "graph_pool_reserved_bytes": pool_reserved,
             "graph_pool_allocated_bytes": pool_allocated,
         }

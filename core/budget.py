@@ -1,0 +1,518 @@
+"""The memory budget planner: for each layer of a graphed stack, keep its saved activations
+on the device, offload them to the host, or recompute them in the backward, so that the
+step is as fast as the budget allows.
+
+Device neutral: it plans from a :class:`StackProfile` (what each layer costs, measured by
+:func:`graphslot.profile.profile_stack` or given by hand) and knows nothing of tensors.
+
+The model behind it:
+
+* Time. Forward and backward compute run one layer after another. An offloaded layer's
+  bytes leave on the copy engine while the forward goes on (a bank, the fixed-VA staging
+  buffer, is written again only once its last occupant's copy out is done) and come back
+  under the backward of the layers above it (the restore is queued after the backward of
+  the offloaded layer above; a layer's backward waits for its bytes). A recomputed layer
+  runs its forward again inside its backward graph. The newest offloaded forward never
+  leaves its bank before its backward (and with two banks neither does the one before).
+  :func:`predict_step_ms` plays this out; :func:`lower_bound_ms` is the bound no schedule
+  beats, ``max(T_f, V_out/β_d2h) + max(T_b + T_r, V_in/β_h2d)``.
+* Memory. Graph memory is static: what the forward graphs save for backward is held
+  for good, so the peak is the stack's fixed memory, plus what kept layers save, plus the
+  staging banks of the offloaded ones, plus the largest backward working set (a recomputed
+  layer's is its saved activations again). :func:`predict_peak_bytes`.
+
+:func:`plan_budget` searches the choices: every combination for small stacks, a local
+search from position patterns above that (tested against the exhaustive search).
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable, Iterable, Sequence
+
+from .errors import UsageError
+from .backend import align_up
+from .sizes import format_bytes
+
+__all__ = ["KEEP", "OFFLOAD", "RECOMPUTE", "CHOICES", "LayerCost", "StackProfile", "BudgetPlan",
+           "predict_step_ms", "predict_peak_bytes", "banks_bytes", "lower_bound_ms", "plan_budget",
+           "smallest_peak", "parse_budget"]
+
+KEEP, OFFLOAD, RECOMPUTE = "keep", "offload", "recompute"
+CHOICES = (KEEP, OFFLOAD, RECOMPUTE)
+#: the offload engine's modes a plan may use (see :class:`BudgetPlan`)
+MODES = ("off", "resident", "remap")
+
+#: ``memory_budget="auto"`` takes the least memory among plans at most this much slower
+#: than keeping everything (what the model cannot tell apart from free)
+AUTO_SLACK = 0.01
+#: stacks up to this many layers are planned by trying every combination
+EXHAUSTIVE_LAYERS = 8
+#: the local search starts from this many of the best position patterns
+SEARCH_STARTS = 12
+
+
+@dataclass(frozen=True)
+class LayerCost:
+    """What one layer (or one joined graph) costs.
+
+    Args:
+        forward_ms: its forward compute.
+        backward_ms: its backward compute, without recompute.
+        saved_bytes: what its forward saves for backward (parameters and buffers aside).
+        recompute_ms: the extra backward time when it is recomputed (its forward again).
+        work_bytes: working memory of its backward beyond what it saved (gradients of
+            activations, temporaries).
+    """
+
+    forward_ms: float
+    backward_ms: float
+    saved_bytes: int
+    recompute_ms: float | None = None
+    work_bytes: int = 0
+
+    def __post_init__(self) -> None:
+        for k in ("forward_ms", "backward_ms", "saved_bytes", "work_bytes"):
+            v = getattr(self, k)
+            if not isinstance(v, (int, float)) or isinstance(v, bool) or v < 0 or v != v:
+                raise UsageError(f"LayerCost.{k} must be a number >= 0, got {v!r}")
+        if self.recompute_ms is None:
+            object.__setattr__(self, "recompute_ms", float(self.forward_ms))
+        elif self.recompute_ms < 0:
+            raise UsageError(f"LayerCost.recompute_ms must be >= 0, got {self.recompute_ms!r}")
+
+    @property
+    def recompute(self) -> float:
+        return float(self.recompute_ms or 0.0)
+
+
+@dataclass(frozen=True)
+class StackProfile:
+    """A stack's costs, what the planner decides from.
+
+    Args:
+        layers: each layer's (or joined graph's) :class:`LayerCost`, in forward order.
+        d2h_gbps: copy bandwidth device to host, GB/s (1e9 bytes per second).
+        h2d_gbps: host to device.
+        fixed_bytes: device memory the step holds whatever the choices: what the process
+            held when the stack was built (weights, optimizer state then), the gradients,
+            the stack's boundary buffers and anything else the graphs hold for good.
+        granularity: the device's VMM granularity (banks are whole granules).
+        section_bytes: slots move in sections of at most this many bytes.
+    """
+
+    layers: tuple[LayerCost, ...]
+    d2h_gbps: float
+    h2d_gbps: float
+    fixed_bytes: int = 0
+    granularity: int = 2 << 20
+    section_bytes: int = 32 << 20
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "layers", tuple(self.layers))
+        if not self.layers:
+            raise UsageError("StackProfile needs at least one layer")
+        for k in ("d2h_gbps", "h2d_gbps"):
+            v = getattr(self, k)
+            if not v > 0:
+                raise UsageError(f"StackProfile.{k} must be > 0, got {v!r}")
+        if self.granularity < 1 or self.section_bytes < 1 or self.fixed_bytes < 0:
+            raise UsageError("StackProfile: granularity and section_bytes must be >= 1, "
+                             "fixed_bytes >= 0")
+
+    @property
+    def forward_ms(self) -> float:
+        return sum(c.forward_ms for c in self.layers)
+
+    @property
+    def backward_ms(self) -> float:
+        return sum(c.backward_ms for c in self.layers)
+
+    def as_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["layers"] = [asdict(c) for c in self.layers]
+        return d
+
+
+@dataclass(frozen=True)
+class BudgetPlan:
+    """What the planner chose and what it expects.
+
+    Attributes:
+        choices: per layer, ``"keep"``, ``"offload"`` or ``"recompute"``.
+        mode: the offload engine's mode the plan needs (``"off"`` without offload,
+            ``"resident"``: two banks, or ``"remap"``: one bank, mapped while a pass runs).
+        budget_bytes: the budget asked for (None: ``"auto"``).
+        predicted_peak_bytes: the step's peak device memory the model expects.
+        predicted_step_ms: the step time the model expects (forward and backward).
+        lower_bound_ms: the least :func:`lower_bound_ms` over every plan whose predicted
+            peak fits the budget: no plan that fits can be faster.
+        offloaded_bytes: bytes the plan copies to the host per step.
+        recompute_ms: extra backward compute the plan's recomputed layers cost.
+        reason: why this plan, in a sentence.
+    """
+
+    choices: tuple[str, ...]
+    mode: str
+    budget_bytes: int | None
+    predicted_peak_bytes: int
+    predicted_step_ms: float
+    lower_bound_ms: float
+    offloaded_bytes: int
+    recompute_ms: float
+    reason: str
+    profile: StackProfile | None = field(default=None, repr=False, compare=False)
+
+    def layers(self, choice: str) -> list[int]:
+        """The indices of the layers with ``choice``."""
+        return [i for i, c in enumerate(self.choices) if c == choice]
+
+    def as_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["choices"] = list(self.choices)
+        d.pop("profile")
+        return d
+
+    def __str__(self) -> str:
+        short = "".join({KEEP: "K", OFFLOAD: "O", RECOMPUTE: "R"}[c] for c in self.choices)
+        return (f"{short} ({self.mode}): peak {format_bytes(self.predicted_peak_bytes)}, "
+                f"step {self.predicted_step_ms:.1f} ms (lower bound {self.lower_bound_ms:.1f}); "
+                f"{self.reason}")
+
+
+# -- the model -------------------------------------------------------------------------------
+
+def _check(profile: StackProfile, choices: Sequence[str]) -> None:
+    if len(choices) != len(profile.layers):
+        raise UsageError(f"{len(choices)} choices for {len(profile.layers)} layers")
+    bad = [c for c in choices if c not in CHOICES]
+    if bad:
+        raise UsageError(f"unknown choices {bad}; each is one of {', '.join(CHOICES)}")
+
+
+def banks_for(choices: Sequence[str], mode: str) -> int:
+    """Staging banks the offloaded layers need: two in resident, one in remap, none off."""
+    if OFFLOAD not in choices or mode == "off":
+        return 0
+    return 2 if mode == "resident" else 1
+
+
+def _bank_bytes(profile: StackProfile, choices: Sequence[str]) -> int:
+    largest = max((c.saved_bytes for c, ch in zip(profile.layers, choices) if ch == OFFLOAD),
+                   default=0)
+    return align_up(largest, profile.granularity) if largest else 0
+
+
+def banks_bytes(profile: StackProfile, choices: Sequence[str], mode: str) -> int:
+    """Device memory of the staging banks the offloaded layers need in ``mode``."""
+    return banks_for(choices, mode) * _bank_bytes(profile, choices)
+
+
+def predict_peak_bytes(profile: StackProfile, choices: Sequence[str], mode: str = "remap") -> int:
+    """The step's peak device memory under ``choices`` (see the module docstring)."""
+    _check(profile, choices)
+    kept = sum(c.saved_bytes for c, ch in zip(profile.layers, choices) if ch == KEEP)
+    staging = banks_bytes(profile, choices, mode)
+    work = max(c.work_bytes + (c.saved_bytes if ch == RECOMPUTE else 0)
+               for c, ch in zip(profile.layers, choices))
+    return profile.fixed_bytes + kept + staging + work
+
+
+def _copied(profile: StackProfile, choices: Sequence[str], mode: str) -> tuple[list[int], set[int], set[int]]:
+    """The offloaded layers, those whose bytes never go out (the newest forward stays in
+    its bank) and those that need no copy back (their bank still holds them)."""
+    off = [i for i, ch in enumerate(choices) if ch == OFFLOAD]
+    held = set(off[-1:])
+    in_place = set(off[-2:]) if banks_for(choices, mode) == 2 else set(held)
+    return off, held, in_place
+
+
+def lower_bound_ms(profile: StackProfile, choices: Sequence[str], mode: str = "remap") -> float:
+    """``max(T_f, V_out/β_d2h) + max(T_b + T_r, V_in/β_h2d)``: compute and copies each way
+    overlapping perfectly, with ``V`` the bytes the plan copies out and back."""
+    _check(profile, choices)
+    off, held, in_place = _copied(profile, choices, mode)
+    out = sum(profile.layers[i].saved_bytes for i in off if i not in held)
+    back = sum(profile.layers[i].saved_bytes for i in off if i not in in_place)
+    t_r = sum(c.recompute for c, ch in zip(profile.layers, choices) if ch == RECOMPUTE)
+    return (max(profile.forward_ms, out / (profile.d2h_gbps * 1e6))
+            + max(profile.backward_ms + t_r, back / (profile.h2d_gbps * 1e6)))
+
+
+def predict_step_ms(profile: StackProfile, choices: Sequence[str], mode: str = "remap") -> float:
+    """The forward and backward time under ``choices``, played out layer by layer (see the
+    module docstring); never below :func:`lower_bound_ms`."""
+    _check(profile, choices)
+    layers = profile.layers
+    nbanks = banks_for(choices, mode)
+    off, held, in_place = _copied(profile, choices, mode)
+    d2h = profile.d2h_gbps * 1e6  # bytes per ms
+    h2d = profile.h2d_gbps * 1e6
+    # The banks alternate in backward order (the last offloaded layer has bank 0).
+    bank = {i: (len(off) - 1 - k) % max(1, nbanks) for k, i in enumerate(off)}
+
+    def section_ms(i: int, rate: float) -> float:
+        return min(layers[i].saved_bytes, profile.section_bytes) / rate
+
+    # Forward: a layer writes its bank once the bank's last occupant has gone out.
+    t = 0.0
+    d2h_free = 0.0
+    bank_free = [0.0, 0.0]
+    out_done: dict[int, float] = {}
+    for i, c in enumerate(layers):
+        start, end = t, t + c.forward_ms
+        if i in bank:
+            end = max(end, bank_free[bank[i]] + section_ms(i, d2h))
+            if i not in held:  # sections leave as they are written
+                cstart = max(d2h_free, start)
+                cend = max(cstart + c.saved_bytes / d2h, end + section_ms(i, d2h))
+                d2h_free = bank_free[bank[i]] = out_done[i] = cend
+        t = end
+    # Backward: the restore of an offloaded layer is queued once the backward of the
+    # offloaded layer above it (in the same bank when there is one) has begun, and fills
+    # the bank as that one lets go of it; a layer's backward waits for its bytes.
+    h2d_free = t
+    bwd_start: dict[int, float] = {}
+    bwd_end: dict[int, float] = {}
+    above: int | None = None  # the offloaded layer above, in backward order
+    for i in reversed(range(len(layers))):
+        c = layers[i]
+        ready = t
+        if i in bank and i not in in_place:
+            queued = bwd_start[above] if above is not None else t
+            freed = bwd_end[above] if (above is not None and nbanks == 1) else queued
+            cstart = max(h2d_free, queued, out_done.get(i, 0.0))
+            cend = max(cstart + c.saved_bytes / h2d, freed + section_ms(i, h2d))
+            h2d_free = cend
+            ready = max(t, cend)
+        bwd_start[i] = ready
+        t = ready + c.backward_ms + (c.recompute if choices[i] == RECOMPUTE else 0.0)
+        bwd_end[i] = t
+        if i in bank:
+            above = i
+    return max(t, lower_bound_ms(profile, choices, mode))
+
+
+# -- the search ------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class _Scored:
+    """One candidate: its choices, its engine mode and what the model says of them."""
+
+    choices: tuple[str, ...]
+    mode: str
+    step: float
+    bound: float
+    peak: int
+
+
+def _modes(choices: Sequence[str]) -> tuple[str, ...]:
+    # resident: two banks, no driver call per step; remap: one bank, mapped per pass
+    return ("resident", "remap") if OFFLOAD in choices else ("off",)
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _scored_all(profile: StackProfile, choices: tuple[str, ...]) -> tuple[_Scored, ...]:
+    # (cached: the searches score the same plans over and over)
+    return tuple(_Scored(choices, m, predict_step_ms(profile, choices, m),
+                    lower_bound_ms(profile, choices, m), predict_peak_bytes(profile, choices, m))
+                 for m in _modes(choices))
+
+
+Objective = Callable[[_Scored], tuple]
+
+
+def _fastest_within(budget: int | None, bound: bool = False) -> Objective:
+    """Plans that fit first, the fastest of them (by the bound if ``bound``); of those that
+    do not fit, the smallest."""
+    def key(s: _Scored) -> tuple:
+        t = s.bound if bound else s.step
+        if budget is None or s.peak <= budget:
+            return (0, t, s.peak)
+        return (1, s.peak, t)
+    return key
+
+
+def _smallest(s: _Scored) -> tuple:
+    return (s.peak, s.step)
+
+
+def _smallest_within(limit: float) -> Objective:
+    """Plans no slower than ``limit`` first, the smallest of them."""
+    def key(s: _Scored) -> tuple:
+        return (0, s.peak, s.step) if s.step <= limit else (1, s.step, s.peak)
+    return key
+
+
+def _seeds(n: int) -> list[tuple[str, ...]]:
+    """Starting points by position: no offload; the first k layers offloaded; every other
+    layer from the first; k layers spread evenly; each with the rest kept or recomputed."""
+    seeds: set[tuple[str, ...]] = set()
+    for k in range(n + 1):
+        sets = {tuple(range(k)),
+                tuple(range(0, 2 * k, 2)) if 2 * k <= n else tuple(range(k)),
+                tuple(sorted({round(j * (n - 1) / (k - 1)) for j in range(k)})) if k > 1
+                else tuple(range(k))}
+        for s in sets:
+            for rest in (KEEP, RECOMPUTE):
+                seeds.add(tuple(OFFLOAD if i in s else rest for i in range(n)))
+    return sorted(seeds)
+
+
+def _neighbours(cur: tuple[str, ...]) -> Iterable[tuple[str, ...]]:
+    """Every plan one layer's choice, or one swap of two layers' choices, away."""
+    n = len(cur)
+    for i in range(n):
+        for c in CHOICES:
+            if c != cur[i]:
+                yield cur[:i] + (c,) + cur[i + 1:]
+    for i in range(n):
+        for j in range(i + 1, n):
+            if cur[i] != cur[j]:
+                m = list(cur)
+                m[i], m[j] = m[j], m[i]
+                yield tuple(m)
+
+
+def _search(profile: StackProfile, key: Objective, exhaustive: bool | None = None,
+            modes: Sequence[str] = MODES) -> _Scored:
+    """The candidate with the least ``key`` among those in ``modes``: every combination for
+    small stacks, else a local search from the best few position patterns."""
+    n = len(profile.layers)
+
+    def _scored(profile: StackProfile, choices: tuple[str, ...]) -> list[_Scored]:
+        return [s for s in _scored_all(profile, choices) if s.mode in modes]
+
+    if exhaustive is None:
+        exhaustive = n <= EXHAUSTIVE_LAYERS
+    if exhaustive:
+        return min((s for ch in itertools.product(CHOICES, repeat=n) for s in _scored(profile, ch)),
+                   key=key)
+    starts = sorted((s for ch in _seeds(n) for s in _scored(profile, ch)), key=key)
+    best: _Scored | None = None
+    seen: set[tuple[str, ...]] = set()
+    for s in starts[:SEARCH_STARTS]:
+        cur = s
+        improved = True
+        while improved:
+            improved = False
+            for m in _neighbours(cur.choices):
+                if m in seen:
+                    continue
+                seen.add(m)
+                for cand in _scored(profile, m):
+                    if key(cand) < key(cur):
+                        cur, improved = cand, True
+        if best is None or key(cur) < key(best):
+            best = cur
+        seen.clear()
+    assert best is not None
+    return best
+
+
+def smallest_peak(profile: StackProfile, exhaustive: bool | None = None,
+                  modes: Sequence[str] = MODES) -> int:
+    """The least predicted peak any plan (in ``modes``) reaches."""
+    return _search(profile, _smallest, exhaustive, modes).peak
+
+
+def plan_budget(profile: StackProfile, budget: int | str | None, *,
+                exhaustive: bool | None = None, modes: Sequence[str] = MODES) -> BudgetPlan:
+    """The fastest plan whose predicted peak fits ``budget``.
+
+    Args:
+        profile: what each layer costs.
+        budget: bytes the step may hold at its peak (or a size string, see
+            :func:`parse_budget`); ``"auto"``: the least memory among plans at most
+            :data:`AUTO_SLACK` slower than keeping everything (memory saved where saving
+            is free); None: the fastest plan.
+        exhaustive: try every combination (default: for stacks of up to
+            :data:`EXHAUSTIVE_LAYERS` layers), else a local search.
+        modes: the engine modes the plan may use (``("off",)``: keep or recompute only).
+
+    Raises:
+        UsageError: ``budget`` is below the smallest peak any plan reaches (the message
+            names that peak), or is not a size.
+    """
+    bad = [m for m in modes if m not in MODES]
+    if bad or not modes:
+        raise UsageError(f"modes {list(modes)}: each is one of {', '.join(MODES)}")
+    n = len(profile.layers)
+    keep_all = _scored_all(profile, (KEEP,) * n)[0]
+    if isinstance(budget, str) and budget.strip().lower() == "auto":
+        best = _search(profile, _smallest_within(keep_all.step * (1 + AUTO_SLACK)), exhaustive,
+                       modes)
+        if best.peak >= keep_all.peak:
+            return _plan(profile, keep_all, None, "nothing pays: every plan that saves memory is "
+                         "predicted slower than keeping every layer's activations", exhaustive,
+                         modes)
+        return _plan(profile, best, None,
+                     f"saves {format_bytes(keep_all.peak - best.peak)} at most "
+                     f"{AUTO_SLACK:.0%} slower than keeping everything", exhaustive, modes)
+    limit = None if budget is None else parse_budget(budget)
+    best = _search(profile, _fastest_within(limit), exhaustive, modes)
+    if limit is not None and best.peak > limit:
+        least = smallest_peak(profile, exhaustive, modes)
+        raise UsageError(
+            f"memory budget {format_bytes(limit)} ({limit} bytes) is below the smallest peak "
+            f"any plan reaches, {format_bytes(least)} ({least} bytes); of that, the stack's "
+            f"fixed memory (weights, gradients, buffers) is {format_bytes(profile.fixed_bytes)}")
+    if all(c == KEEP for c in best.choices):
+        reason = "everything fits on the device: nothing to save"
+    elif best.step <= keep_all.step * (1 + AUTO_SLACK):
+        reason = "the copies hide under compute"
+    else:
+        reason = (f"the fastest plan that fits: {best.step / keep_all.step:.2f} x the step "
+                  "that keeps everything")
+    return _plan(profile, best, limit, reason, exhaustive, modes)
+
+
+def _plan(profile: StackProfile, s: _Scored, budget: int | None, reason: str,
+          exhaustive: bool | None, modes: Sequence[str]) -> BudgetPlan:
+    # The budget's bound: the least bound over the plans that fit it (for "auto", those
+    # that fit the chosen plan's peak).
+    fit = budget if budget is not None else s.peak
+    bound = _search(profile, _fastest_within(fit, bound=True), exhaustive, modes).bound
+    return BudgetPlan(
+        choices=s.choices, mode=s.mode, budget_bytes=budget, predicted_peak_bytes=s.peak,
+        predicted_step_ms=s.step, lower_bound_ms=min(bound, s.bound),
+        offloaded_bytes=sum(c.saved_bytes for c, ch in zip(profile.layers, s.choices)
+                            if ch == OFFLOAD),
+        recompute_ms=sum(c.recompute for c, ch in zip(profile.layers, s.choices)
+                         if ch == RECOMPUTE),
+        reason=reason, profile=profile)
+
+
+_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 10**3, "kib": 1 << 10, "m": 1 << 20, "mb": 10**6,
+          "mib": 1 << 20, "g": 1 << 30, "gb": 10**9, "gib": 1 << 30, "t": 1 << 40, "tb": 10**12,
+          "tib": 1 << 40}
+
+
+def parse_budget(v: int | float | str) -> int:
+    """Bytes from a size: an integer, or a number with a unit (``"10GiB"``, ``"9.5G"``,
+    ``"12000MiB"``, ``"8e9"``; k, M, G, T alone are binary).
+
+    Raises:
+        UsageError: not a positive size.
+    """
+    if isinstance(v, bool):
+        raise UsageError(f"memory budget must be a size in bytes, got {v!r}")
+    if isinstance(v, (int, float)):
+        n = v
+    elif isinstance(v, str):
+        s = v.strip().lower().replace(" ", "")
+        num = s.rstrip("abcdefghijklmnopqrstuvwxyz")
+        unit = s[len(num):]
+        try:
+            n = float(num) * _UNITS[unit]
+        except (ValueError, KeyError):
+            raise UsageError(f"memory budget {v!r} is not a size (e.g. 10GiB, 9.5G, "
+                             "12000MiB or bytes)") from None
+    else:
+        raise UsageError(f"memory budget must be bytes, a size string or 'auto', got {v!r}")
+    if not n > 0 or n != n or n == math.inf:
+        raise UsageError(f"memory budget must be positive, got {v!r}")
+    return int(n)

@@ -1,0 +1,137 @@
+"""Measuring what a layer stack costs, for the budget planner (:mod:`graphslot.budget`).
+
+:func:`profile_stack` runs each unit (a layer, or a run of joined layers) eagerly on the
+device: its forward and backward time from device events, what its forward saves for
+backward, the working memory its backward needs beyond that, and the copy bandwidth to
+and from pinned host memory. It costs a couple of eager steps of the stack, one unit's
+activations at a time, and leaves nothing behind but cached allocator blocks (returned).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Any, Sequence
+
+import torch
+
+from .backend import Backend
+from .budget import LayerCost
+from .errors import UsageError
+from .memory import _recording_spans
+from .offload import recording_saved_tensors, state_storages
+
+__all__ = ["copy_bandwidth", "profile_units", "held_bytes"]
+
+GiB, MiB = 1 << 30, 1 << 20
+
+
+def copy_bandwidth(b: Backend, nbytes: int, reps: int = 5) -> dict[str, float]:
+    """GB/s device to pinned host (``d2h_gbps``), pinned host to device (``h2d_gbps``),
+    and both directions at once (``both_total_gbps``): the median of ``reps`` copies of
+    ``nbytes`` each, after one dropped."""
+    nbytes = max(1, int(nbytes))
+    dev_a = torch.empty(nbytes, dtype=torch.uint8, device=b.device).fill_(1)
+    dev_b = torch.empty(nbytes, dtype=torch.uint8, device=b.device)
+    host_a, host_b = b.pinned_empty(nbytes), b.pinned_empty(nbytes)
+    host_b.fill_(2)
+    s1, s2 = b.new_stream(), b.new_stream()
+    b.synchronize()
+
+    def one_way(dst: torch.Tensor, src: torch.Tensor) -> float:
+        times = []
+        for _ in range(reps + 1):
+            with b.timed(s1) as t:
+                b.copy_async(dst, src, s1)
+            times.append(max(t["device_ms"], 1e-6))
+        return nbytes / (statistics.median(times[1:]) / 1e3) / 1e9
+
+    d2h = one_way(host_a, dev_a)
+    h2d = one_way(dev_b, host_b)
+    both = []
+    for _ in range(reps + 1):
+        b.synchronize()
+        t0 = time.perf_counter()
+        b.copy_async(host_a, dev_a, s1)
+        b.copy_async(dev_b, host_b, s2)
+        b.synchronize()
+        both.append(max(time.perf_counter() - t0, 1e-9))
+    return {"d2h_gbps": d2h, "h2d_gbps": h2d,
+            "both_total_gbps": 2 * nbytes / statistics.median(both[1:]) / 1e9}
+
+
+def held_bytes(b: Backend) -> int | None:
+    """Device memory the process holds now as the budget counts it: the framework
+    allocator's reserved bytes plus graphslot's mapped pages (None where the allocator
+    cannot tell)."""
+    reserved = b.allocator_stats()["reserved_bytes"]
+    return None if reserved is None else reserved + b.ledger.mapped_bytes
+
+
+def profile_units(b: Backend, units: Sequence[torch.nn.Module], sample: torch.Tensor, *,
+                  iters: int = 2) -> list[LayerCost]:
+    """Each unit's :class:`~graphslot.budget.LayerCost`, measured eagerly on ``b``'s device.
+
+    Args:
+        b: the backend.
+        units: modules applied in order, each one tensor to one tensor.
+        sample: the stack's input (shape, dtype and device as at run time).
+        iters: timed repetitions per unit after one warm-up (the least is taken).
+
+    Raises:
+        UsageError: a unit does not return one tensor.
+    """
+    costs: list[LayerCost] = []
+    x = sample.detach().requires_grad_(sample.requires_grad)
+    sees_peak = b.allocator_stats()["allocated_bytes"] is not None
+    for k, m in enumerate(units):
+        params = [p for p in m.parameters() if p.requires_grad]
+        inputs = ([x] if x.requires_grad else []) + params
+        fwd_ms, bwd_ms = [], []
+        saved = work = 0
+        for it in range(iters + 1):
+            spans: dict[int, tuple[int, int]] = {}
+            b.synchronize()
+            start = b.allocator_stats(reset_peak=True)["allocated_bytes"]
+            with b.timed() as tf:
+                with recording_saved_tensors(_recording_spans(
+                        x.device.type, state_storages([m]), spans)) if it == 0 else _nothing():
+                    y = m(x)
+            if not isinstance(y, torch.Tensor):
+                raise UsageError(f"layer {k} returned {type(y).__name__}; graphed layers must "
+                                 "return one tensor")
+            if it == 0:
+                saved = sum(hi - lo for lo, hi in spans.values())
+                del y
+                continue  # (the recording pass keeps nothing: it measures bytes, not time)
+            gy = torch.ones_like(y)
+            after_fwd = b.allocator_stats()["allocated_bytes"]
+            with b.timed() as tb:
+                if inputs and y.requires_grad:
+                    grads = torch.autograd.grad(y, inputs, gy, allow_unused=True)
+                    del grads
+            peak = b.allocator_stats()["peak_allocated_bytes"] if sees_peak else None
+            fwd_ms.append(tf["device_ms"])
+            bwd_ms.append(tb["device_ms"])
+            if sees_peak and peak is not None and start is not None and after_fwd is not None:
+                # Beyond what the forward left (its saved tensors and output) and the
+                # parameter gradients: the backward's own working memory.
+                grad_bytes = sum(p.numel() * p.element_size() for p in params)
+                work = max(work, peak - after_fwd - grad_bytes)
+            out = y.detach()
+            del y, gy
+        if not sees_peak:
+            work = 2 * out.numel() * out.element_size()  # an output's gradient and a temporary
+        costs.append(LayerCost(forward_ms=min(fwd_ms), backward_ms=min(bwd_ms),
+                               saved_bytes=saved, work_bytes=max(0, work)))
+        x = out.requires_grad_(x.requires_grad or bool(params))
+    b.synchronize()
+    return costs
+
+
+class _nothing:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: Any) -> None:
+        return None
