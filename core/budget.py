@@ -384,7 +384,8 @@ def _search(profile: StackProfile, key: Objective, exhaustive: bool | None = Non
     n = len(profile.layers)
 
     def _scored(profile: StackProfile, choices: tuple[str, ...]) -> list[_Scored]:
-        return [s for s in _scored_all(profile, choices) if s.mode in modes]
+        # (a plan without offload runs alike in any engine mode)
+        return [s for s in _scored_all(profile, choices) if s.mode in modes or s.mode == "off"]
 
     if exhaustive is None:
         exhaustive = n <= EXHAUSTIVE_LAYERS
@@ -431,7 +432,8 @@ def plan_budget(profile: StackProfile, budget: int | str | None, *,
             is free); None: the fastest plan.
         exhaustive: try every combination (default: for stacks of up to
             :data:`EXHAUSTIVE_LAYERS` layers), else a local search.
-        modes: the engine modes the plan may use (``("off",)``: keep or recompute only).
+        modes: the engine modes the plan may use for offload (``("off",)``: keep or
+            recompute only; a plan without offload needs no mode of its own).
 
     Raises:
         UsageError: ``budget`` is below the smallest peak any plan reaches (the message
