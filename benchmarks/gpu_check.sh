@@ -9,8 +9,8 @@
 #   b       test_cuda_capture, test_reliability, test_adapter_megatron (needs .wheels/)
 #   c       every other test module (test_stateful with GRAPHSLOT_STATEFUL_EXAMPLES,
 #           default 25 per mode here)
-#   te      test_adapter_te against real TransformerEngine (after the kit's five parts:
-#           carry .te/base; see ../shared/te/README.md)
+#   te      test_adapter_te against real TransformerEngine (.te/base/install.sh installs
+#           the TE wheels you brought; see docs/gpu.md)
 #   megatron_te  with TE importable (carry .te/base and .wheels): the four Megatron training
 #           tests (local spec, TE spec bf16, fp8 per served recipe), their runs' JSON in
 #           $OUT/megatron; about six minutes

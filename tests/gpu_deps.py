@@ -10,14 +10,11 @@ import importlib.util
 
 #: How to put TransformerEngine 2.20.2 (CUDA 13, torch 2.11, Python 3.12) on a GPU machine.
 TE_HOWTO = (
-    "TransformerEngine is two wheels there: the core wheel transformer-engine-cu13==2.20.2 "
-    "(264 MiB, sent in five parts) and its PyTorch extension transformer_engine_torch-2.20.2 "
-    "(prebuilt for torch 2.11.0+cu130, sm_90, in ../shared/te/), plus a few small wheels. "
-    "Here: ../shared/te/prepare.sh (fills .te/: parts .te/p0 .. .te/p4 and .te/base). On the GPU "
-    "machine: send each .te/pK with 'mkdir -p /tmp/te && cp .te/pK/part* /tmp/te/' (K = 0..4), "
-    "then send .te/base with the project and begin the test command with "
-    "'source .te/base/install.sh || exit 1;' (it installs under /tmp/tesite and puts it on "
-    "PYTHONPATH). See ../shared/te/README.md"
+    "TransformerEngine installs from wheels brought to the GPU machine: the core wheel "
+    "transformer-engine-cu13==2.20.2 (TE's CUDA libraries) and the PyTorch extension "
+    "transformer_engine_torch 2.20.2 built for the machine's torch (2.11.0+cu130, sm_90 on "
+    "the project's H200), plus a few small wheels, each with 'python3 -m pip install "
+    "--no-deps'; for benchmarks/gpu_check.sh, in .te/base/install.sh. See docs/gpu.md"
 )
 
 #: How to put megatron-core on a GPU machine.
