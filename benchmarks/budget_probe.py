@@ -1,0 +1,132 @@
+"""What the budget planner predicts beside what its plans measure, one process per plan.
+
+    GRAPHSLOT_BACKEND=cuda python benchmarks/budget_probe.py [--preset llama] \
+        [--budgets auto,12GiB,...] [--layers N] [--seq N] [--steps 5] [--json OUT]
+
+For each budget (and two references: every layer kept, every layer recomputed) a child
+process builds ``GraphedLayers(memory_budget=...)`` over the bench preset's layers, runs
+training steps (forward, backward, SGD step, ``zero_grad()``) and reports the plan (its
+choices, predicted peak and step, lower bound, the profile it planned from) beside the
+median step and the peak as the process holds it (the allocator's peak reserved bytes
+plus graphslot's peak pages, counted from after the build).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+GiB = 1 << 30
+
+
+def child(args: argparse.Namespace) -> dict:
+    import torch
+
+    from graphslot import get_backend
+    from graphslot.adapters.torch import GraphedLayers
+    from graphslot.cli.bench_models import BenchShape, make_layers
+
+    b = get_backend()
+    shape = BenchShape.preset(args.preset)
+    for k in ("layers", "seq"):
+        if getattr(args, k):
+            setattr(shape, k, getattr(args, k))
+    layers = make_layers(shape, b.device)
+    params = [p for m in layers for p in m.parameters()]
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(shape.batch, shape.seq, shape.hidden, generator=g).to(b.device, shape.dtype)
+    x.requires_grad_()
+    gy = torch.randn(x.shape, generator=g).to(b.device, shape.dtype)
+    opt = torch.optim.SGD(params, lr=1e-6)
+    kw: dict = {}
+    if args.run == "keep":
+        kw = dict(mode="off")
+    elif args.run == "recompute":
+        kw = dict(mode="off", recompute_layers=range(len(layers)))
+    else:
+        kw = dict(memory_budget=args.run)
+    t0 = time.perf_counter()
+    stack = GraphedLayers(layers, x, **kw)
+    build_s = time.perf_counter() - t0
+
+    def step() -> None:
+        y = stack(x)
+        y.backward(gy)
+        opt.step()
+        opt.zero_grad()
+        x.grad = None
+
+    step()
+    b.synchronize()
+    b.allocator_stats(reset_peak=True)
+    b.ledger.reset_peak()
+    times = []
+    for _ in range(args.steps):
+        t = time.perf_counter()
+        step()
+        b.synchronize()
+        times.append((time.perf_counter() - t) * 1e3)
+    st = b.allocator_stats()
+    peak = (None if st["peak_reserved_bytes"] is None
+            else st["peak_reserved_bytes"] + b.ledger.peak_allocated_bytes)
+    out = {"run": args.run, "build_s": build_s, "step_ms": statistics.median(times),
+           "steps_ms": times, "peak_bytes": peak, "peak_gib": None if peak is None else peak / GiB,
+           "graphs": [list(g) for g in stack.graph_layers]}
+    if stack.plan is not None:
+        p = stack.plan
+        out["plan"] = p.as_dict()
+        out["plan"]["predicted_peak_gib"] = p.predicted_peak_bytes / GiB
+        out["profile"] = p.profile.as_dict() if p.profile is not None else None
+        out["step_over_bound"] = out["step_ms"] / p.lower_bound_ms
+        out["peak_over_predicted"] = None if peak is None else peak / p.predicted_peak_bytes
+    stack.close()
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--preset", default="llama")
+    ap.add_argument("--budgets", default="auto")
+    ap.add_argument("--layers", type=int, default=None)
+    ap.add_argument("--seq", type=int, default=None)
+    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--run", default=None, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.run:
+        print(json.dumps(child(args)))
+        return 0
+    results = []
+    for run in ["keep", "recompute", *args.budgets.split(",")]:
+        argv = [sys.executable, __file__, "--preset", args.preset, "--steps", str(args.steps),
+                "--run", run]
+        for k in ("layers", "seq"):
+            if getattr(args, k):
+                argv += [f"--{k}", str(getattr(args, k))]
+        done = subprocess.run(argv, capture_output=True, text=True, env=os.environ)
+        if done.returncode != 0:
+            r = {"run": run, "error": (done.stderr.strip().splitlines() or ["?"])[-1]}
+        else:
+            r = json.loads(done.stdout.strip().splitlines()[-1])
+        results.append(r)
+        line = {k: r.get(k) for k in ("run", "step_ms", "peak_gib", "build_s", "error")}
+        if "plan" in r:
+            p = r["plan"]
+            line.update(choices="".join(c[0].upper() for c in p["choices"]), mode=p["mode"],
+                        pred_peak=round(p["predicted_peak_gib"], 3),
+                        pred_step=round(p["predicted_step_ms"], 1),
+                        bound=round(p["lower_bound_ms"], 1))
+        print(json.dumps(line), flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
