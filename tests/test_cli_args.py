@@ -213,6 +213,38 @@ def test_demo_numbers_are_checked_exactly(capsys, no_training, flag, n):
         assert_one_line_error(rc, out, err, names=f"argument {flag}: ")
 
 
+# --------------------------------------------------------------------------- bench
+
+
+_BENCH_WORDS = ["--preset", "tiny", "llama", "default", "--accumulate", "--zero-grad", "none", "keep",
+                "--budgets", "sweep", "10GiB", "9.5G,1", "12000MiB", "0", "-1", "--configs",
+                "eager,budget:1G", "graph_auto", "budget:", "--kv-heads", "--layers", "--steps",
+                "--plot", "--trace", "/nonexistent/x.png", "x.json", "--isolate", "--rounds"]
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(rest=st.lists(st.one_of(st.sampled_from(_BENCH_WORDS), _number_text()), max_size=6))
+def test_random_bench_arguments_exit_0_or_2_never_a_traceback(capsys, monkeypatch, tmp_path, rest):
+    """Random argument lists after ``bench`` (the run stubbed out, so valid ones are quick):
+    exit 0 with the options as parsed, or exit 2 with one line naming what was wrong."""
+    from graphslot.cli import bench
+
+    seen: dict[str, Any] = {}
+
+    def fake_run(b: Any, shape: Any, **kw: Any) -> dict[str, Any]:
+        seen.update(kw, shape=shape)
+        return {"configs": {}}
+
+    monkeypatch.chdir(tmp_path)  # a relative --trace x.json lands here, never in the repo
+    monkeypatch.setattr(bench, "run_bench", fake_run)
+    rc, out, err = run_main(["bench", "--json", "--quiet", *rest], capsys)
+    if rc == 0:
+        assert "Traceback" not in err and json.loads(out) == {"configs": {}}
+        assert seen["accumulate"] >= 1 and seen["zero_grad"] in ("none", "keep")
+        return
+    assert_one_line_error(rc, out, err)
+
+
 # --------------------------------------------------------------------------- info and the environment
 
 
@@ -261,6 +293,11 @@ def test_any_granularity_variable_gives_info_or_one_line(capsys, value):
     (["info"], {"GRAPHSLOT_CPU_GRANULARITY": "foo"}, "GRAPHSLOT_CPU_GRANULARITY='foo'"),
     (["info"], {"GRAPHSLOT_CPU_GRANULARITY": "0"}, "GRAPHSLOT_CPU_GRANULARITY='0'"),
     (["demo", "--steps", "0"], {}, "--steps"),
+    # the bench checks its output paths before it runs anything (nothing here would fit)
+    (["bench", "--plot", "/nonexistent/dir/x.png"], {}, "--plot /nonexistent/dir/x.png"),
+    (["bench", "--trace", "/nonexistent/dir/t.json"], {}, "--trace /nonexistent/dir/t.json"),
+    (["bench", "--accumulate", "0"], {}, "--accumulate"),
+    (["bench", "--budgets", "10 parsecs"], {}, "--budgets"),
 ])
 def test_the_console_command_exits_2_with_one_line(argv, env, names):
     full_env = dict(os.environ, GRAPHSLOT_BACKEND="cpu", **env)
