@@ -584,28 +584,47 @@ class GraphedLayers(nn.Module):
         layers: the modules, applied in order; each maps one tensor to one tensor.
         sample_input: an input of the exact shape, dtype and device the stack will see
             (``requires_grad`` as at run time).
-        mode: ``"resident"`` (two banks per size class of slots, mapped for good: zero
-            driver calls per step), ``"remap"`` (least memory: one bank per size class where
-            slots stream in sections, mapped only while a pass is in flight) or ``"off"``.
+        mode: ``"resident"`` (the default without a budget: two banks per size class of
+            slots, mapped for good, zero driver calls per step), ``"remap"`` (least memory:
+            one bank per size class where slots stream in sections, mapped only while a
+            pass is in flight) or ``"off"``. With ``memory_budget``, the planner picks it
+            unless it is given (``"off"``: keep or recompute, never offload).
         min_offload_bytes: saved tensors smaller than this stay on the device.
         section_bytes: slots move to and from the host in sections of at most this many
             bytes (:data:`graphslot.offload.SECTION_BYTES`), each fenced on its own inside
             the graphs where the backend allows.
         offload_layers: indices of the layers whose activations are offloaded
-            (default: all); the others keep theirs on the device.
+            (default: every layer not in ``recompute_layers``); the others keep theirs on
+            the device.
+        recompute_layers: indices of the layers recomputed in the backward: the forward
+            graph saves only the layer's input, and the backward graph runs the forward
+            again (``torch.utils.checkpoint`` captured inside the graphs). A layer also in
+            ``offload_layers`` sends that input to the host.
+        memory_budget: bytes the training step may hold at its peak (the framework
+            allocator's reserved bytes plus graphslot's pages, counting what the device
+            holds when the stack is built), a size string (``"12GiB"``), or ``"auto"``
+            (save memory only where the planner predicts it costs no time). The stack
+            measures its layers (:mod:`graphslot.profile`) and plans each graph's layers
+            kept, offloaded or recomputed (:func:`graphslot.budget.plan_budget`), then
+            checks what its build holds against the budget and plans again when the
+            graphs hold more than predicted. ``plan`` says what was chosen. Not with
+            ``offload_layers`` or ``recompute_layers``.
         layers_per_graph: how many consecutive layers each device graph covers. ``None``
             (the default) joins consecutive layers while what their forwards save for
             backward stays within :data:`JOIN_BYTES` together, so a stack of small layers
             replays a few graphs, each with one offload copy each way, instead of one
             graph and copy per layer; a layer that saves more gets a graph of its own. An
-            integer takes that many at a time. Layers inside and outside
-            ``offload_layers`` never share a graph. ``graph_layers`` says what was chosen.
+            integer takes that many at a time. Layers of different choices (kept,
+            offloaded, recomputed) never share a graph. ``graph_layers`` says what was
+            chosen.
         warmup_iters: eager iterations before capture.
         backend: the graphslot backend (default: :func:`graphslot.get_backend`).
         debug_checksums: verify a checksum of every restored activation (slow).
 
     Raises:
-        UsageError: no layers, a sample on another device, a bad layer index or mode.
+        UsageError: no layers, a sample that is not a tensor on the backend's device, a
+            bad layer index or mode, a budget below the least any plan reaches (the
+            message names that least budget), or a budget beside explicit layer lists.
 
     ``close()`` releases its slots, banks and host buffers; as a context manager
     (``with GraphedLayers(...) as stack:``) it closes on exit.
@@ -632,10 +651,6 @@ class GraphedLayers(nn.Module):
         recompute = _layer_set("recompute_layers", [] if recompute_layers is None else recompute_layers, n)
         offload = _layer_set("offload_layers", (set(range(n)) - recompute) if offload_layers is None
                              else offload_layers, n)
-        both = sorted(offload & recompute)
-        if both:
-            raise UsageError(f"layers {both} are in both offload_layers and recompute_layers; "
-                             "a layer's activations are offloaded or recomputed, not both")
         if layers_per_graph is not None and (isinstance(layers_per_graph, bool)
                                              or not isinstance(layers_per_graph, int)
                                              or layers_per_graph < 1):
@@ -732,8 +747,10 @@ class GraphedLayers(nn.Module):
             plan = plan_budget(profile, budget, modes=modes)
             per_layer = tuple(plan.choices[k] for k, ls in enumerate(units) for _ in ls)
             self.plan = replace(plan, choices=per_layer)
-            self._make(Mode(plan.mode), set(self.plan.layers(OFFLOAD)),
-                       set(self.plan.layers(RECOMPUTE)), layers_per_graph, saved, sample)
+            recomputed = set(self.plan.layers(RECOMPUTE))
+            # (in a mode that offloads, a recomputed layer's input goes to the host too)
+            offloaded = set(self.plan.layers(OFFLOAD)) | (recomputed if plan.mode != "off" else set())
+            self._make(Mode(plan.mode), offloaded, recomputed, layers_per_graph, saved, sample)
             b.synchronize()
             gc.collect()
             b.empty_cache()
@@ -771,13 +788,12 @@ class GraphedLayers(nn.Module):
         b.empty_cache()
         params = {id(p): p for m in self.layers for p in m.parameters()}.values()
         grads = sum(p.numel() * p.element_size() for p in params if p.requires_grad and p.grad is None)
-        act = sample.numel() * sample.element_size()
-        # What the step holds whatever the plan: what the process holds now, the gradients
-        # and a boundary buffer between each two graphs (and the stack's input and output).
+        # What the step holds whatever the plan: what the process holds now and the
+        # gradients (the boundary buffers between graphs depend on the plan).
         held = held_bytes(b)
         if held is None:  # no allocator figures: what the process holds, where it can tell
             held = b.footprint_bytes() or 0
-        fixed = held + grads + (len(units) + 2) * act
+        fixed = held + grads
         return StackProfile(tuple(costs), bw["d2h_gbps"], bw["h2d_gbps"], fixed_bytes=fixed,
                             granularity=b.granularity, section_bytes=section_bytes)
 

@@ -38,7 +38,7 @@ from .backend import align_up
 from .sizes import format_bytes
 
 __all__ = ["KEEP", "OFFLOAD", "RECOMPUTE", "CHOICES", "LayerCost", "StackProfile", "BudgetPlan",
-           "predict_step_ms", "predict_peak_bytes", "banks_bytes", "lower_bound_ms", "plan_budget",
+           "predict_step_ms", "predict_peak_bytes", "banks_bytes", "slot_bytes", "lower_bound_ms", "plan_budget",
            "smallest_peak", "parse_budget"]
 
 KEEP, OFFLOAD, RECOMPUTE = "keep", "offload", "recompute"
@@ -66,6 +66,8 @@ class LayerCost:
         recompute_ms: the extra backward time when it is recomputed (its forward again).
         work_bytes: working memory of its backward beyond what it saved (gradients of
             activations, temporaries).
+        input_bytes: its input (a boundary buffer between graphs; what a recomputed layer
+            saves).
     """
 
     forward_ms: float
@@ -73,9 +75,10 @@ class LayerCost:
     saved_bytes: int
     recompute_ms: float | None = None
     work_bytes: int = 0
+    input_bytes: int = 0
 
     def __post_init__(self) -> None:
-        for k in ("forward_ms", "backward_ms", "saved_bytes", "work_bytes"):
+        for k in ("forward_ms", "backward_ms", "saved_bytes", "work_bytes", "input_bytes"):
             v = getattr(self, k)
             if not isinstance(v, (int, float)) or isinstance(v, bool) or v < 0 or v != v:
                 raise UsageError(f"LayerCost.{k} must be a number >= 0, got {v!r}")
@@ -98,8 +101,9 @@ class StackProfile:
         d2h_gbps: copy bandwidth device to host, GB/s (1e9 bytes per second).
         h2d_gbps: host to device.
         fixed_bytes: device memory the step holds whatever the choices: what the process
-            held when the stack was built (weights, optimizer state then), the gradients,
-            the stack's boundary buffers and anything else the graphs hold for good.
+            held when the stack was built (weights, optimizer state then), the gradients
+            and anything else the graphs hold for good (the boundary buffers between
+            graphs aside: the choices decide those, from each layer's ``input_bytes``).
         granularity: the device's VMM granularity (banks are whole granules).
         section_bytes: slots move in sections of at most this many bytes.
     """
@@ -194,49 +198,85 @@ def _check(profile: StackProfile, choices: Sequence[str]) -> None:
 
 
 def banks_for(choices: Sequence[str], mode: str) -> int:
-    """Staging banks the offloaded layers need: two in resident, one in remap, none off."""
-    if OFFLOAD not in choices or mode == "off":
+    """Staging banks per size class of slots: two in resident, one in remap, none off."""
+    if mode == "off" or not any(c in (OFFLOAD, RECOMPUTE) for c in choices):
         return 0
     return 2 if mode == "resident" else 1
 
 
-def _bank_bytes(profile: StackProfile, choices: Sequence[str]) -> int:
-    largest = max((c.saved_bytes for c, ch in zip(profile.layers, choices) if ch == OFFLOAD),
-                   default=0)
-    return align_up(largest, profile.granularity) if largest else 0
+def slot_bytes(profile: StackProfile, choices: Sequence[str], mode: str) -> list[int]:
+    """What each layer puts in a slot (0: nothing leaves the device). An offloaded layer's
+    saved activations; a recomputed layer's input when the mode offloads (its forward
+    saves nothing else, and its input buffer then goes back to the graphs' pool)."""
+    if mode == "off":
+        return [0] * len(choices)
+    return [c.saved_bytes if ch == OFFLOAD else c.input_bytes if ch == RECOMPUTE else 0
+            for c, ch in zip(profile.layers, choices)]
+
+
+def _classes(profile: StackProfile, slots: Sequence[int]) -> dict[int, list[int]]:
+    """Offloading layers by size class (their slot rounded to the granularity), in order."""
+    out: dict[int, list[int]] = {}
+    for i, n in enumerate(slots):
+        if n:
+            out.setdefault(align_up(n, profile.granularity), []).append(i)
+    return out
 
 
 def banks_bytes(profile: StackProfile, choices: Sequence[str], mode: str) -> int:
-    """Device memory of the staging banks the offloaded layers need in ``mode``."""
-    return banks_for(choices, mode) * _bank_bytes(profile, choices)
+    """Device memory of the staging banks ``choices`` need in ``mode``: each size class of
+    slots has its own banks."""
+    classes = _classes(profile, slot_bytes(profile, choices, mode))
+    return banks_for(choices, mode) * sum(classes)
+
+
+def _boundaries_held(profile: StackProfile, slots: Sequence[int]) -> int:
+    """Bytes of the stack's boundary buffers the graphs hold for good: the input of each
+    layer and the last one's output, except where the layers on both sides put what they
+    save in slots (nothing then reads the buffer after the forward graph that reads it)."""
+    n = len(slots)
+    held = 0
+    for k in range(n + 1):
+        before = slots[k - 1] > 0 if k > 0 else True  # the stack's input: its reader decides
+        after = slots[k] > 0 if k < n else True  # the stack's output: its writer decides
+        if not (before and after):
+            held += profile.layers[min(k, n - 1)].input_bytes
+    return held
 
 
 def predict_peak_bytes(profile: StackProfile, choices: Sequence[str], mode: str = "remap") -> int:
     """The step's peak device memory under ``choices`` (see the module docstring)."""
     _check(profile, choices)
+    slots = slot_bytes(profile, choices, mode)
     kept = sum(c.saved_bytes for c, ch in zip(profile.layers, choices) if ch == KEEP)
-    staging = banks_bytes(profile, choices, mode)
+    # (a recomputed layer that keeps its input keeps it in its boundary buffer)
     work = max(c.work_bytes + (c.saved_bytes if ch == RECOMPUTE else 0)
                for c, ch in zip(profile.layers, choices))
-    return profile.fixed_bytes + kept + staging + work
+    return (profile.fixed_bytes + kept + banks_bytes(profile, choices, mode) + work
+            + _boundaries_held(profile, slots))
 
 
-def _copied(profile: StackProfile, choices: Sequence[str], mode: str) -> tuple[list[int], set[int], set[int]]:
-    """The offloaded layers, those whose bytes never go out (the newest forward stays in
-    its bank) and those that need no copy back (their bank still holds them)."""
-    off = [i for i, ch in enumerate(choices) if ch == OFFLOAD]
+def _copied(profile: StackProfile, choices: Sequence[str], mode: str
+            ) -> tuple[list[int], dict[int, list[int]], set[int], set[int]]:
+    """Each layer's slot bytes, the offloading layers by size class, the layer whose bytes
+    never go out (the newest forward stays in its bank) and those that need no copy back
+    (nothing wrote their bank again before their backward)."""
+    slots = slot_bytes(profile, choices, mode)
+    classes = _classes(profile, slots)
+    off = [i for i, n in enumerate(slots) if n]
     held = set(off[-1:])
-    in_place = set(off[-2:]) if banks_for(choices, mode) == 2 else set(held)
-    return off, held, in_place
+    nbanks = banks_for(choices, mode)
+    in_place = {i for members in classes.values() for i in members[-nbanks:]} if nbanks else set()
+    return slots, classes, held, in_place
 
 
 def lower_bound_ms(profile: StackProfile, choices: Sequence[str], mode: str = "remap") -> float:
     """``max(T_f, V_out/β_d2h) + max(T_b + T_r, V_in/β_h2d)``: compute and copies each way
     overlapping perfectly, with ``V`` the bytes the plan copies out and back."""
     _check(profile, choices)
-    off, held, in_place = _copied(profile, choices, mode)
-    out = sum(profile.layers[i].saved_bytes for i in off if i not in held)
-    back = sum(profile.layers[i].saved_bytes for i in off if i not in in_place)
+    slots, _, held, in_place = _copied(profile, choices, mode)
+    out = sum(n for i, n in enumerate(slots) if i not in held)
+    back = sum(n for i, n in enumerate(slots) if i not in in_place)
     t_r = sum(c.recompute for c, ch in zip(profile.layers, choices) if ch == RECOMPUTE)
     return (max(profile.forward_ms, out / (profile.d2h_gbps * 1e6))
             + max(profile.backward_ms + t_r, back / (profile.h2d_gbps * 1e6)))
@@ -247,45 +287,57 @@ def predict_step_ms(profile: StackProfile, choices: Sequence[str], mode: str = "
     module docstring); never below :func:`lower_bound_ms`."""
     _check(profile, choices)
     layers = profile.layers
-    nbanks = banks_for(choices, mode)
-    off, held, in_place = _copied(profile, choices, mode)
+    nbanks = max(1, banks_for(choices, mode))
+    slots, classes, held, in_place = _copied(profile, choices, mode)
     d2h = profile.d2h_gbps * 1e6  # bytes per ms
     h2d = profile.h2d_gbps * 1e6
-    # The banks alternate in backward order (the last offloaded layer has bank 0).
-    bank = {i: (len(off) - 1 - k) % max(1, nbanks) for k, i in enumerate(off)}
+    # Within a size class the banks alternate in backward order (its last layer: bank 0);
+    # ``prev[i]``: the layer that used i's bank before it, ``nxt[i]``: the one after it.
+    bank: dict[int, tuple[int, int]] = {}
+    prev: dict[int, int] = {}
+    nxt: dict[int, int] = {}
+    for size, members in classes.items():
+        for k, i in enumerate(members):
+            bank[i] = (size, (len(members) - 1 - k) % nbanks)
+            if k >= nbanks:
+                prev[i] = members[k - nbanks]
+                nxt[members[k - nbanks]] = i
 
     def section_ms(i: int, rate: float) -> float:
-        return min(layers[i].saved_bytes, profile.section_bytes) / rate
+        return min(slots[i], profile.section_bytes) / rate
 
     # Forward: a layer writes its bank once the bank's last occupant has gone out.
     t = 0.0
     d2h_free = 0.0
-    bank_free = [0.0, 0.0]
     out_done: dict[int, float] = {}
     for i, c in enumerate(layers):
         start, end = t, t + c.forward_ms
         if i in bank:
-            end = max(end, bank_free[bank[i]] + section_ms(i, d2h))
+            if i in prev:
+                end = max(end, out_done.get(prev[i], 0.0) + section_ms(i, d2h))
             if i not in held:  # sections leave as they are written
                 cstart = max(d2h_free, start)
-                cend = max(cstart + c.saved_bytes / d2h, end + section_ms(i, d2h))
-                d2h_free = bank_free[bank[i]] = out_done[i] = cend
+                cend = max(cstart + slots[i] / d2h, end + section_ms(i, d2h))
+                d2h_free = out_done[i] = cend
         t = end
-    # Backward: the restore of an offloaded layer is queued once the backward of the
-    # offloaded layer above it (in the same bank when there is one) has begun, and fills
-    # the bank as that one lets go of it; a layer's backward waits for its bytes.
+    # Backward: an offloaded layer's restore is queued once the backward of the offloading
+    # layer above it has begun, and fills its bank as the bank's occupant (the next layer
+    # of its class, with one bank) lets go of it; a layer's backward waits for its bytes.
     h2d_free = t
     bwd_start: dict[int, float] = {}
     bwd_end: dict[int, float] = {}
-    above: int | None = None  # the offloaded layer above, in backward order
+    above: int | None = None  # the offloading layer above, in backward order
     for i in reversed(range(len(layers))):
         c = layers[i]
         ready = t
         if i in bank and i not in in_place:
             queued = bwd_start[above] if above is not None else t
-            freed = bwd_end[above] if (above is not None and nbanks == 1) else queued
+            # (a recomputed layer reads its input first, for the recompute: it lets go of
+            # its bank as its backward begins; an offloaded one as its backward ends)
+            freed = queued if i not in nxt else (
+                bwd_start[nxt[i]] if choices[nxt[i]] == RECOMPUTE else bwd_end[nxt[i]])
             cstart = max(h2d_free, queued, out_done.get(i, 0.0))
-            cend = max(cstart + c.saved_bytes / h2d, freed + section_ms(i, h2d))
+            cend = max(cstart + slots[i] / h2d, freed + section_ms(i, h2d))
             h2d_free = cend
             ready = max(t, cend)
         bwd_start[i] = ready
@@ -310,8 +362,11 @@ class _Scored:
 
 
 def _modes(choices: Sequence[str]) -> tuple[str, ...]:
-    # resident: two banks, no driver call per step; remap: one bank, mapped per pass
-    return ("resident", "remap") if OFFLOAD in choices else ("off",)
+    # resident: two banks, no driver call per step; remap: one bank, mapped per pass; a
+    # recomputed layer's input may go to the host too, or stay (off)
+    if OFFLOAD in choices:
+        return ("resident", "remap")
+    return ("off", "resident", "remap") if RECOMPUTE in choices else ("off",)
 
 
 @functools.lru_cache(maxsize=1 << 16)
@@ -481,8 +536,7 @@ def _plan(profile: StackProfile, s: _Scored, budget: int | None, reason: str,
     return BudgetPlan(
         choices=s.choices, mode=s.mode, budget_bytes=budget, predicted_peak_bytes=s.peak,
         predicted_step_ms=s.step, lower_bound_ms=min(bound, s.bound),
-        offloaded_bytes=sum(c.saved_bytes for c, ch in zip(profile.layers, s.choices)
-                            if ch == OFFLOAD),
+        offloaded_bytes=sum(slot_bytes(profile, s.choices, s.mode)),
         recompute_ms=sum(c.recompute for c, ch in zip(profile.layers, s.choices)
                          if ch == RECOMPUTE),
         reason=reason, profile=profile)

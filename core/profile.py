@@ -123,7 +123,8 @@ def profile_units(b: Backend, units: Sequence[torch.nn.Module], sample: torch.Te
         if not sees_peak:
             work = 2 * out.numel() * out.element_size()  # an output's gradient and a temporary
         costs.append(LayerCost(forward_ms=min(fwd_ms), backward_ms=min(bwd_ms),
-                               saved_bytes=saved, work_bytes=max(0, work)))
+                               saved_bytes=saved, work_bytes=max(0, work),
+                               input_bytes=x.numel() * x.element_size()))
         x = out.requires_grad_(x.requires_grad or bool(params))
     b.synchronize()
     return costs
