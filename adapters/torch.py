@@ -414,14 +414,14 @@ class _Runner:
         own = static_grad_out is None or static_grad_out.shape != out.shape
         if own and not differentiable:
             static_grad_out = torch.zeros_like(out)
+        # Each parameter's gradient is added, inside the graph, into a buffer outside the
+        # graphs' pool (allocated here, before the capture) or into its main_grad: no other
+        # graph writes there, so it can be .grad across forwards, steps and microbatches in
+        # flight. What autograd.grad returns is the graph's scratch.
+        targets = [self._grad_target(p, id(p) in shared) for p in self.params] if differentiable else []
+        _post_hooks_run_without_grad()  # asked once, before any capture
         try:
             if differentiable:
-                # Each parameter's gradient is added, inside the graph, into a buffer outside
-                # the graphs' pool (allocated here, before the capture) or into its main_grad:
-                # no other graph writes there, so it can be .grad across forwards, steps and
-                # microbatches in flight. What autograd.grad returns is the graph's scratch.
-                targets = [self._grad_target(p, id(p) in shared) for p in self.params]
-                _post_hooks_run_without_grad()  # asked once, before any capture
                 bwd = self.stack._new_graph()
                 with bwd.capture(self.stack._warmup_stream):
                     if own:
