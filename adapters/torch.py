@@ -16,21 +16,32 @@ they wait on the host (``resident``: two banks per size class, mapped for good, 
 calls; ``remap``: one bank where slots stream in sections, its pages released whenever
 nothing is in flight). ``off`` graphs without offload.
 
-What the graphs hold, and why it is no more than torch's own graphed callables:
+What the graphs and gradients hold, and why it is no more than eager and torch's own graphed
+callables hold:
 
 * Layer boundaries are chained: layer ``i + 1`` is captured reading layer ``i``'s static
   output, and layer ``i``'s backward reading layer ``i + 1``'s static input gradient, so
   no activation or gradient is copied or cloned between layers. Only the stack's own
   input, output and their gradients are copied, once per step.
-* Parameter gradients are the backward graphs' static buffers: after a backward with
-  ``.grad`` unset, ``.grad`` *is* that buffer (no second copy). A backward that finds
-  ``.grad`` still being that buffer (gradient accumulation, ``zero_grad(set_to_none=False)``)
-  first gives ``.grad`` bytes of its own (the same tensor object) and lets autograd add
-  into it, as eagerly; the result is bitwise eager's. A parameter shared by several
-  layers, or one with tensor hooks, gets its gradient as a copy, so autograd sums and
-  hooks run as in eager. A ``.grad`` someone still holds after
-  ``zero_grad(set_to_none=True)`` is moved out of the buffer before the next backward
-  overwrites it, and that parameter is copied from then on.
+* Parameter gradients have one home: the backward graph adds each parameter's gradient,
+  inside the graph, into a buffer of that parameter's own at a fixed address outside the
+  graphs' pool, and ``.grad`` *is* that buffer. With ``.grad`` None (``zero_grad()``) the
+  buffer is filled with -0.0 (the additive identity: the sum is eager's fresh gradient bit
+  for bit) and lent as ``.grad``; while ``.grad`` is still the buffer (accumulation over any
+  number of microbatches, in flight or not, ``zero_grad(set_to_none=False)``) the graph
+  accumulates into it in place, as eager's ``grad += new``. No forward or other backward
+  writes there, so there is no second copy of the gradients and nothing to move out. The
+  layers' autograd node then returns None for those parameters; post-accumulate-grad hooks
+  run once per backward as eagerly. A ``.grad`` the user assigned (a fresh tensor, or views
+  into one flat buffer as DDP's ``gradient_as_bucket_view``) keeps its identity and gets
+  the fresh gradient added in. A parameter that several graphs share, one with tensor
+  hooks, or one ``torch.autograd.grad`` asks for gets its gradient as a copy through
+  autograd, which sums and runs hooks as in eager. Whoever kept an earlier ``.grad`` after
+  ``zero_grad(set_to_none=True)`` gets bytes of its own before the buffer starts afresh.
+  With ``main_grad=True``, parameters that carry a ``main_grad`` (Megatron's fp32
+  accumulation) have the graph add into it and ``.grad`` is left alone. Only the stack's
+  input gradient is lent from the pool (the first layer's buffer), and given bytes of its
+  own before a replay that could overwrite it while somebody still holds it.
 * Capture-time autograd graphs are dropped once the backward graphs exist, so training
   builds its own gradient accumulators on the training stream.
 
@@ -45,7 +56,10 @@ and any optimizer work as usual. A forward under ``torch.no_grad()`` offloads no
 
 Limits, as for device graphs in general: each layer takes one tensor and returns one
 tensor of fixed shape, dtype and device; no host synchronisation or data-dependent
-shapes inside a layer; random ops (dropout) are not supported inside graphed layers.
+shapes inside a layer; random ops (dropout) are not supported inside graphed layers. A
+parameter that a layer shares with a module outside the stack gets the layer's part added
+into ``.grad`` inside the graph and the outside part added by autograd after it, where
+eager adds their sum: equal up to rounding, not bit for bit.
 """
 
 from __future__ import annotations
@@ -435,6 +449,7 @@ class _Runner:
                         if g is not None:
                             acc.add_(g)
                 if own:
+                    assert static_grad_out is not None  # (allocated in the capture)
                     view = b.return_to_pool(static_grad_out)
                     if view is not None:
                         static_grad_out = view
@@ -741,6 +756,18 @@ class GraphedLayers(nn.Module):
         warmup_iters: eager iterations before capture.
         backend: the graphslot backend (default: :func:`graphslot.get_backend`).
         debug_checksums: verify a checksum of every restored activation (slow).
+        main_grad: parameters that carry a ``main_grad`` tensor (Megatron and
+            TransformerEngine style: fp32 accumulation of bf16 gradients) have the backward
+            graph add their gradient into it, at its address, and ``.grad`` is left alone.
+            Zero it in place between steps; a ``main_grad`` replaced by another tensor is a
+            StateError at the next backward. A parameter that several graphs share, or
+            one without ``main_grad``, gets ``.grad`` as usual.
+
+    Gradients: ``.grad`` of the layers' parameters is the buffer the backward graph adds
+    into (see the module docstring), with eager's semantics bit for bit for both
+    ``zero_grad`` flavours, accumulation, microbatches in flight, hooks, clipping,
+    ``GradScaler``, optimizers that keep ``.grad`` and a ``.grad`` the user assigned;
+    ``gradient_buffers`` lists those buffers.
 
     Raises:
         UsageError: no layers, a sample on another device, a bad layer index or mode.
