@@ -437,6 +437,10 @@ class _Runner:
         try:
             if differentiable:
                 bwd = self.stack._new_graph()
+                # A backend whose capture runs the work (cpu) would add the capture's
+                # gradient into the user's main_grad: keep its values to put back.
+                main_before = [acc.clone() for acc, main in targets
+                               if main and getattr(bwd, "executes_during_capture", True)]
                 with bwd.capture(self.stack._warmup_stream):
                     if own:
                         # The stack's last gradient buffer, from the graphs' pool: the caller's
@@ -448,6 +452,10 @@ class _Runner:
                     for (acc, _), g in zip(targets, grads):
                         if g is not None:
                             acc.add_(g)
+                with torch.no_grad():
+                    for acc, before in zip([acc for acc, main in targets if main], main_before):
+                        acc.copy_(before)
+                del main_before
                 if own:
                     assert static_grad_out is not None  # (allocated in the capture)
                     view = b.return_to_pool(static_grad_out)

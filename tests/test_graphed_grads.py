@@ -494,8 +494,9 @@ def test_main_grad_accumulates_in_the_graph_as_megatron_does(clean):
 
     def with_main_grads() -> nn.Sequential:
         m = copy.deepcopy(base)
-        for p in m.parameters():
-            p.main_grad = torch.zeros(p.shape, dtype=torch.float32, device=b.device)
+        g = torch.Generator().manual_seed(2)
+        for p in m.parameters():  # (left over from an earlier accumulation: kept, added to)
+            p.main_grad = torch.randn(p.shape, generator=g).to(b.device)
         return m
 
     eager = with_main_grads()
