@@ -123,3 +123,38 @@ def test_mode_off_with_a_budget_never_offloads(clean, monkeypatch):
     model = small_gpt(b, 3)
     with graphed(model, b, "off", memory_budget="auto") as stack:
         assert "offload" not in stack.plan.choices and stack.mode.value == "off"
+
+
+def test_an_input_wanting_a_gradient_the_capture_never_computed_is_refused(clean):
+    """A sample without requires_grad captures no input gradient: an input that requires
+    grad would silently get none, so it is refused naming the difference."""
+    b = clean
+    model = small_gpt(b, 2)
+    sample = model.hidden_in(model.batch(0, b.device)[0]).detach()
+    with gt.GraphedLayers(list(model.blocks), sample, mode="off", backend=b) as stack:
+        x = sample.clone().requires_grad_()
+        with pytest.raises(gt.CaptureMismatchError, match="requires grad"):
+            stack(x)
+        stack(sample.clone()).sum().backward()  # the captured kind still trains
+        with torch.no_grad():
+            stack(x)  # no gradient wanted: fine
+    # The other way round works as eager: the input gradient is computed and dropped.
+    model2 = small_gpt(b, 2)
+    with gt.GraphedLayers(list(model2.blocks), sample.clone().requires_grad_(), mode="off",
+                          backend=b) as stack:
+        stack(sample.clone()).sum().backward()
+        assert all(p.grad is not None for p in model2.blocks.parameters())
+
+
+@pytest.mark.parametrize("layers,match", [(5, "sequence of torch.nn.Module, got int"),
+                                          ([torch.nn.Linear(4, 4), "relu"], r"layers\[1\] is str"),
+                                          (torch.nn.Linear(4, 4), "wrap it in a list"),
+                                          ([], "at least one layer")])
+def test_wrong_layers_are_named(clean, layers, match):
+    with pytest.raises(UsageError, match=match):
+        gt.GraphedLayers(layers, torch.randn(2, 4), backend=clean)
+
+
+def test_a_sample_that_is_not_a_tensor_is_named(clean):
+    with pytest.raises(UsageError, match="sample_input must be a torch.Tensor.*got list"):
+        gt.GraphedLayers([torch.nn.Linear(4, 4)], [[1.0] * 4] * 2, backend=clean)

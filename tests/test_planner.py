@@ -611,7 +611,7 @@ def test_cli_table_without_tabulate_is_a_clear_error(tmp_path, capsys, monkeypat
     monkeypatch.setitem(sys.modules, "tabulate", None)  # import now raises ImportError
     assert _cli(["plan", _write(tmp_path, DOC)]) == 1
     cap = capsys.readouterr()
-    assert "the plan table needs tabulate" in cap.err and "graphslot[cli]" in cap.err
+    assert "the plan table needs tabulate" in cap.err and "pip install tabulate tqdm" in cap.err
     assert "--json" in cap.err and cap.out == ""
     assert _cli(["plan", _write(tmp_path, DOC), "--json"]) == 0  # JSON needs nothing more
 

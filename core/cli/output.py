@@ -1,6 +1,6 @@
 """What the commands print through: tables (``tabulate``) and the progress bar (``tqdm``).
 
-Both come from the ``cli`` extra (``pip install 'graphslot[cli]'``) and are imported only
+Both are dependencies of the package, imported only
 when a command prints a table or a bar. A command checks :func:`missing` before it does
 any work, so a missing library is one clear line, never a traceback after a long run.
 """
@@ -15,8 +15,9 @@ from ..errors import UsageError
 
 __all__ = ["EXTRA", "missing", "table", "Progress"]
 
-#: The extra that brings the commands' output libraries.
-EXTRA = "graphslot[cli]"
+#: How to install the commands' output libraries (dependencies of the package, missing only
+#: from an install without them).
+EXTRA = "tabulate tqdm"
 
 
 def missing(module: str, what: str, instead: str | None = None) -> str | None:
@@ -33,7 +34,7 @@ def missing(module: str, what: str, instead: str | None = None) -> str | None:
     try:
         importlib.import_module(module)
     except ImportError:
-        msg = f"{what} needs {module}, which is not installed; install it with: pip install '{EXTRA}'"
+        msg = f"{what} needs {module}, which is not installed; install it with: pip install {EXTRA}"
         return msg + (f", or pass {instead}" if instead else "")
     return None
 
