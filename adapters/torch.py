@@ -16,32 +16,21 @@ they wait on the host (``resident``: two banks per size class, mapped for good, 
 calls; ``remap``: one bank where slots stream in sections, its pages released whenever
 nothing is in flight). ``off`` graphs without offload.
 
-What the graphs and gradients hold, and why it is no more than eager and torch's own graphed
-callables hold:
+What the graphs hold, and why it is no more than torch's own graphed callables:
 
 * Layer boundaries are chained: layer ``i + 1`` is captured reading layer ``i``'s static
   output, and layer ``i``'s backward reading layer ``i + 1``'s static input gradient, so
   no activation or gradient is copied or cloned between layers. Only the stack's own
   input, output and their gradients are copied, once per step.
-* Parameter gradients have one home: the backward graph adds each parameter's gradient,
-  inside the graph, into a buffer of that parameter's own at a fixed address outside the
-  graphs' pool, and ``.grad`` *is* that buffer. With ``.grad`` None (``zero_grad()``) the
-  buffer is filled with -0.0 (the additive identity: the sum is eager's fresh gradient bit
-  for bit) and lent as ``.grad``; while ``.grad`` is still the buffer (accumulation over any
-  number of microbatches, in flight or not, ``zero_grad(set_to_none=False)``) the graph
-  accumulates into it in place, as eager's ``grad += new``. No forward or other backward
-  writes there, so there is no second copy of the gradients and nothing to move out. The
-  layers' autograd node then returns None for those parameters; post-accumulate-grad hooks
-  run once per backward as eagerly. A ``.grad`` the user assigned (a fresh tensor, or views
-  into one flat buffer as DDP's ``gradient_as_bucket_view``) keeps its identity and gets
-  the fresh gradient added in. A parameter that several graphs share, one with tensor
-  hooks, or one ``torch.autograd.grad`` asks for gets its gradient as a copy through
-  autograd, which sums and runs hooks as in eager. Whoever kept an earlier ``.grad`` after
-  ``zero_grad(set_to_none=True)`` gets bytes of its own before the buffer starts afresh.
-  With ``main_grad=True``, parameters that carry a ``main_grad`` (Megatron's fp32
-  accumulation) have the graph add into it and ``.grad`` is left alone. Only the stack's
-  input gradient is lent from the pool (the first layer's buffer), and given bytes of its
-  own before a replay that could overwrite it while somebody still holds it.
+* Parameter gradients are the backward graphs' static buffers: after a backward with
+  ``.grad`` unset, ``.grad`` *is* that buffer (no second copy). A backward that finds
+  ``.grad`` still being that buffer (gradient accumulation, ``zero_grad(set_to_none=False)``)
+  first gives ``.grad`` bytes of its own (the same tensor object) and lets autograd add
+  into it, as eagerly; the result is bitwise eager's. A parameter shared by several
+  layers, or one with tensor hooks, gets its gradient as a copy, so autograd sums and
+  hooks run as in eager. A ``.grad`` someone still holds after
+  ``zero_grad(set_to_none=True)`` is moved out of the buffer before the next backward
+  overwrites it, and that parameter is copied from then on.
 * Capture-time autograd graphs are dropped once the backward graphs exist, so training
   builds its own gradient accumulators on the training stream.
 
@@ -56,18 +45,13 @@ and any optimizer work as usual. A forward under ``torch.no_grad()`` offloads no
 
 Limits, as for device graphs in general: each layer takes one tensor and returns one
 tensor of fixed shape, dtype and device; no host synchronisation or data-dependent
-shapes inside a layer; random ops (dropout) are not supported inside graphed layers. A
-parameter that a layer shares with a module outside the stack gets the layer's part added
-into ``.grad`` inside the graph and the outside part added by autograd after it, where
-eager adds their sum: equal up to rounding, not bit for bit.
+shapes inside a layer; random ops (dropout) are not supported inside graphed layers.
 """
 
 from __future__ import annotations
 
 import collections
 import contextlib
-import enum
-import functools
 import gc
 import threading
 import warnings
@@ -174,52 +158,21 @@ def _storage_id(t: torch.Tensor) -> int:
     return int(t.untyped_storage()._cdata)
 
 
-class _Way(enum.Enum):
-    """How one backward pass delivers a parameter's gradient (chosen before the replay)."""
-
-    ACCUMULATE = "the graph adds into .grad, which is the buffer"
-    LEND = "the graph writes the buffer from scratch; .grad was None and becomes the buffer"
-    ADD = "the graph writes the buffer from scratch; it is added into the user's own .grad"
-    AUTOGRAD = "the graph writes the buffer from scratch; autograd gets a copy (hooks, sharing)"
-    SKIP = "this pass wants no gradient of the parameter; the buffer is scratch"
-    MAIN_GRAD = "the graph adds into the parameter's main_grad"
-
-
-#: What makes a buffer start from scratch: -0.0 is the additive identity of IEEE floats
-#: (-0.0 + x is x for every x, -0.0 and NaN included; +0.0 + -0.0 would give +0.0), so
-#: the graph's ``buf.add_(g)`` then leaves exactly eager's fresh gradient in the buffer.
-_NEG_ZERO = -0.0
-
-
 class _ParamGrad:
-    """One parameter's gradient buffer in a layer's backward graph.
+    """One parameter's gradient buffer in a layer's backward graphs (``param`` None: the
+    stack's input gradient, the first layer's buffer)."""
 
-    For a parameter, ``buf`` is a tensor of graphslot's own at a fixed address, outside the
-    graphs' pool, so no other graph writes it: the backward graph adds the layer's gradient
-    into it at every replay (``buf.add_(g)``, captured), and it is lent as ``.grad`` (or it
-    is the parameter's ``main_grad``). For the stack's input gradient (``param`` None) it
-    is the first layer's static buffer in the pool, which the graph writes.
-    """
+    __slots__ = ("param", "buf", "ptr", "storage", "base_refs", "copy")
 
-    __slots__ = ("param", "name", "buf", "ptr", "storage", "base_refs", "copy", "shared",
-                 "main_grad")
-
-    def __init__(self, param: nn.Parameter | None, buf: torch.Tensor, copy: bool, name: str = "",
-                 shared: bool = False, main_grad: bool = False) -> None:
+    def __init__(self, param: nn.Parameter | None, buf: torch.Tensor, copy: bool) -> None:
         self.param = param
-        self.name = name
-        self.buf = buf
+        self.buf = buf  # written by the backward graph at every replay
         self.ptr = buf.data_ptr()
         self.storage = _storage_id(buf)
         self.base_refs = 0  # references to buf's storage that graphslot itself holds
-        #: hand out copies, never the buffer: somebody kept an earlier one (and for the
-        #: input gradient, a kept one was found)
+        #: hand out a copy, never the buffer: shared parameters, hooked ones, and those
+        #: whose earlier gradient somebody kept
         self.copy = copy
-        #: the parameter is in several graphs: each gives its part to autograd, which sums
-        #: them in eager's order before accumulating
-        self.shared = shared
-        #: buf is the parameter's main_grad (never lent, never cleared by graphslot)
-        self.main_grad = main_grad
 
     def settle(self) -> None:
         """After the build: count the references graphslot itself holds to the buffer."""
@@ -227,12 +180,10 @@ class _ParamGrad:
             self.base_refs = _use_count(self.storage)
 
     def aliased(self) -> bool:
-        """Is ``.grad`` the buffer itself (the same bytes, laid out alike)?"""
         if self.param is None:  # the stack's input gradient: no .grad of ours to look at
             return False
         g = self.param.grad
-        return (g is not None and g.data_ptr() == self.ptr and g.stride() == self.buf.stride()
-                and _storage_id(g) == self.storage)
+        return g is not None and g.data_ptr() == self.ptr
 
     def others_hold(self) -> bool:
         """Does anyone but graphslot (and an aliasing ``.grad``) hold the buffer?"""
@@ -240,66 +191,6 @@ class _ParamGrad:
             return False
         extra = 1 if self.aliased() else 0
         return _use_count(self.storage) > self.base_refs + extra
-
-    def check_main_grad(self, label: str) -> None:
-        p = self.param
-        mg = getattr(p, "main_grad", None)
-        if not (isinstance(mg, torch.Tensor) and mg.data_ptr() == self.ptr
-                and mg.shape == self.buf.shape and mg.stride() == self.buf.stride()
-                and mg.dtype == self.buf.dtype):
-            raise StateError(
-                f"{label}: parameter {self.name}'s main_grad is no longer the tensor the backward "
-                f"graph was captured adding into (at 0x{self.ptr:x}); keep main_grad in place "
-                "(zero it in place) or build the stack again")
-
-    def fire_post_accumulate_hooks(self) -> None:
-        hooks = getattr(self.param, "_post_accumulate_grad_hooks", None)
-        if hooks:
-            for hook in list(hooks.values()):
-                hook(self.param)
-
-
-@functools.cache
-def _post_hooks_run_without_grad() -> bool:
-    """Does this torch run a parameter's post-accumulate-grad hooks when the gradient
-    reaching its accumulator is None (2.13 does)? The layers' backward returns None for
-    the parameters whose ``.grad`` it updated itself; the hooks must run once either way."""
-    fired: list[bool] = []
-    w = torch.zeros(1, requires_grad=True)
-    w.register_post_accumulate_grad_hook(lambda p: fired.append(True))
-    x = torch.zeros(1, requires_grad=True)
-    _NoneForSecond.apply(x, w).sum().backward()
-    return bool(fired)
-
-
-class _NoneForSecond(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        return x.clone()
-
-    @staticmethod
-    def backward(ctx: Any, g: torch.Tensor) -> Any:
-        return g, None
-
-
-_will_execute: Callable[[Any], bool] | None = getattr(torch._C, "_will_engine_execute_node", None)
-
-
-def _accumulates(edge: tuple[Any, int]) -> bool | None:
-    """Will this backward pass accumulate into ``.grad`` through ``edge`` (an entry of the
-    autograd node's ``next_functions``: the parameter's accumulator): True; leave the
-    parameter alone: False; or hand its gradient to ``torch.autograd.grad``: None."""
-    node = edge[0]
-    if node is None:
-        return False
-    if _will_execute is None:
-        return True
-    try:
-        return _will_execute(node)
-    except RuntimeError as e:  # torch refuses the question for a leaf autograd.grad() asked for
-        if "autograd.grad" not in str(e):
-            raise
-        return None
 
 
 class _Runner:
@@ -449,45 +340,26 @@ class _Runner:
         own = static_grad_out is None or static_grad_out.shape != out.shape
         if own and not differentiable:
             static_grad_out = torch.zeros_like(out)
-        # Each parameter's gradient is added, inside the graph, into a buffer outside the
-        # graphs' pool (allocated here, before the capture) or into its main_grad: no other
-        # graph writes there, so it can be .grad across forwards, steps and microbatches in
-        # flight. What autograd.grad returns is the graph's scratch.
-        targets = [self._grad_target(p, id(p) in shared) for p in self.params] if differentiable else []
-        _post_hooks_run_without_grad()  # asked once, before any capture
         try:
             if differentiable:
                 bwd = self.stack._new_graph()
-                # A backend whose capture runs the work (cpu) would add the capture's
-                # gradient into the user's main_grad: keep its values to put back.
-                main_before = [acc.clone() for acc, main in targets
-                               if main and getattr(bwd, "executes_during_capture", True)]
                 with bwd.capture(self.stack._warmup_stream):
                     if own:
                         # The stack's last gradient buffer, from the graphs' pool: the caller's
                         # gradient is copied in right before each replay and only this graph
                         # reads it, so once captured its bytes go back to the pool (below).
                         static_grad_out = torch.empty_like(out)
-                    grads = list(torch.autograd.grad(out, inputs, static_grad_out, allow_unused=True))
-                    self.grad_in = grads.pop(0) if wants_grad_in else None
-                    for (acc, _), g in zip(targets, grads):
-                        if g is not None:
-                            acc.add_(g)
-                with torch.no_grad():
-                    for acc, before in zip([acc for acc, main in targets if main], main_before):
-                        acc.copy_(before)
-                del main_before
+                    grads = torch.autograd.grad(out, inputs, static_grad_out, allow_unused=True)
                 if own:
-                    assert static_grad_out is not None  # (allocated in the capture)
                     view = b.return_to_pool(static_grad_out)
                     if view is not None:
                         static_grad_out = view
                 self.bwd = bwd
-                names = {id(p): n for n, p in self.module.named_parameters()}
-                self.grads = [None if g is None else _ParamGrad(p, acc, False, names.get(id(p), "?"),
-                                                                id(p) in shared, main)
-                              for p, (acc, main), g in zip(self.params, targets, grads)]
-                del grads, targets  # (the gradients themselves go back to the pool)
+                grad_list = list(grads)
+                self.grad_in = grad_list.pop(0) if wants_grad_in else None
+                self.grads = [None if gbuf is None else _ParamGrad(p, gbuf, id(p) in shared or bool(p._backward_hooks))
+                              for p, gbuf in zip(self.params, grad_list)]
+                del grads, grad_list
         except Exception as e:
             raise StateError(
                 f"{self.label}: capturing the backward graph failed ({type(e).__name__}: "
@@ -505,21 +377,6 @@ class _Runner:
         kept = self.__dict__.pop("_kept", None)
         if kept is not None:
             self.group.keep(b.alias_bytes(ptr, n) for ptr, n in kept.values())
-
-    def _grad_target(self, p: nn.Parameter, shared: bool) -> tuple[torch.Tensor, bool]:
-        """Where the backward graph adds ``p``'s gradient: its ``main_grad`` when the stack
-        was asked to and ``p`` is in this graph alone, else a buffer of ``p``'s layout."""
-        mg = getattr(p, "main_grad", None) if self.stack.main_grad and not shared else None
-        if mg is None:
-            return torch.empty_like(p, memory_format=torch.preserve_format).detach(), False
-        if not isinstance(mg, torch.Tensor) or mg.shape != p.shape or mg.device != p.device \
-                or not mg.is_floating_point():
-            what = (f"a {type(mg).__name__}" if not isinstance(mg, torch.Tensor)
-                    else f"{list(mg.shape)} {mg.dtype} on {mg.device}")
-            raise UsageError(f"{self.label}: main_grad=True, but a parameter's main_grad is {what}; "
-                             f"it must be a floating tensor of the parameter's shape "
-                             f"{list(p.shape)} on {p.device}")
-        return mg, True
 
     def settle_refs(self) -> None:
         """After the build: count the references graphslot itself holds to each buffer."""
@@ -580,27 +437,23 @@ class _Runner:
             self.pending.add(mb)
         return self.static_out
 
-    def backward(self, grad: torch.Tensor, mb: int, nodes: Sequence[Any]
-                 ) -> tuple[torch.Tensor | None, ...]:
-        """``nodes``: where each parameter's gradient goes in this backward pass (its
-        accumulator node, from the autograd node's ``next_functions``)."""
+    def backward(self, grad: torch.Tensor, mb: int) -> tuple[torch.Tensor | None, ...]:
         stack = self.stack
         if stack._closed:
             raise StateError(f"{self.label}: backward of microbatch {mb} after close(); "
                              "close() abandoned the forward it belonged to")
         stack._enter()
         try:
-            return self._backward(grad, mb, nodes)
+            return self._backward(grad, mb)
         finally:
             stack._leave()
 
-    def _backward(self, grad: torch.Tensor, mb: int, nodes: Sequence[Any]
-                  ) -> tuple[torch.Tensor | None, ...]:
+    def _backward(self, grad: torch.Tensor, mb: int) -> tuple[torch.Tensor | None, ...]:
         stack = self.stack
         # A backward pass is one unit for close(): from its first layer to the stack's first.
         stack._in_backward.add(mb)
         try:
-            out = self._replay_backward(grad, mb, nodes)
+            out = self._replay_backward(grad, mb)
         except BaseException:
             stack._in_backward.discard(mb)
             raise
@@ -608,8 +461,7 @@ class _Runner:
             stack._in_backward.discard(mb)
         return out
 
-    def _replay_backward(self, grad: torch.Tensor, mb: int, nodes: Sequence[Any]
-                         ) -> tuple[torch.Tensor | None, ...]:
+    def _replay_backward(self, grad: torch.Tensor, mb: int) -> tuple[torch.Tensor | None, ...]:
         stack, eng = self.stack, self.stack.engine
         if mb not in self.pending:
             raise StateError(
@@ -626,7 +478,6 @@ class _Runner:
             if grad.data_ptr() != self.static_grad_out.data_ptr():
                 with torch.no_grad():
                     self.static_grad_out.copy_(grad)
-            ways = self._prepare_grads(nodes)
             graph = self.bwd
             if stack._tracing:
                 with stack._span(f"bwd {self.name}"):
@@ -635,7 +486,10 @@ class _Runner:
                     stack.probe(f"B{self.layers[0]}")
             else:
                 graph.replay()
-            out = self._grads_out(ways)
+            out = self._grads_out()
+            lent = [pg for pg in self.grads if pg is not None and not pg.copy]
+            if lent:
+                stack._lent[self.index] = lent
         self.pending.discard(mb)
         eng.consumed(t)
         # Look-ahead: the next offloaded layer's reload runs under this backward graph
@@ -657,97 +511,42 @@ class _Runner:
         return (gin, *out)
 
     def give_back(self, pg: _ParamGrad) -> None:
-        """The stack's input gradient buffer ``pg`` is about to be overwritten: whoever still
-        holds it (``x.grad`` of the caller's input, or a kept reference) gets bytes of its own."""
+        """``pg``'s buffer is about to be overwritten: whoever holds it as a gradient (its
+        ``.grad`` under accumulation, or a kept reference) gets bytes of its own first."""
         if _use_count is not None and _use_count(pg.storage) <= pg.base_refs:
-            return  # nobody kept it: the usual case
+            return  # nobody kept it: the usual case after zero_grad(set_to_none=True)
+        if pg.aliased():
+            # The same tensor object keeps its identity (references to it stay good) and
+            # gets its own bytes; autograd then adds the next gradient into it, as eagerly.
+            assert pg.param is not None  # (aliased() says so)
+            g = pg.param.grad
+            g.data = g.clone()  # type: ignore[union-attr]
         if pg.others_hold():
-            self._move_out([pg])
+            self._move_out(pg)
 
-    def _move_out(self, pgs: list[_ParamGrad]) -> None:
-        """Somebody kept tensors that are these buffers (an earlier ``.grad``, a view of
-        one): give each its own copy of its bytes before the graph overwrites them, and
-        hand copies from now on (one scan of every object is too slow for every step)."""
-        spans = {pg.storage: (pg.ptr, pg.ptr + pg.buf.untyped_storage().nbytes(), pg) for pg in pgs}
+    def _move_out(self, pg: _ParamGrad) -> None:
+        """Somebody kept an earlier ``.grad`` that is this buffer: give it a copy of its own
+        bytes before the graph overwrites them, and hand this parameter copies from now on."""
         with warnings.catch_warnings():  # isinstance() wakes deprecated module attributes
             warnings.simplefilter("ignore")
-            held = [o for o in _tracked_objects() if isinstance(o, torch.Tensor)
-                    and o.device.type == pgs[0].buf.device.type and o.layout == torch.strided
-                    and any(lo <= o.data_ptr() < hi and o is not pg.buf for lo, hi, pg in spans.values())]
+            held = [o for o in _tracked_objects() if isinstance(o, torch.Tensor) and o is not pg.buf
+                    and o.device == pg.buf.device and o.data_ptr() == pg.ptr]
         for o in held:
-            if _storage_id(o) in spans:
+            if o.untyped_storage()._cdata == pg.storage:
                 o.data = o.clone()
-        for pg in pgs:
-            pg.copy = True
+        pg.copy = True
 
-    def _prepare_grads(self, nodes: Sequence[tuple[Any, int]]) -> list[_Way | None]:
-        """Before the backward replay: how each parameter's gradient is delivered this time,
-        and the buffers that start from scratch made so (see :class:`_Way`)."""
-        ways: list[_Way | None] = []
-        fresh: list[torch.Tensor] = []
-        kept: list[_ParamGrad] = []
-        for pg, edge in zip(self.grads, nodes[len(nodes) - len(self.grads):]):
-            if pg is None:
-                ways.append(None)
-                continue
-            if pg.main_grad:
-                pg.check_main_grad(self.label)
-                ways.append(_Way.MAIN_GRAD)
-                continue
-            p = pg.param
-            assert p is not None
-            g = p.grad
-            runs = _accumulates(edge)
-            if runs is None or pg.shared or p._backward_hooks:
-                # autograd.grad() wants it, or autograd must sum the parts of a parameter
-                # several graphs share, or run its tensor hooks: as eagerly, with a copy.
-                way = _Way.AUTOGRAD
-            elif not runs:
-                way = _Way.SKIP
-            elif g is None:
-                way = _Way.LEND
-            elif pg.aliased():
-                way = _Way.ACCUMULATE
-            else:
-                way = _Way.ADD
-            ways.append(way)
-            if way is _Way.ACCUMULATE:
-                continue  # whoever holds .grad (or a view of it) sees it grow, as eagerly
-            # The buffer is about to be written from scratch: a .grad in it keeps its values
-            # (the same object, bytes of its own), as does anyone who kept an earlier one.
-            if g is not None and _storage_id(g) == pg.storage:
-                g.data = g.clone()
-            if pg.others_hold():
-                kept.append(pg)
-            if way is not _Way.SKIP:
-                fresh.append(pg.buf)
-        if kept:
-            self._move_out(kept)
-        for buf in fresh:
-            buf.fill_(_NEG_ZERO)
-        return ways
-
-    def _grads_out(self, ways: list[_Way | None]) -> list[torch.Tensor | None]:
-        """After the replay: ``.grad`` set or added into as the ways say; what the layers'
-        autograd node returns for each parameter (None where ``.grad`` is done)."""
+    def _grads_out(self) -> list[torch.Tensor | None]:
         out: list[torch.Tensor | None] = []
-        fire = not _post_hooks_run_without_grad()
-        for pg, way in zip(self.grads, ways):
-            if pg is None or way is None or way is _Way.SKIP:
+        for pg in self.grads:
+            if pg is None:
                 out.append(None)
-                continue
-            p = pg.param
-            assert p is not None
-            if way is _Way.AUTOGRAD:
+            elif pg.copy:
                 out.append(pg.buf.clone())
-                continue
-            if way is _Way.LEND:
-                p.grad = pg.buf.clone() if pg.copy else pg.buf.detach()
-            elif way is _Way.ADD:
-                p.grad.add_(pg.buf)  # type: ignore[union-attr]  # (eager's `grad += new`)
-            out.append(None)  # autograd has nothing left to add
-            if fire:  # this torch runs them only for a gradient it accumulates itself
-                pg.fire_post_accumulate_hooks()
+            else:
+                # With .grad unset, autograd takes this tensor as .grad without a copy;
+                # with .grad set, it adds this into it.
+                out.append(pg.buf.detach())
         return out
 
 
@@ -766,7 +565,7 @@ class _LayerFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> Any:
-        grads = ctx.runner.backward(grad, ctx.mb, ctx.next_functions)
+        grads = ctx.runner.backward(grad, ctx.mb)
         return (None, None, *grads)
 
 
@@ -850,18 +649,6 @@ class GraphedLayers(nn.Module):
         warmup_iters: eager iterations before capture.
         backend: the graphslot backend (default: :func:`graphslot.get_backend`).
         debug_checksums: verify a checksum of every restored activation (slow).
-        main_grad: parameters that carry a ``main_grad`` tensor (Megatron and
-            TransformerEngine style: fp32 accumulation of bf16 gradients) have the backward
-            graph add their gradient into it, at its address, and ``.grad`` is left alone.
-            Zero it in place between steps; a ``main_grad`` replaced by another tensor is a
-            StateError at the next backward. A parameter that several graphs share, or
-            one without ``main_grad``, gets ``.grad`` as usual.
-
-    Gradients: ``.grad`` of the layers' parameters is the buffer the backward graph adds
-    into (see the module docstring), with eager's semantics bit for bit for both
-    ``zero_grad`` flavours, accumulation, microbatches in flight, hooks, clipping,
-    ``GradScaler``, optimizers that keep ``.grad`` and a ``.grad`` the user assigned;
-    ``gradient_buffers`` lists those buffers.
 
     Raises:
         UsageError: no layers, a sample that is not a tensor on the backend's device, a
@@ -879,8 +666,7 @@ class GraphedLayers(nn.Module):
                  recompute_layers: Iterable[int] | None = None,
                  memory_budget: int | str | None = None,
                  layers_per_graph: int | None = None, warmup_iters: int = 2,
-                 backend: Backend | None = None, debug_checksums: bool = False,
-                 main_grad: bool = False) -> None:
+                 backend: Backend | None = None, debug_checksums: bool = False) -> None:
         super().__init__()
         _check_layers(layers)
         self.layers = nn.ModuleList(layers)
@@ -902,8 +688,6 @@ class GraphedLayers(nn.Module):
         self._engine_args = dict(min_bytes=min_offload_bytes, section_bytes=section_bytes,
                                  debug_checksums=debug_checksums)
         self.warmup_iters = max(1, int(warmup_iters))
-        #: accumulate into parameters' ``main_grad`` (Megatron style) where they carry one
-        self.main_grad = bool(main_grad)
         self._microbatch = 0
         #: the layers each device graph covers, in order (see ``layers_per_graph``)
         self.graph_layers: tuple[tuple[int, ...], ...] = ()
@@ -922,8 +706,7 @@ class GraphedLayers(nn.Module):
         # each stream and thread), so a stream of the stack's own would leave that behind
         # with each stack built.
         self._warmup_stream = self.backend.side_stream()
-        #: pool buffers handed out (the stack's input gradient) since the last replay that
-        #: could overwrite them
+        #: gradient buffers handed out as .grad since the last replay that could overwrite them
         self._lent: dict[int, list[_ParamGrad]] = {}  # by layer
         #: the first layer's input gradient buffer, lent as the stack's input gradient
         self._input_grad: _ParamGrad | None = None
@@ -1138,11 +921,9 @@ class GraphedLayers(nn.Module):
             a.static_out = b.static_in = view
 
     def _shared_params(self) -> set[int]:
-        """Parameters in several graphs. (Within one graph, autograd sums a parameter's
-        parts inside the capture, as eagerly, before the graph adds them into ``.grad``.)"""
         seen: dict[int, int] = {}
-        for r in self._runners:
-            for p in {id(p): p for p in r.params}.values():
+        for m in self.layers:
+            for p in {id(p): p for p in m.parameters()}.values():
                 seen[id(p)] = seen.get(id(p), 0) + 1
         return {k for k, v in seen.items() if v > 1}
 
@@ -1171,9 +952,8 @@ class GraphedLayers(nn.Module):
 
     @property
     def gradient_buffers(self) -> list[torch.Tensor]:
-        """The buffers the backward graphs add parameter gradients into (what ``.grad``
-        may alias): outside the graphs' pool; parameters' ``main_grad`` left out."""
-        return [pg.buf for r in self._runners for pg in r.grads if pg is not None and not pg.main_grad]
+        """The backward graphs' parameter-gradient buffers (what ``.grad`` may alias)."""
+        return [pg.buf for r in self._runners for pg in r.grads if pg is not None]
 
     @property
     def pool_bytes(self) -> int | None:
@@ -1193,13 +973,14 @@ class GraphedLayers(nn.Module):
         return self._behind[i]
 
     def _give_back(self, layer: int | None) -> None:
-        """Before a replay: pool buffers it may overwrite stop being anyone's gradient.
+        """Before a replay: gradient buffers it may overwrite stop being anyone's gradient.
 
-        Only the stack's input gradient is lent from the pool (parameter gradients live
-        outside it). Pool buffers share memory with what forward graphs write, and with
-        what backward graphs of later layers wrote before them. So before any forward
-        replay every lent buffer is given back, and before layer ``j``'s backward replay
-        those of layer ``j`` and below; when nobody kept it, no copy is made.
+        A backward graph's gradient buffers share pool memory with what forward graphs
+        write (as in torch's graphed callables, which is why they cost no extra memory),
+        and with what backward graphs of later layers wrote before them. So before any
+        forward replay every lent buffer is given back, and before layer ``j``'s backward
+        replay those of layer ``j`` and below; in an ordinary backward pass nothing is lent
+        below, and after ``zero_grad(set_to_none=True)`` nothing is held, so no copy is made.
         """
         # By layer, so a backward pass, which lends from layers above the one it replays
         # next, looks at a few keys rather than at every buffer lent so far.

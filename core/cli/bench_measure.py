@@ -321,7 +321,10 @@ def memory_breakdown(b: Backend, layers: Sequence[torch.nn.Module], stack: Any =
     segments = b.graph_pool_segments()
     if segments is not None:
         in_pool = sum(n for ptr, n in grads.items() if any(a <= ptr < a + size for a, size in segments))
-    else:  # (a GraphedLayers stack's gradient buffers live outside its graphs' pool)
+    elif stack is not None:  # the stack knows its gradient buffers
+        bufs = {buf.data_ptr() for buf in stack.gradient_buffers}
+        in_pool = sum(n for ptr, n in grads.items() if ptr in bufs)
+    else:
         in_pool = 0
     if pool is None and stack is not None:
         pool = stack.pool_bytes or 0
