@@ -817,14 +817,12 @@ class GraphedLayers(nn.Module):
         b.synchronize()
         gc.collect()
         b.empty_cache()
-        params = {id(p): p for m in self.layers for p in m.parameters()}.values()
-        grads = sum(p.numel() * p.element_size() for p in params if p.requires_grad and p.grad is None)
-        # What the step holds whatever the plan: what the process holds now and the
-        # gradients (the boundary buffers between graphs depend on the plan).
+        # What the step holds whatever the plan: what the process holds now (the
+        # gradients, boundary buffers and the graphs' pool depend on the plan).
         held = held_bytes(b)
         if held is None:  # no allocator figures: what the process holds, where it can tell
             held = b.footprint_bytes() or 0
-        fixed = held + grads
+        fixed = held
         return StackProfile(tuple(costs), bw["d2h_gbps"], bw["h2d_gbps"], fixed_bytes=fixed,
                             granularity=b.granularity, section_bytes=section_bytes)
 

@@ -16,10 +16,14 @@ The model behind it:
   leaves its bank before its backward (and with two banks neither does the one before).
   :func:`predict_step_ms` plays this out; :func:`lower_bound_ms` is the bound no schedule
   beats, ``max(T_f, V_out/β_d2h) + max(T_b + T_r, V_in/β_h2d)``.
-* Memory. Graph memory is static: what the forward graphs save for backward is held
-  for good, so the peak is the stack's fixed memory, plus what kept layers save, plus the
-  staging banks of the offloaded ones, plus the largest backward working set (a recomputed
-  layer's is its saved activations again). :func:`predict_peak_bytes`.
+* Memory. Graph memory is static: the graphs' pool is as large as it grew while the
+  graphs were captured, and the peak is the stack's fixed memory, plus that pool, plus
+  the staging banks of the offloaded layers, plus the boundary buffers between graphs
+  that the choices keep. The backward graphs are captured last layer first, each one's
+  gradient buffers reusing what the layers after it kept (their backward is done with
+  it by then), so the pool is the largest, over the layers, of what the layers up to it
+  keep, the gradients from it on and its backward's working memory (a recomputed
+  layer's activations again among it). :func:`predict_peak_bytes`.
 
 :func:`plan_budget` searches the choices: every combination for small stacks, a local
 search from position patterns above that (tested against the exhaustive search).
@@ -68,6 +72,8 @@ class LayerCost:
             activations, temporaries).
         input_bytes: its input (a boundary buffer between graphs; what a recomputed layer
             saves).
+        grad_bytes: its parameters' gradients (the backward graph's buffers, in the
+            graphs' pool, where they reuse what the forwards of the layers after it kept).
     """
 
     forward_ms: float
@@ -76,9 +82,11 @@ class LayerCost:
     recompute_ms: float | None = None
     work_bytes: int = 0
     input_bytes: int = 0
+    grad_bytes: int = 0
 
     def __post_init__(self) -> None:
-        for k in ("forward_ms", "backward_ms", "saved_bytes", "work_bytes", "input_bytes"):
+        for k in ("forward_ms", "backward_ms", "saved_bytes", "work_bytes", "input_bytes",
+                  "grad_bytes"):
             v = getattr(self, k)
             if not isinstance(v, (int, float)) or isinstance(v, bool) or v < 0 or v != v:
                 raise UsageError(f"LayerCost.{k} must be a number >= 0, got {v!r}")
@@ -101,9 +109,10 @@ class StackProfile:
         d2h_gbps: copy bandwidth device to host, GB/s (1e9 bytes per second).
         h2d_gbps: host to device.
         fixed_bytes: device memory the step holds whatever the choices: what the process
-            held when the stack was built (weights, optimizer state then), the gradients
-            and anything else the graphs hold for good (the boundary buffers between
-            graphs aside: the choices decide those, from each layer's ``input_bytes``).
+            held when the stack was built (weights, optimizer state then) and anything
+            else the graphs hold for good; the choices decide the rest: the boundary
+            buffers between graphs (each layer's ``input_bytes``) and the graphs' pool
+            (what layers keep, their gradients and working memory).
         granularity: the device's VMM granularity (banks are whole granules).
         section_bytes: slots move in sections of at most this many bytes.
     """
@@ -248,11 +257,23 @@ def predict_peak_bytes(profile: StackProfile, choices: Sequence[str], mode: str 
     """The step's peak device memory under ``choices`` (see the module docstring)."""
     _check(profile, choices)
     slots = slot_bytes(profile, choices, mode)
-    kept = sum(c.saved_bytes for c, ch in zip(profile.layers, choices) if ch == KEEP)
-    # (a recomputed layer that keeps its input keeps it in its boundary buffer)
-    work = max(c.work_bytes + (c.saved_bytes if ch == RECOMPUTE else 0)
-               for c, ch in zip(profile.layers, choices))
-    return (profile.fixed_bytes + kept + banks_bytes(profile, choices, mode) + work
+    # The graphs' pool, as the backward graphs are captured (last layer first): at layer
+    # i's, what the forwards of layers up to i keep is still live, that of the layers above
+    # is free again (their backward graphs, replayed before, are done with it) and holds
+    # their gradient buffers, and layer i's backward needs its working memory (and, if
+    # recomputed, its activations again). A recomputed layer keeps only its input, in its
+    # boundary buffer (counted with the boundaries).
+    layers = profile.layers
+    kept_below = 0
+    grads_above = sum(c.grad_bytes for c in layers)
+    pool = 0
+    for c, ch in zip(layers, choices):
+        kept_below += c.saved_bytes if ch == KEEP else 0
+        live = (kept_below + grads_above + c.work_bytes
+                + (c.saved_bytes if ch == RECOMPUTE else 0))
+        pool = max(pool, live)
+        grads_above -= c.grad_bytes
+    return (profile.fixed_bytes + pool + banks_bytes(profile, choices, mode)
             + _boundaries_held(profile, slots))
 
 

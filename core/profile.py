@@ -83,6 +83,7 @@ def profile_units(b: Backend, units: Sequence[torch.nn.Module], sample: torch.Te
     """
     costs: list[LayerCost] = []
     x = sample.detach().requires_grad_(sample.requires_grad)
+    seen: set[int] = set()  # parameters counted already (a tied one has one gradient)
     sees_peak = b.allocator_stats()["allocated_bytes"] is not None
     for k, m in enumerate(units):
         params = [p for p in m.parameters() if p.requires_grad]
@@ -122,9 +123,12 @@ def profile_units(b: Backend, units: Sequence[torch.nn.Module], sample: torch.Te
             del y, gy
         if not sees_peak:
             work = 2 * out.numel() * out.element_size()  # an output's gradient and a temporary
+        own = [p for p in params if id(p) not in seen]
+        seen.update(id(p) for p in own)
         costs.append(LayerCost(forward_ms=min(fwd_ms), backward_ms=min(bwd_ms),
                                saved_bytes=saved, work_bytes=max(0, work),
-                               input_bytes=x.numel() * x.element_size()))
+                               input_bytes=x.numel() * x.element_size(),
+                               grad_bytes=sum(p.numel() * p.element_size() for p in own)))
         x = out.requires_grad_(x.requires_grad or bool(params))
     b.synchronize()
     return costs

@@ -111,6 +111,18 @@ def test_the_step_model_is_never_below_its_lower_bound_and_the_bound_is_the_form
     assert lower_bound_ms(p, ch, "off") == pytest.approx(p.forward_ms + p.backward_ms + 2 * 6.25)
 
 
+def test_gradients_reuse_what_the_layers_after_kept():
+    """The backward graphs are captured last layer first: each layer's gradient buffers
+    take memory the layers after it kept, so gradients cost only where too little is kept
+    after them."""
+    layer = LayerCost(1.0, 2.0, saved_bytes=GiB, grad_bytes=256 * MiB)
+    p = StackProfile((layer,) * 4, 50, 50, fixed_bytes=0)
+    keep = predict_peak_bytes(p, (KEEP,) * 4, "off")
+    assert keep == 4 * GiB + 256 * MiB  # the last layer's gradients on top of what is kept
+    rec = predict_peak_bytes(p, (RECOMPUTE,) * 4, "off")
+    assert rec == GiB + 4 * 256 * MiB  # the first layer recomputes beside every gradient
+
+
 def test_offload_costs_its_banks_resident_two_remap_one():
     p = llama_like(4)
     ch = (OFFLOAD, KEEP, KEEP, KEEP)

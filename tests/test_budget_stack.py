@@ -79,7 +79,7 @@ def test_recompute_keeps_only_the_input_for_the_backward(clean):
 def test_the_budget_chooses_and_the_stack_does_what_it_chose(clean, monkeypatch, room, want):
     b = clean
     # A slow link (a layer's copy takes three of its forwards): room for one layer's
-    # activations recomputes every layer; room for three mixes choices.
+    # activations recomputes all but the last; room for three mixes choices.
     layer = gb.LayerCost(4.0, 8.0, 64 * MiB, recompute_ms=3.0, work_bytes=0)
     fake_profile(monkeypatch, [layer] * 4, gbps=5.0)
     base = small_gpt(b, 4)
@@ -93,7 +93,9 @@ def test_the_budget_chooses_and_the_stack_does_what_it_chose(clean, monkeypatch,
         assert plan is not None and plan.budget_bytes == budget
         assert plan.predicted_peak_bytes <= budget
         if want == "recompute":
-            assert plan.choices == ("recompute",) * 4 and plan.mode == "off"
+            # (the last layer's kept activations are free again by the time the others
+            # recompute theirs: the pool holds one layer's either way)
+            assert plan.choices[:3] == ("recompute",) * 3 and "offload" not in plan.choices
         else:
             assert len(set(plan.choices)) >= 2
         assert stack.offload_layers == set(plan.layers("offload"))
