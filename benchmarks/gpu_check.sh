@@ -19,6 +19,7 @@
 #           identity, and graphslot remap), and whose losses equal whose
 #   bench   graphslot bench --isolate, default shape, JSON (each configuration in a process
 #           of its own, so none carries what an earlier one left in the process)
+#   llama   graphslot bench --preset llama --budgets sweep --isolate beside every peer, JSON
 #   launch  graphslot bench --preset launch --isolate --rounds 3, JSON (that preset's step
 #           times move by a third between runs), plus a device timeline of remap
 #
@@ -26,7 +27,7 @@
 # runs out of time), so nothing is piped through a filter that a timeout would cut off;
 # a bench's JSON is the last line of its log.
 set -uo pipefail
-part=${1:?"which part: a, b, c, te, megatron_te, weakrefs, bench or launch"}
+part=${1:?"which part: a, b, c, te, megatron_te, weakrefs, bench, launch or llama"}
 out=${OUT:-/tmp/graphslot-gpu-check}
 mkdir -p "$out"
 cd "$(dirname "$0")/.."
@@ -96,5 +97,10 @@ PY
       --plot "$out/bench_launch.png" &&
       run launch_remap python3 -m graphslot.cli bench --preset launch --configs graph_remap \
         --json --quiet --trace "$out/launch_remap_trace.json" ;;
-  *) echo "unknown part '$part': choose a, b, c, te, megatron_te, weakrefs, bench or launch" >&2; exit 2 ;;
+  llama)  # the memory budget sweep beside every peer (about seven minutes; needs transformers)
+    run llama python3 -m graphslot.cli bench --preset llama --budgets sweep --isolate --json \
+      --quiet --steps 5 --warmup 2 \
+      --configs eager,save_on_cpu,checkpoint,torch_graphed,torch_graphed_checkpoint,graph,graph_recompute,graph_auto \
+      --plot "$out/llama.png" ;;
+  *) echo "unknown part '$part': choose a, b, c, te, megatron_te, weakrefs, bench, launch or llama" >&2; exit 2 ;;
 esac
