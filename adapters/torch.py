@@ -57,7 +57,7 @@ import threading
 import warnings
 import weakref
 from dataclasses import replace
-from typing import Any, Callable, Iterable, Iterator, Sequence
+from typing import AbstractSet, Any, Callable, Iterable, Iterator, Sequence
 
 import torch
 import torch.utils.checkpoint
@@ -83,9 +83,9 @@ __all__ = ["JOIN_BYTES", "GraphedLayers", "plan_graphs"]
 JOIN_BYTES = 32 << 20
 
 
-def plan_graphs(n: int, offloaded: set[int], layers_per_graph: int | None,
+def plan_graphs(n: int, offloaded: AbstractSet[int], layers_per_graph: int | None,
                 saved_bytes: Sequence[int] | None, join_bytes: int | None = None,
-                recomputed: set[int] = frozenset()) -> tuple[tuple[int, ...], ...]:  # type: ignore[assignment]
+                recomputed: AbstractSet[int] = frozenset()) -> tuple[tuple[int, ...], ...]:
     """Which of ``n`` layers each device graph covers: consecutive runs, never mixing
     layers in and outside ``offloaded`` (or ``recomputed``); ``layers_per_graph`` at a
     time, or, when it is None, as many as keep ``saved_bytes`` (per layer) within
@@ -769,11 +769,13 @@ class GraphedLayers(nn.Module):
         the graphs hold more than the model said and the budget no longer fits, plan again
         with the difference counted and build once more."""
         b, n = self.backend, len(self.layers)
+        auto = isinstance(budget, str) and budget.strip().lower() == "auto"
+        limit = None if auto else parse_budget(budget)  # (a bad one fails before any work)
         units = plan_graphs(n, set(), layers_per_graph, saved)
         profile = self._profile(units, sample, section_bytes)
         mapped_before = b.ledger.mapped_bytes  # (other stacks' pages, say)
         for attempt in range(3):
-            plan = plan_budget(profile, budget, modes=modes)
+            plan = plan_budget(profile, "auto" if limit is None else limit, modes=modes)
             per_layer = tuple(plan.choices[k] for k, ls in enumerate(units) for _ in ls)
             self.plan = replace(plan, choices=per_layer)
             recomputed = set(self.plan.layers(RECOMPUTE))
@@ -795,8 +797,8 @@ class GraphedLayers(nn.Module):
             measured = held + unmapped + extra
             self.plan = replace(self.plan, predicted_peak_bytes=measured)
             over = measured - plan.predicted_peak_bytes
-            if budget == "auto" or measured <= parse_budget(budget) or attempt == 2 or over <= 0:
-                if budget != "auto" and measured > parse_budget(budget):
+            if limit is None or measured <= limit or attempt == 2 or over <= 0:
+                if limit is not None and measured > limit:
                     warnings.warn(f"GraphedLayers: the plan for memory_budget {budget!r} holds "
                                   f"{format_bytes(measured)} after its build, over the budget; "
                                   "the layers' memory differs from what their profile showed")

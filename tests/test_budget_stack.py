@@ -162,3 +162,13 @@ def test_wrong_layers_are_named(clean, layers, match):
 def test_a_sample_that_is_not_a_tensor_is_named(clean):
     with pytest.raises(UsageError, match="sample_input must be a torch.Tensor.*got list"):
         gt.GraphedLayers([torch.nn.Linear(4, 4)], [[1.0] * 4] * 2, backend=clean)
+
+
+def test_a_bad_budget_fails_before_the_stack_measures_anything(clean, monkeypatch):
+    def no_profile(*a, **k):
+        raise AssertionError("profiled a stack whose budget is not a size")
+
+    monkeypatch.setattr(gt, "profile_units", no_profile)
+    model = small_gpt(clean, 2)
+    with pytest.raises(UsageError, match="not a size"):
+        graphed(model, clean, None, memory_budget="plenty")
