@@ -819,12 +819,14 @@ class GraphedLayers(nn.Module):
         b.synchronize()
         gc.collect()
         b.empty_cache()
-        # What the step holds whatever the plan: what the process holds now (the
-        # gradients, boundary buffers and the graphs' pool depend on the plan).
+        # What the step holds whatever the plan: what the process holds now, and the
+        # step's tensors outside the graphs (the output the caller gets, its gradient and
+        # the stack's input gradient); the gradients, boundary buffers and the graphs'
+        # pool depend on the plan.
         held = held_bytes(b)
         if held is None:  # no allocator figures: what the process holds, where it can tell
             held = b.footprint_bytes() or 0
-        fixed = held
+        fixed = held + 3 * costs[-1].input_bytes
         return StackProfile(tuple(costs), bw["d2h_gbps"], bw["h2d_gbps"], fixed_bytes=fixed,
                             granularity=b.granularity, section_bytes=section_bytes)
 

@@ -263,15 +263,18 @@ def predict_peak_bytes(profile: StackProfile, choices: Sequence[str], mode: str 
     # their gradient buffers, and layer i's backward needs its working memory (and, if
     # recomputed, its activations again). A recomputed layer keeps only its input, in its
     # boundary buffer (counted with the boundaries).
+    # Before them, each forward capture: an offloaded layer's activations are made in the
+    # pool beside what the layers before it keep, then copied to its slot.
     layers = profile.layers
     kept_below = 0
     grads_above = sum(c.grad_bytes for c in layers)
     pool = 0
     for c, ch in zip(layers, choices):
         kept_below += c.saved_bytes if ch == KEEP else 0
-        live = (kept_below + grads_above + c.work_bytes
-                + (c.saved_bytes if ch == RECOMPUTE else 0))
-        pool = max(pool, live)
+        forward = kept_below + (c.saved_bytes if ch == OFFLOAD else 0)
+        backward = (kept_below + grads_above + c.work_bytes
+                    + (c.saved_bytes if ch == RECOMPUTE else 0))
+        pool = max(pool, forward, backward)
         grads_above -= c.grad_bytes
     return (profile.fixed_bytes + pool + banks_bytes(profile, choices, mode)
             + _boundaries_held(profile, slots))

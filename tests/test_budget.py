@@ -121,6 +121,10 @@ def test_gradients_reuse_what_the_layers_after_kept():
     assert keep == 4 * GiB + 256 * MiB  # the last layer's gradients on top of what is kept
     rec = predict_peak_bytes(p, (RECOMPUTE,) * 4, "off")
     assert rec == GiB + 4 * 256 * MiB  # the first layer recomputes beside every gradient
+    # An offloaded layer's activations are made in the pool before they go to its slot,
+    # beside what the layers before it keep.
+    q = StackProfile((layer,) * 2, 50, 50, fixed_bytes=0, granularity=MiB)
+    assert predict_peak_bytes(q, (KEEP, OFFLOAD), "remap") == 2 * GiB + GiB  # + its bank
 
 
 def test_offload_costs_its_banks_resident_two_remap_one():
