@@ -405,9 +405,7 @@ class _Runner:
                 "input that requires grad (sample.requires_grad_()) to get its gradient")
 
     def forward(self, x: torch.Tensor, mb: int, training: bool) -> torch.Tensor:
-        stack = self.stack
-        if self.first:
-            self.check_input(x)
+        stack = self.stack  # (GraphedLayers.forward checked the stack's input)
         if mb in self.pending:
             raise StateError(f"{self.label}: microbatch {mb} ran forward again before its backward")
         if stack._lent:
