@@ -42,7 +42,7 @@ from .backend import align_up
 from .sizes import format_bytes
 
 __all__ = ["KEEP", "OFFLOAD", "RECOMPUTE", "CHOICES", "LayerCost", "StackProfile", "BudgetPlan",
-           "predict_step_ms", "predict_peak_bytes", "banks_bytes", "slot_bytes", "lower_bound_ms", "plan_budget",
+           "predict_step_ms", "predict_peak_bytes", "banks_bytes", "slot_bytes", "bound_ms", "lower_bound_ms", "plan_budget",
            "smallest_peak", "parse_budget"]
 
 KEEP, OFFLOAD, RECOMPUTE = "keep", "offload", "recompute"
@@ -302,8 +302,19 @@ def lower_bound_ms(profile: StackProfile, choices: Sequence[str], mode: str = "r
     out = sum(n for i, n in enumerate(slots) if i not in held)
     back = sum(n for i, n in enumerate(slots) if i not in in_place)
     t_r = sum(c.recompute for c, ch in zip(profile.layers, choices) if ch == RECOMPUTE)
-    return (max(profile.forward_ms, out / (profile.d2h_gbps * 1e6))
-            + max(profile.backward_ms + t_r, back / (profile.h2d_gbps * 1e6)))
+    return bound_ms(profile.forward_ms, profile.backward_ms, t_r, out, back,
+                    profile.d2h_gbps, profile.h2d_gbps)
+
+
+def bound_ms(fwd_ms: float, bwd_ms: float, recompute_ms: float, out_bytes: float,
+             back_bytes: float, d2h_gbps: float | None, h2d_gbps: float | None) -> float:
+    """``max(T_f, V_out/β_d2h) + max(T_b + T_r, V_in/β_h2d)``: no schedule that copies
+    ``out_bytes`` to the host and ``back_bytes`` back, and recomputes ``recompute_ms`` of
+    forward, is faster (a link without a figure counts as free)."""
+    def ms(n: float, gbps: float | None) -> float:
+        return n / (gbps * 1e6) if gbps else 0.0
+    return (max(fwd_ms, ms(out_bytes, d2h_gbps))
+            + max(bwd_ms + recompute_ms, ms(back_bytes, h2d_gbps)))
 
 
 def predict_step_ms(profile: StackProfile, choices: Sequence[str], mode: str = "remap") -> float:

@@ -9,9 +9,10 @@ activations at a time, and leaves nothing behind but cached allocator blocks (re
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 import time
-from typing import Any, Sequence
+from typing import Sequence
 
 import torch
 
@@ -96,7 +97,7 @@ def profile_units(b: Backend, units: Sequence[torch.nn.Module], sample: torch.Te
             start = b.allocator_stats(reset_peak=True)["allocated_bytes"]
             with b.timed() as tf:
                 with recording_saved_tensors(_recording_spans(
-                        x.device.type, state_storages([m]), spans)) if it == 0 else _nothing():
+                        x.device.type, state_storages([m]), spans)) if it == 0 else contextlib.nullcontext():
                     y = m(x)
             if not isinstance(y, torch.Tensor):
                 raise UsageError(f"layer {k} returned {type(y).__name__}; graphed layers must "
@@ -133,10 +134,3 @@ def profile_units(b: Backend, units: Sequence[torch.nn.Module], sample: torch.Te
     b.synchronize()
     return costs
 
-
-class _nothing:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: Any) -> None:
-        return None

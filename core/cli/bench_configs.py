@@ -27,6 +27,7 @@ from typing import Any, Sequence
 import torch
 
 from ..backend import Backend
+from ..budget import parse_budget
 from ..errors import UsageError
 from .bench_measure import GiB, Built, Inputs, MiB
 from .bench_models import CheckpointedLayer
@@ -47,11 +48,6 @@ BUDGET_PREFIX = "budget:"
 #: less one evenly spaced up to the graph configuration's peak
 SWEEP_BUDGETS = 6
 
-_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 10**3, "kib": 1 << 10, "m": 1 << 20, "mb": 10**6,
-          "mib": 1 << 20, "g": 1 << 30, "gb": 10**9, "gib": 1 << 30, "t": 1 << 40, "tb": 10**12,
-          "tib": 1 << 40}
-
-
 def parse_size(text: str) -> int:
     """Bytes from a size: ``"10GiB"``, ``"9.5G"``, ``"12000MiB"``, ``"8e9"`` or plain bytes
     (k, M, G, T alone are binary, kB, MB, GB, TB decimal; case and spaces do not matter).
@@ -59,15 +55,12 @@ def parse_size(text: str) -> int:
     Raises:
         ValueError: not a positive size.
     """
-    s = text.strip().lower().replace(" ", "")
-    num = s.rstrip("abcdefghijklmnopqrstuvwxyz")
     try:
-        n = float(num) * _UNITS[s[len(num):]]
-    except (ValueError, KeyError):
+        return parse_budget(text)  # (the library's reading of a budget, as the planner's)
+    except UsageError as e:
+        if "positive" in str(e):
+            raise ValueError(f"a size must be positive, got {text!r}") from None
         raise ValueError(f"{text!r} is not a size (e.g. 10GiB, 9.5G, 12000MiB or bytes)") from None
-    if not 0 < n < math.inf:
-        raise ValueError(f"a size must be positive, got {text!r}")
-    return int(n)
 
 
 def budget_config(size: str) -> str:

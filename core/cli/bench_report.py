@@ -10,6 +10,7 @@ import os
 import statistics
 from typing import Any
 
+from ..budget import bound_ms
 from ..errors import UsageError
 from ..sizes import format_bytes
 from .bench_configs import PEERS, budget_bytes, is_planned
@@ -59,11 +60,6 @@ def check_output_path(path: str, option: str) -> None:
                              f"pip install '{PLOT_EXTRA}'") from None
 
 
-def _ms(nbytes: float, gbps: float | None) -> float:
-    """Milliseconds ``nbytes`` take at ``gbps`` GB/s (0 without a figure)."""
-    return nbytes / (gbps * 1e6) if gbps else 0.0
-
-
 def lower_bound_ms(fwd_ms: float, bwd_ms: float, recompute_ms: float, offloaded_bytes: float,
                    d2h_gbps: float | None, h2d_gbps: float | None) -> float:
     """``max(T_f, V/β_d2h) + max(T_b + T_r, V/β_h2d)``: no schedule that offloads ``V``
@@ -77,8 +73,8 @@ def lower_bound_ms(fwd_ms: float, bwd_ms: float, recompute_ms: float, offloaded_
         d2h_gbps: ``β_d2h``, GB/s.
         h2d_gbps: ``β_h2d``, GB/s.
     """
-    return (max(fwd_ms, _ms(offloaded_bytes, d2h_gbps))
-            + max(bwd_ms + recompute_ms, _ms(offloaded_bytes, h2d_gbps)))
+    return bound_ms(fwd_ms, bwd_ms, recompute_ms, offloaded_bytes, offloaded_bytes,
+                    d2h_gbps, h2d_gbps)
 
 
 def derive(out: dict[str, Any], timings: dict[str, dict[str, float]], gbps: float) -> None:
@@ -103,7 +99,7 @@ def _ideal(out: dict[str, Any], runs: list[dict[str, float]], base_step: float, 
         off = r["offloaded_bytes"]
         # What this configuration copies each way (resident copies fewer bytes back than
         # out when a bank still holds a layer at its backward)...
-        ideal = max(fwd, _ms(off, gbps)) + max(bwd, _ms(r.get("restored_bytes", off), gbps))
+        ideal = bound_ms(fwd, bwd, 0.0, off, r.get("restored_bytes", off), gbps, gbps)
         r["ideal_ms"] = ideal
         # ...and the same bar for every configuration that offloads: every saved
         # activation out and back, as save_on_cpu moves them.
