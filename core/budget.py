@@ -115,6 +115,9 @@ class StackProfile:
             (what layers keep, their gradients and working memory).
         granularity: the device's VMM granularity (banks are whole granules).
         section_bytes: slots move in sections of at most this many bytes.
+        d2d_gbps: device to device copy bandwidth, GB/s of bytes copied (None: free). A
+            layer that offloads copies what it saves into its slot as its forward runs,
+            which lengthens that forward by its slot's bytes at this rate.
     """
 
     layers: tuple[LayerCost, ...]
@@ -123,13 +126,16 @@ class StackProfile:
     fixed_bytes: int = 0
     granularity: int = 2 << 20
     section_bytes: int = 32 << 20
+    d2d_gbps: float | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "layers", tuple(self.layers))
         if not self.layers:
             raise UsageError("StackProfile needs at least one layer")
-        for k in ("d2h_gbps", "h2d_gbps"):
+        for k in ("d2h_gbps", "h2d_gbps", "d2d_gbps"):
             v = getattr(self, k)
+            if v is None and k == "d2d_gbps":
+                continue
             if not v > 0:
                 raise UsageError(f"StackProfile.{k} must be > 0, got {v!r}")
         if self.granularity < 1 or self.section_bytes < 1 or self.fixed_bytes < 0:
@@ -341,18 +347,25 @@ def predict_step_ms(profile: StackProfile, choices: Sequence[str], mode: str = "
     def section_ms(i: int, rate: float) -> float:
         return min(slots[i], profile.section_bytes) / rate
 
-    # Forward: a layer writes its bank once the bank's last occupant has gone out.
+    # Forward: a layer starts once its bank's last occupant has gone out (measured: the
+    # graph waits at its start, not section by section), and copies what it saves into
+    # its slot as it runs.
+    d2d = profile.d2d_gbps * 1e6 if profile.d2d_gbps else None
     t = 0.0
     d2h_free = 0.0
     out_done: dict[int, float] = {}
     for i, c in enumerate(layers):
-        start, end = t, t + c.forward_ms
+        start = t
         if i in bank:
             if i in prev:
-                end = max(end, out_done.get(prev[i], 0.0) + section_ms(i, d2h))
+                start = max(start, out_done.get(prev[i], 0.0))
+        end = start + c.forward_ms + (slots[i] / d2d if i in bank and d2d else 0.0)
+        if i in bank:
             if i not in held:  # sections leave as they are written
                 cstart = max(d2h_free, start)
-                cend = max(cstart + slots[i] / d2h, end + section_ms(i, d2h))
+                cend = cstart + slots[i] / d2h
+                if choices[i] != RECOMPUTE:  # (a recomputed layer's slot is its input,
+                    cend = max(cend, end + section_ms(i, d2h))  # there from its start)
                 d2h_free = out_done[i] = cend
         t = end
     # Backward: an offloaded layer's restore is queued once the backward of the offloading

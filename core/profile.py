@@ -29,8 +29,8 @@ GiB, MiB = 1 << 30, 1 << 20
 
 def copy_bandwidth(b: Backend, nbytes: int, reps: int = 5) -> dict[str, float]:
     """GB/s device to pinned host (``d2h_gbps``), pinned host to device (``h2d_gbps``),
-    and both directions at once (``both_total_gbps``): the median of ``reps`` copies of
-    ``nbytes`` each, after one dropped."""
+    both directions at once (``both_total_gbps``) and device to device (``d2d_gbps``, bytes
+    copied): the median of ``reps`` copies of ``nbytes`` each, after one dropped."""
     nbytes = max(1, int(nbytes))
     dev_a = torch.empty(nbytes, dtype=torch.uint8, device=b.device).fill_(1)
     dev_b = torch.empty(nbytes, dtype=torch.uint8, device=b.device)
@@ -49,6 +49,7 @@ def copy_bandwidth(b: Backend, nbytes: int, reps: int = 5) -> dict[str, float]:
 
     d2h = one_way(host_a, dev_a)
     h2d = one_way(dev_b, host_b)
+    d2d = one_way(dev_b, dev_a)
     both = []
     for _ in range(reps + 1):
         b.synchronize()
@@ -57,7 +58,7 @@ def copy_bandwidth(b: Backend, nbytes: int, reps: int = 5) -> dict[str, float]:
         b.copy_async(dev_b, host_b, s2)
         b.synchronize()
         both.append(max(time.perf_counter() - t0, 1e-9))
-    return {"d2h_gbps": d2h, "h2d_gbps": h2d,
+    return {"d2h_gbps": d2h, "h2d_gbps": h2d, "d2d_gbps": d2d,
             "both_total_gbps": 2 * nbytes / statistics.median(both[1:]) / 1e9}
 
 

@@ -330,6 +330,7 @@ def test_isolated_rounds_gather_what_each_process_reported(backend, monkeypatch)
     assert auto["run_lower_bound_ms"] == pytest.approx(max(2.0, 1.0) + max(4.0, 0.5))
     assert auto["step_over_run_lower_bound"] == pytest.approx(4.5 / 6.0)
     assert auto["step_over_plan_lower_bound"] == pytest.approx(4.5 / 6.0)
+    assert auto["rest_of_step_ms"] == 0.0  # graph's step (6.0) is its forward and backward
     assert auto["fits_budget"] is None  # "auto" has no budget
     # Ratios to the peer (eager: torch_graphed and save_on_cpu did not run), round by round
     # over the rounds both counted, by their number, not their place in the list.
@@ -488,6 +489,9 @@ def test_a_budget_configuration_runs_and_reports_its_plan(backend):
     assert c["run_lower_bound_ms"] == pytest.approx(want)
     assert c["step_over_run_lower_bound"] == pytest.approx(c["step_ms"] / want)
     assert c["step_over_plan_lower_bound"] == pytest.approx(c["step_ms"] / plan["lower_bound_ms"])
+    rest = max(0.0, g["step_ms"] - g["fwd_ms"] - g["bwd_ms"])
+    assert c["rest_of_step_ms"] == pytest.approx(rest)
+    assert c["step_over_run_step_bound"] == pytest.approx(c["step_ms"] / (want + rest))
 
 
 def test_graph_recompute_checkpoints_every_layer_inside_the_graphs(backend):

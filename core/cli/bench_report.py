@@ -113,8 +113,10 @@ def planned_figures(out: dict[str, Any], graph: dict[str, float] | None) -> None
     fits its budget (``fits_budget``), its step over the plan's lower bound, the lower
     bound from this run's measurements (:func:`lower_bound_ms` with the ``graph``
     configuration's forward and backward, this configuration's offloaded bytes, the
-    plan's recompute time and the run's copy ceiling each way) and its step over it, and
-    the fastest peer whose peak fits the budget.
+    plan's recompute time and the run's copy ceiling each way) and its step over it, the
+    same two bounds with the rest of the step added (``rest_of_step_ms``: graph's step
+    less its forward and backward, what no plan changes; ``step_over_run_step_bound``,
+    ``step_over_plan_step_bound``), and the fastest peer whose peak fits the budget.
 
     Args:
         out: the report.
@@ -139,6 +141,14 @@ def planned_figures(out: dict[str, Any], graph: dict[str, float] | None) -> None
                                     c["offloaded_bytes"], copy.get("d2h_gbps"), copy.get("h2d_gbps"))
         c["run_lower_bound_ms"] = run_lb
         c["step_over_run_lower_bound"] = step / run_lb if run_lb else None
+        # The bounds cover the forward and backward; a step also runs what no plan changes
+        # (the optimizer step, zero_grad(), the input's copy), as graph's step shows it.
+        rest = None if graph is None or "step_ms" not in graph else max(
+            0.0, graph["step_ms"] - graph["fwd_ms"] - graph["bwd_ms"])
+        c["rest_of_step_ms"] = rest
+        c["step_over_run_step_bound"] = step / (run_lb + rest) if run_lb and rest is not None else None
+        c["step_over_plan_step_bound"] = (step / (plan_lb + rest) if plan_lb and rest is not None
+                                          else None)
         fitting = [(p["step_ms"], n) for n, p in peers.items()
                    if budget is not None and p.get("peak_device_bytes") is not None
                    and p["peak_device_bytes"] <= budget]
@@ -254,17 +264,19 @@ def render_table(r: dict[str, Any]) -> str:
                             _f(c["step_ms"], ".2f"), _f(plan.get("predicted_step_ms"), ".2f"),
                             _f(plan.get("lower_bound_ms"), ".2f"), _f(c.get("step_over_plan_lower_bound"), ".2f"),
                             _f(c.get("run_lower_bound_ms"), ".2f"), _f(c.get("step_over_run_lower_bound"), ".2f"),
+                            _f(c.get("step_over_run_step_bound"), ".2f"),
                             f"{best['config']} {best['step_ratio']:.2f}" if best else "-"])
     body = table(rows, ("config", "step ms", f"step / {peer or 'peer'}", "peak dev", "act@bound",
                         "offload", "D2H GB/s", "H2D GB/s", "exposed", "eff", "eff all"),
                  "lrrrrrrrrrr")
     parts = [*head, body]
     if planned:
-        parts += ["", "planned (K keep, O offload, R recompute; LB: lower bound, the plan's and "
-                      "this run's; last column: the fastest peer whose peak fits, and step / its step)",
+        parts += ["", "planned (K keep, O offload, R recompute; LB: lower bound of the forward and "
+                      "backward, the plan's and this run's; +rest: with the rest of graph's step "
+                      "added; last column: the fastest peer whose peak fits, and step / its step)",
                   table(planned, ("config", "plan", "budget", "peak dev", "predicted", "fits",
                                   "step ms", "predicted", "LB plan", "step/LB", "LB run",
-                                  "step/LB run", "peer in budget"), "llrrrlrrrrrrl")]
+                                  "step/LB run", "step/(LB+rest)", "peer in budget"), "llrrrlrrrrrrrl")]
     warned = [f"{name} warned: {w}" for name, c in r["configs"].items() for w in c.get("warnings", ())]
     return "\n".join([*parts, *skipped, *warned])
 

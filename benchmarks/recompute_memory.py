@@ -1,0 +1,164 @@
+"""Where recompute under graphs holds more than eager activation checkpointing (cuda only).
+
+    GRAPHSLOT_BACKEND=cuda python benchmarks/recompute_memory.py [--preset llama] \
+        [--runs checkpoint recompute keep_top3] [--layers N] [--seq N]
+
+Each run (one process each) builds the bench preset's layers, runs two training steps
+(forward, backward, SGD step, ``zero_grad()``), empties the cache, and measures a third
+with the allocator's history on: the peak reserved and allocated bytes, what was live at
+the allocated peak (by pool and allocating frame), and what each pool reserves at the end
+with the free bytes inside its segments. Runs: ``checkpoint`` (eager,
+``torch.utils.checkpoint`` on every layer), ``recompute`` (GraphedLayers, every layer
+recomputed), ``keep_topK`` (GraphedLayers, the top K layers kept, the rest recomputed).
+Not a test: it asserts nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import gc
+import json
+import subprocess
+import sys
+from typing import Any
+
+MiB = 1 << 20
+
+
+def _where(frames: list[dict[str, Any]] | None, depth: int = 3) -> str:
+    fr = [f"{f.get('filename', '?').rsplit('/', 1)[-1]}:{f.get('line')}:{f.get('name')}"
+          for f in frames or [] if f.get("filename", "").endswith(".py")]
+    return " < ".join(fr[:depth]) or "(no python frame)"
+
+
+def child(run: str, preset: str, layers_n: int | None, seq: int | None) -> dict[str, Any]:
+    import torch
+    import torch.utils.checkpoint
+
+    from graphslot import get_backend
+    from graphslot.adapters.torch import GraphedLayers
+    from graphslot.cli.bench_models import BenchShape, make_layers
+
+    b = get_backend()
+    shape = BenchShape.preset(preset)
+    if layers_n:
+        shape.layers = layers_n
+    if seq:
+        shape.seq = seq
+    layers = make_layers(shape, b.device)
+    params = [p for m in layers for p in m.parameters()]
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(shape.batch, shape.seq, shape.hidden, generator=g).to(b.device, shape.dtype)
+    x.requires_grad_()
+    gy = torch.randn(x.shape, generator=g).to(b.device, shape.dtype)
+    opt = torch.optim.SGD(params, lr=1e-6)
+    n = len(layers)
+    if run == "checkpoint":
+        def fwd() -> torch.Tensor:
+            h = x
+            for m in layers:
+                h = torch.utils.checkpoint.checkpoint(m, h, use_reentrant=False)
+            return h
+    else:
+        if run == "recompute":
+            rec = range(n)
+        elif run.startswith("keep_top"):
+            rec = range(n - int(run[len("keep_top"):]))
+        else:
+            raise SystemExit(f"unknown run {run!r}")
+        stack = GraphedLayers(layers, x, mode="off", recompute_layers=rec)
+
+        def fwd() -> torch.Tensor:
+            return stack(x)
+
+    for _ in range(2):
+        fwd().backward(gy)
+        opt.step()
+        opt.zero_grad()
+    torch.cuda.synchronize()
+    gc.collect()
+    torch.cuda.empty_cache()
+    torch.cuda.memory._record_memory_history(max_entries=400000)
+    snap0 = torch.cuda.memory._snapshot()
+    live: dict[int, tuple[int, str]] = {}
+    for seg in snap0["segments"]:
+        pool = "graph" if tuple(seg.get("segment_pool_id", (0, 0))) != (0, 0) else "default"
+        for blk in seg["blocks"]:
+            if blk["state"] == "active_allocated":
+                live[blk["address"]] = (blk["size"], f"{pool} before step")
+    t0 = max((e.get("time_us", 0) for e in (snap0.get("device_traces") or [[]])[0]), default=0)
+    torch.cuda.reset_peak_memory_stats()
+    reserved0 = torch.cuda.memory_reserved()
+    fwd().backward(gy)
+    opt.step()
+    opt.zero_grad()
+    torch.cuda.synchronize()
+    stats = torch.cuda.memory_stats()
+    snap1 = torch.cuda.memory._snapshot()
+    torch.cuda.memory._record_memory_history(enabled=None)
+    events = [e for e in (snap1.get("device_traces") or [[]])[0] if e.get("time_us", 0) > t0]
+    cur = sum(v[0] for v in live.values())
+    best, at_best, best_i = cur, dict(live), -1
+    for i, ev in enumerate(events):
+        if ev["action"] == "alloc":
+            live[ev["addr"]] = (ev["size"], _where(ev.get("frames")))
+            cur += ev["size"]
+            if cur > best:
+                best, at_best, best_i = cur, dict(live), i
+        elif ev["action"] == "free_requested" and ev["addr"] in live:
+            cur -= live.pop(ev["addr"])[0]
+    by: collections.Counter[str] = collections.Counter()
+    for size, where in at_best.values():
+        by[where] += size
+    pools: dict[str, dict[str, float]] = {}
+    for seg in snap1["segments"]:
+        pool = "graph" if tuple(seg.get("segment_pool_id", (0, 0))) != (0, 0) else "default"
+        d = pools.setdefault(pool, {"reserved": 0, "active": 0, "free": 0, "segments": 0})
+        d["segments"] += 1
+        d["reserved"] += seg["total_size"]
+        for blk in seg["blocks"]:
+            d["active" if blk["state"] == "active_allocated" else "free"] += blk["size"]
+    sizes = collections.Counter()
+    for seg in snap1["segments"]:
+        if tuple(seg.get("segment_pool_id", (0, 0))) != (0, 0):
+            sizes[round(seg["total_size"] / MiB)] += 1
+    return {
+        "run": run,
+        "reserved_before_mib": round(reserved0 / MiB, 1),
+        "peak_reserved_mib": round(stats["reserved_bytes.all.peak"] / MiB, 1),
+        "peak_allocated_mib": round(stats["allocated_bytes.all.peak"] / MiB, 1),
+        "replayed_peak_mib": round(best / MiB, 1),
+        "peak_event": best_i, "events": len(events),
+        "at_peak_mib": {k: round(v / MiB, 1) for k, v in by.most_common(14)},
+        "pools_end_mib": {p: {k: round(v / MiB, 1) if k != "segments" else v for k, v in d.items()}
+                          for p, d in pools.items()},
+        "graph_segment_sizes_mib": dict(sorted(sizes.items())),
+        "weights_mib": round(sum(p.numel() * p.element_size() for p in params) / MiB, 1),
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--preset", default="llama")
+    ap.add_argument("--runs", nargs="+", default=["checkpoint", "recompute", "keep_top3"])
+    ap.add_argument("--layers", type=int)
+    ap.add_argument("--seq", type=int)
+    ap.add_argument("--child")
+    args = ap.parse_args()
+    if args.child:
+        print(json.dumps(child(args.child, args.preset, args.layers, args.seq)), flush=True)
+        return
+    for run in args.runs:
+        cmd = [sys.executable, __file__, "--child", run, "--preset", args.preset]
+        for k in ("layers", "seq"):
+            if getattr(args, k):
+                cmd += [f"--{k}", str(getattr(args, k))]
+        p = subprocess.run(cmd, capture_output=True, text=True)
+        line = (p.stdout.strip().splitlines() or [""])[-1]
+        print(line if p.returncode == 0 else json.dumps({"run": run, "error": p.stderr[-3000:]}),
+              flush=True)
+
+
+if __name__ == "__main__":
+    main()
