@@ -45,7 +45,10 @@ and any optimizer work as usual. A forward under ``torch.no_grad()`` offloads no
 
 Limits, as for device graphs in general: each layer takes one tensor and returns one
 tensor of fixed shape, dtype and device; no host synchronisation or data-dependent
-shapes inside a layer; random ops (dropout) are not supported inside graphed layers.
+shapes inside a layer. Random ops (dropout) draw fresh numbers at every replay; a
+recomputed layer draws, in its backward, the very numbers its forward drew for that
+microbatch (a random stream of its own, where the backend has one:
+:meth:`~graphslot.backend.Backend.new_rng_stream`).
 """
 
 from __future__ import annotations
@@ -57,13 +60,13 @@ import threading
 import warnings
 import weakref
 from dataclasses import replace
-from typing import AbstractSet, Any, Callable, Iterable, Iterator, Sequence
+from typing import AbstractSet, Any, Callable, ContextManager, Iterable, Iterator, Sequence
 
 import torch
 import torch.utils.checkpoint
 from torch import nn
 
-from graphslot.backend import Backend, DeviceGraph
+from graphslot.backend import Backend, DeviceGraph, RngStream
 from graphslot.budget import (OFFLOAD, RECOMPUTE, BudgetPlan, StackProfile, banks_bytes,
                               parse_budget, plan_budget)
 from graphslot.errors import CaptureMismatchError, StateError, UsageError
@@ -227,6 +230,11 @@ class _Runner:
         self.first = index == 0
         #: its forward saves only its input, and its backward graph runs the forward again
         self.recompute = layers[0] in stack.recompute_layers
+        # A recomputed layer's graphs draw from a random stream of their own, rewound to
+        # where each microbatch's forward drew before its backward graph draws it again.
+        self.rng: RngStream | None = None
+        self._rng_at: dict[int, Any] = {}  # microbatch -> the stream before its forward
+        self._rng_next: Any = None  # the stream after the newest forward
 
     # -- build ---------------------------------------------------------------------------
 
@@ -248,8 +256,8 @@ class _Runner:
         def call() -> Any:
             if self.recompute:
                 # The recompute runs inside the backward graph's capture, so ``run`` swaps
-                # the aliases in again there. No RNG state is stashed: random ops are not
-                # supported inside graphed layers, and the state calls would run in capture.
+                # the aliases in again there. Its random numbers come from the runner's
+                # own stream (``self.rng``), not from state calls that would run in capture.
                 return torch.utils.checkpoint.checkpoint(run, static_in, use_reentrant=False,
                                                          preserve_rng_state=False)
             return run(static_in)
@@ -302,12 +310,15 @@ class _Runner:
             g.allocate()  # kept on the device: nothing to lay out
 
         fwd = st._new_graph()
+        if self.recompute:
+            self.rng = b.new_rng_stream()
+        drawing = self._attach_rng(fwd)
         g.begin_capture()
         if g.offload_enabled:
             def pack(t: torch.Tensor) -> torch.Tensor:
                 return t if is_state(t) else g.save_tensor(t)
 
-            with fwd.capture(side):
+            with fwd.capture(side), drawing():
                 # (the unpack hook teaches the backward graph the slot's sections)
                 with torch.autograd.graph.saved_tensors_hooks(pack, g.load_tensor):
                     out = call()
@@ -322,7 +333,7 @@ class _Runner:
                     kept.setdefault(s.data_ptr(), (s.data_ptr(), s.nbytes()))
                 return t.detach()  # the same memory, no grad_fn: no cycle (see recording_saved_tensors)
 
-            with fwd.capture(side):
+            with fwd.capture(side), drawing():
                 with torch.autograd.graph.saved_tensors_hooks(note, lambda t: t):
                     out = call()
             self._kept = kept
@@ -343,7 +354,8 @@ class _Runner:
         try:
             if differentiable:
                 bwd = self.stack._new_graph()
-                with bwd.capture(self.stack._warmup_stream):
+                drawing = self._attach_rng(bwd)
+                with bwd.capture(self.stack._warmup_stream), drawing():
                     if own:
                         # The stack's last gradient buffer, from the graphs' pool: the caller's
                         # gradient is copied in right before each replay and only this graph
@@ -377,6 +389,14 @@ class _Runner:
         kept = self.__dict__.pop("_kept", None)
         if kept is not None:
             self.group.keep(b.alias_bytes(ptr, n) for ptr, n in kept.values())
+
+    def _attach_rng(self, graph: DeviceGraph) -> Callable[[], ContextManager[None]]:
+        """Before ``graph``'s capture: what to enter inside it so that its random ops draw
+        from the runner's stream (nothing without one)."""
+        if self.rng is None:
+            return contextlib.nullcontext
+        self.rng.attach(graph)
+        return self.rng.drawing
 
     def settle_refs(self) -> None:
         """After the build: count the references graphslot itself holds to each buffer."""
@@ -420,6 +440,9 @@ class _Runner:
         if x.data_ptr() != self.static_in.data_ptr():
             with torch.no_grad():
                 self.static_in.copy_(x)
+        rng = self.rng
+        if rng is not None and training:
+            self._rng_at[mb] = rng.position()
         if stack._tracing:
             with stack._span(f"fwd {self.name}"):
                 self.fwd.replay()
@@ -427,6 +450,8 @@ class _Runner:
                 stack.probe(f"F{self.layers[-1]}")
         else:
             self.fwd.replay()
+        if rng is not None:
+            self._rng_next = rng.position()
         if training:
             eng.after_forward(ticket)
         else:
@@ -477,6 +502,9 @@ class _Runner:
                 with torch.no_grad():
                     self.static_grad_out.copy_(grad)
             graph = self.bwd
+            rng = self.rng
+            if rng is not None:  # the recompute draws what this microbatch's forward drew
+                rng.seek(self._rng_at.pop(mb))
             if stack._tracing:
                 with stack._span(f"bwd {self.name}"):
                     graph.replay()
@@ -484,6 +512,8 @@ class _Runner:
                     stack.probe(f"B{self.layers[0]}")
             else:
                 graph.replay()
+            if rng is not None:  # and the next forward draws fresh numbers
+                rng.seek(self._rng_next)
             out = self._grads_out()
             lent = [pg for pg in self.grads if pg is not None and not pg.copy]
             if lent:
@@ -557,6 +587,12 @@ class _LayerFunction(torch.autograd.Function):
             # The first layer's node outlives the others: when it dies without a backward
             # (the output was dropped), the stack gives back what the microbatch holds.
             weakref.finalize(ctx, runner.stack._abandoned.append, mb).atexit = False
+            if x.requires_grad and (x.is_leaf or x.retains_grad):
+                # autograd keeps the input's gradient as ``x.grad``: the stack looks there
+                # before a replay overwrites the buffer it lent (see _give_back)
+                runner.stack._hold_input(x)
+            # a hook may keep what it is handed where nobody finds it again: a copy
+            ctx.input_hooked = bool(x._backward_hooks)
         # The last layer's output goes to the caller, who may keep it across the next
         # forward; inside the stack the next layer reads the buffer itself.
         return out.clone() if runner.stack._runners[-1] is runner else out.detach()
@@ -564,6 +600,10 @@ class _LayerFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> Any:
         grads = ctx.runner.backward(grad, ctx.mb)
+        gin = grads[0]
+        if getattr(ctx, "input_hooked", False) and gin is not None \
+                and gin.data_ptr() == ctx.runner.grad_in.data_ptr():
+            grads = (gin.clone(), *grads[1:])
         return (None, None, *grads)
 
 
@@ -708,6 +748,8 @@ class GraphedLayers(nn.Module):
         self._lent: dict[int, list[_ParamGrad]] = {}  # by layer
         #: the first layer's input gradient buffer, lent as the stack's input gradient
         self._input_grad: _ParamGrad | None = None
+        #: inputs that keep their gradient (leaves, retain_grad()), while they live
+        self._input_holders: dict[int, weakref.ref[torch.Tensor]] = {}
         self._lock = threading.Condition()
         self._users = 0  # forwards and backwards under way (close() waits for them)
         self._in_backward: set[int] = set()  # microbatches whose backward pass has begun
@@ -826,7 +868,8 @@ class GraphedLayers(nn.Module):
             held = b.footprint_bytes() or 0
         fixed = held + 3 * costs[-1].input_bytes
         return StackProfile(tuple(costs), bw["d2h_gbps"], bw["h2d_gbps"], fixed_bytes=fixed,
-                            granularity=b.granularity, section_bytes=section_bytes)
+                            granularity=b.granularity, section_bytes=section_bytes,
+                            d2d_gbps=bw.get("d2d_gbps"))
 
     def _new_graph(self) -> DeviceGraph:
         g = self.backend.new_graph(share_pool_with=self._pool_owner)
@@ -987,7 +1030,24 @@ class GraphedLayers(nn.Module):
         for i in [i for i in self._lent if layer is None or i <= layer]:
             runner = self._runners[i]
             for pg in self._lent.pop(i):
+                if pg.param is None:
+                    self._move_input_grads(pg)
                 runner.give_back(pg)
+
+    def _move_input_grads(self, pg: _ParamGrad) -> None:
+        """Inputs whose ``.grad`` is the lent input-gradient buffer get bytes of their own,
+        the same tensor object (references to it stay good; autograd adds into it)."""
+        for ref in list(self._input_holders.values()):
+            x = ref()
+            g = None if x is None else x.grad
+            if g is not None and g.data_ptr() == pg.ptr:
+                g.data = g.clone()
+
+    def _hold_input(self, x: torch.Tensor) -> None:
+        holders = self._input_holders
+        key = id(x)
+        if key not in holders:  # (gone from here as x goes)
+            holders[key] = weakref.ref(x, lambda _r, key=key: holders.pop(key, None))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self._closed:

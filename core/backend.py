@@ -50,6 +50,7 @@ __all__ = [
     "FaultPlan",
     "Transaction",
     "VmmDriver",
+    "RngStream",
     "DeviceGraph",
     "align_up",
     "no_gc",
@@ -340,6 +341,34 @@ class DeviceGraph(abc.ABC):
     def pool_bytes(self) -> int | None:
         """Bytes reserved by this graph's private memory pool (shared pools count fully)."""
         return None
+
+
+class RngStream(abc.ABC):
+    """A random stream of graphs' own, which two graphs can draw the same numbers from.
+
+    A recomputed layer's backward graph runs its forward again: its random ops (dropout)
+    must draw what its forward graph drew at that microbatch's replay, while the next
+    forward draws fresh numbers. Graphs attached to the stream draw from it what their
+    captures drew under :meth:`drawing`; :meth:`position` and :meth:`seek` (outside
+    capture) rewind it between replays. Made by :meth:`Backend.new_rng_stream`.
+    """
+
+    @abc.abstractmethod
+    def attach(self, graph: DeviceGraph) -> None:
+        """Before ``graph``'s capture: its replays may draw from this stream."""
+
+    @abc.abstractmethod
+    def drawing(self) -> ContextManager[None]:
+        """Inside the capture of an attached graph: the random ops issued inside draw from
+        this stream, at capture and at every replay."""
+
+    @abc.abstractmethod
+    def position(self) -> Any:
+        """Where the stream is now (outside capture), for :meth:`seek`."""
+
+    @abc.abstractmethod
+    def seek(self, position: Any) -> None:
+        """Move to ``position``: the next replay draws what was drawn from there before."""
 
 
 # --------------------------------------------------------------------------- backend
@@ -857,6 +886,20 @@ class Backend(abc.ABC):
         return {"allocated_bytes": None, "reserved_bytes": None, "peak_reserved_bytes": None,
                 "peak_allocated_bytes": None, "graph_pool_reserved_bytes": None,
                 "graph_pool_allocated_bytes": None}
+
+    def new_rng_stream(self) -> RngStream | None:
+        """A random stream of graphs' own (:class:`RngStream`), seeded from the framework's
+        seed; None where this backend has none (a recomputed layer's random ops then draw
+        other numbers than its forward did)."""
+        return None
+
+    def _rng_stream_seed(self, initial_seed: int) -> int:
+        """The seed of this backend's next :class:`RngStream`: the framework's seed moved
+        on by a count of the streams made, so no two streams draw alike, and a run seeded
+        alike makes the same ones."""
+        k = self.__dict__.get("_rng_streams_made", 0) + 1
+        self.__dict__["_rng_streams_made"] = k
+        return (initial_seed + 0x9E3779B97F4A7C15 * k) % (1 << 63)
 
     #: whether :meth:`make_graphed_callables` exists here (the framework's own, for comparison)
     has_graphed_callables: bool = False

@@ -18,7 +18,7 @@ from typing import Any, ContextManager, Iterator
 
 import torch
 
-from graphslot.backend import Backend, DeviceGraph
+from graphslot.backend import Backend, DeviceGraph, RngStream
 from graphslot.errors import UsageError
 from graphslot.regions import RegionGraphBackend
 
@@ -128,6 +128,11 @@ class CpuBackend(Backend, RegionGraphBackend):
         return bytes_at(va, nbytes)
 
     # -- graphs -----------------------------------------------------------------
+
+    def new_rng_stream(self) -> RngStream:
+        from .rng import CpuRngStream
+
+        return CpuRngStream(self, self._rng_stream_seed(torch.initial_seed()))
 
     def new_graph(self, share_pool_with: DeviceGraph | None = None,
                   pool_region: tuple[int, int] | None = None) -> DeviceGraph:

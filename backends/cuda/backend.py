@@ -10,7 +10,7 @@ import contextlib
 import torch
 from cuda.bindings import driver as cu
 
-from graphslot.backend import Backend, DeviceGraph, no_gc
+from graphslot.backend import Backend, DeviceGraph, RngStream, no_gc
 from graphslot.errors import BackendUnavailableError, DriverError, UsageError
 from graphslot.regions import RegionGraph, RegionGraphBackend
 
@@ -176,6 +176,12 @@ class CudaBackend(Backend, RegionGraphBackend):
         return t
 
     # -- graphs -----------------------------------------------------------------
+
+    def new_rng_stream(self) -> RngStream:
+        from .rng import CudaRngStream
+
+        index = self.device.index if self.device.index is not None else torch.cuda.current_device()
+        return CudaRngStream(index, self._rng_stream_seed(torch.cuda.initial_seed()))
 
     def new_graph(self, share_pool_with: DeviceGraph | None = None,
                   pool_region: tuple[int, int] | None = None) -> DeviceGraph:
