@@ -347,20 +347,19 @@ def predict_step_ms(profile: StackProfile, choices: Sequence[str], mode: str = "
     def section_ms(i: int, rate: float) -> float:
         return min(slots[i], profile.section_bytes) / rate
 
-    # Forward: a layer starts once its bank's last occupant has gone out (measured: the
-    # graph waits at its start, not section by section), and copies what it saves into
-    # its slot as it runs.
+    # Forward: a layer writes its bank once the bank's last occupant has gone out (section
+    # by section: it ends one section after that copy), and copies what it saves into its
+    # slot as it runs.
     d2d = profile.d2d_gbps * 1e6 if profile.d2d_gbps else None
     t = 0.0
     d2h_free = 0.0
     out_done: dict[int, float] = {}
     for i, c in enumerate(layers):
         start = t
-        if i in bank:
-            if i in prev:
-                start = max(start, out_done.get(prev[i], 0.0))
         end = start + c.forward_ms + (slots[i] / d2d if i in bank and d2d else 0.0)
         if i in bank:
+            if i in prev:
+                end = max(end, out_done.get(prev[i], 0.0) + section_ms(i, d2h))
             if i not in held:  # sections leave as they are written
                 cstart = max(d2h_free, start)
                 cend = cstart + slots[i] / d2h

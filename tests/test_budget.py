@@ -111,18 +111,18 @@ def test_the_step_model_is_never_below_its_lower_bound_and_the_bound_is_the_form
     assert lower_bound_ms(p, ch, "off") == pytest.approx(p.forward_ms + p.backward_ms + 2 * 6.25)
 
 
-def test_a_layer_waits_for_its_bank_before_it_starts_and_pays_its_slot_copy():
-    """Two offloaded layers share remap's one bank: the second starts only once the first's
-    bytes are out (the graph waits at its start), and each offloaded forward copies what it
-    saves into its slot at the device-to-device rate."""
+def test_a_layer_writes_its_bank_behind_the_copy_out_and_pays_its_slot_copy():
+    """Two offloaded layers share remap's one bank: the second finishes one section after
+    the first's bytes are out (it writes each section once that section has left), and
+    each offloaded forward copies what it saves into its slot at the device-to-device
+    rate."""
     layer = LayerCost(1.0, 2.0, saved_bytes=GiB)
     gib_ms = GiB / 1e6  # ms per GiB at 1 GB/s
     p = StackProfile((layer,) * 2, 1.0, 1000.0, granularity=MiB, section_bytes=MiB)
     step = predict_step_ms(p, (OFFLOAD, OFFLOAD), "remap")
-    out0 = gib_ms  # layer 0's copy out, from its start
-    # layer 1 starts when it is out, runs 1 ms; its own bytes never leave (held in the
-    # bank); then both backwards, layer 0's restore (fast) under layer 1's backward
-    assert step == pytest.approx(out0 + 1.0 + 2.0 + 2.0, rel=1e-3)
+    # layer 0's copy out from its start, then layer 1's last section; layer 1's bytes
+    # never leave (held in the bank); both backwards, layer 0's fast restore under the first
+    assert step == pytest.approx(gib_ms + MiB / 1e6 + 2.0 + 2.0, rel=1e-3)
     q = StackProfile((layer,) * 2, 1000.0, 1000.0, granularity=MiB, section_bytes=MiB,
                      d2d_gbps=10.0)
     keep = predict_step_ms(q, (KEEP, KEEP), "off")
