@@ -31,6 +31,12 @@ What the graphs hold, and why it is no more than torch's own graphed callables:
   hooks run as in eager. A ``.grad`` someone still holds after
   ``zero_grad(set_to_none=True)`` is moved out of the buffer before the next backward
   overwrites it, and that parameter is copied from then on.
+* ``main_grad=True`` (Megatron and TransformerEngine style): the backward graph adds each
+  parameter's gradient into its ``main_grad``, in the graph, as each arrives, and frees it
+  at once; ``.grad`` is left as it is. ``main_grad`` is then the only gradient storage, and
+  a kept or accumulated gradient costs no copy (``p.grad = p.main_grad`` makes ``.grad``
+  that storage). Without it, a ``.grad`` kept across a forward costs one copy of the
+  gradients: the buffers' pool memory is what the next forward writes.
 * Capture-time autograd graphs are dropped once the backward graphs exist, so training
   builds its own gradient accumulators on the training stream.
 
@@ -196,6 +202,35 @@ class _ParamGrad:
         return _use_count(self.storage) > self.base_refs + extra
 
 
+def _backward_into(main_grads: Sequence[torch.Tensor], out: torch.Tensor,
+                   inputs: Sequence[torch.Tensor], grad_out: torch.Tensor | None
+                   ) -> tuple[torch.Tensor | None, ...]:
+    """Under capture: the backward of ``out`` with each parameter alias's gradient added into
+    its ``main_grad`` as it arrives (Megatron's ``main_grad.add_(grad)``) and dropped at once,
+    so the graphs' pool holds one parameter's gradient at a time, none after the replay.
+    ``inputs`` are the stack input (when it wants a gradient) and then the aliases, one per
+    ``main_grads`` entry. Returns what ``torch.autograd.grad`` would, parameters' as None:
+    the input gradient is the tensor autograd accumulated into the leaf (graph memory)."""
+    n_in = len(inputs) - len(main_grads)
+    leaves = list(inputs[:n_in])
+
+    def into(mg: torch.Tensor, alias: torch.Tensor) -> None:
+        mg.add_(alias.grad)  # type: ignore[arg-type]  # (the hook runs once it is set)
+        alias.grad = None
+
+    handles = [a.register_post_accumulate_grad_hook(lambda a, mg=mg: into(mg, a))
+               for a, mg in zip(inputs[n_in:], main_grads)]
+    try:
+        torch.autograd.backward(out, grad_out, inputs=list(inputs))
+    finally:
+        for h in handles:
+            h.remove()
+    grads = tuple(x.grad for x in leaves)
+    for x in leaves:
+        x.grad = None
+    return grads + (None,) * len(main_grads)
+
+
 class _Runner:
     """One graph's consecutive layers (one, or several small ones): its graphs, static
     tensors and its offload group (kept on the device when its layers do not offload)."""
@@ -211,6 +246,9 @@ class _Runner:
         self.name = f"layer{a}" if a == z else f"layers{a}-{z}"
         self.label = f"layer {a}" if a == z else f"layers {a}-{z}"
         self.params = [p for p in self.module.parameters() if p.requires_grad]
+        #: with ``main_grad=True``: each parameter's main_grad, which the backward graph adds into
+        self.main_grads: list[torch.Tensor] | None = (
+            [getattr(p, "main_grad") for p in self.params] if stack.main_grad else None)
         # Warm-up and capture differentiate with respect to aliases of the parameters (same
         # memory, so the graphs read the very same addresses): the parameters' own tensor
         # hooks must run at each real backward, not once baked into a graph, and their
@@ -351,9 +389,14 @@ class _Runner:
         own = static_grad_out is None or static_grad_out.shape != out.shape
         if own and not differentiable:
             static_grad_out = torch.zeros_like(out)
+        main = self.main_grads
         try:
             if differentiable:
                 bwd = self.stack._new_graph()
+                # A backend whose capture runs the work (cpu) would add the capture's gradient
+                # (from whatever the static buffers hold) into main_grad: put it back after.
+                before = ([mg.clone() for mg in main] if main is not None
+                          and getattr(bwd, "executes_during_capture", False) else None)
                 drawing = self._attach_rng(bwd)
                 with bwd.capture(self.stack._warmup_stream), drawing():
                     if own:
@@ -361,14 +404,25 @@ class _Runner:
                         # gradient is copied in right before each replay and only this graph
                         # reads it, so once captured its bytes go back to the pool (below).
                         static_grad_out = torch.empty_like(out)
-                    grads = torch.autograd.grad(out, inputs, static_grad_out, allow_unused=True)
+                    grads: tuple[torch.Tensor | None, ...]
+                    if main is None:
+                        grads = torch.autograd.grad(out, inputs, static_grad_out, allow_unused=True)
+                    else:
+                        grads = _backward_into(main, out, inputs, static_grad_out)
+                if before is not None:
+                    with torch.no_grad():
+                        for mg, was in zip(main or [], before):
+                            mg.copy_(was)
+                    del before
                 if own:
+                    assert static_grad_out is not None  # (allocated in the capture)
                     view = b.return_to_pool(static_grad_out)
                     if view is not None:
                         static_grad_out = view
                 self.bwd = bwd
                 grad_list = list(grads)
                 self.grad_in = grad_list.pop(0) if wants_grad_in else None
+                # (with main_grad, grad_list is all None: the graph adds into main_grad itself)
                 self.grads = [None if gbuf is None else _ParamGrad(p, gbuf, id(p) in shared or bool(p._backward_hooks))
                               for p, gbuf in zip(self.params, grad_list)]
                 del grads, grad_list
@@ -491,6 +545,8 @@ class _Runner:
                 f"{self.label}: microbatch {mb} has no forward waiting for this backward: "
                 "it ran backward already (a second backward through graphed layers, e.g. "
                 "retain_graph=True, is not supported) or close() abandoned it")
+        if self.main_grads is not None:
+            self._main_grads_in_place()
         if stack._lent:  # before anything below writes pool memory a lent buffer may share
             stack._give_back(self.index)
         # (brings back this microbatch's activations if another's graphs ran since)
@@ -537,6 +593,26 @@ class _Runner:
             else:
                 gin = gin.detach()  # the layer below reads this buffer straight away
         return (gin, *out)
+
+    def _main_grads_in_place(self) -> None:
+        """The graph adds into the ``main_grad`` tensors it was captured with: refuse to
+        replay once one was replaced (the sum would go to the old memory) or got a tensor
+        hook (it would not run)."""
+        assert self.main_grads is not None
+        for p, mg in zip(self.params, self.main_grads):
+            now = getattr(p, "main_grad", None)
+            if now is not mg and not (isinstance(now, torch.Tensor) and now.data_ptr() == mg.data_ptr()
+                                      and now.dtype == mg.dtype and now.shape == mg.shape
+                                      and now.stride() == mg.stride()):
+                raise StateError(
+                    f"{self.label}: parameter {_param_name(self.stack.layers, p)}'s main_grad is no "
+                    f"longer the tensor its backward graph adds into (at 0x{mg.data_ptr():x}); zero "
+                    "main_grad in place instead of replacing it, or build the stack again")
+            if p._backward_hooks:
+                raise StateError(
+                    f"{self.label}: parameter {_param_name(self.stack.layers, p)} got a tensor hook "
+                    "after the build; with main_grad=True the backward graph adds its gradient "
+                    "into main_grad itself, so the hook would never run")
 
     def give_back(self, pg: _ParamGrad) -> None:
         """``pg``'s buffer is about to be overwritten: whoever holds it as a gradient (its
@@ -634,6 +710,42 @@ def _check_layers(layers: Any) -> None:
         raise UsageError(f"layers must be torch.nn.Module instances: {', '.join(bad[:3])}")
 
 
+def _param_name(layers: Iterable[nn.Module], p: torch.Tensor) -> str:
+    """``layers[i].name`` of parameter ``p`` (its first place), for messages."""
+    for i, m in enumerate(layers):
+        for n, q in m.named_parameters():
+            if q is p:
+                return f"layers[{i}].{n}"
+    return "a parameter"
+
+
+def _check_main_grads(layers: Iterable[nn.Module]) -> None:
+    """With ``main_grad=True``: every trainable parameter has a ``main_grad`` the backward
+    graph can add its gradient into, and no tensor hook the graph would skip."""
+    for i, m in enumerate(layers):
+        for n, p in m.named_parameters():
+            if not p.requires_grad:
+                continue
+            name = f"layers[{i}].{n}"
+            mg = getattr(p, "main_grad", None)
+            if not isinstance(mg, torch.Tensor):
+                raise UsageError(
+                    f"main_grad=True, but parameter {name} has "
+                    + ("no main_grad attribute" if mg is None else f"main_grad of type {type(mg).__name__}")
+                    + f"; give every trainable parameter a main_grad (e.g. torch.zeros_like(p, "
+                    "dtype=torch.float32)) or build the stack without main_grad")
+            if mg.shape != p.shape or mg.device != p.device or not mg.is_floating_point():
+                raise UsageError(
+                    f"main_grad=True, but parameter {name}'s main_grad is {list(mg.shape)} "
+                    f"{mg.dtype} on {mg.device}; it must be a floating-point tensor of the "
+                    f"parameter's shape {list(p.shape)} on {p.device}")
+            if p._backward_hooks:
+                raise UsageError(
+                    f"main_grad=True, but parameter {name} has tensor hooks (register_hook): "
+                    "the backward graph adds its gradient into main_grad itself, so they "
+                    "would never run; use a post-accumulate-grad hook or build without main_grad")
+
+
 def _check_sample(sample: Any, backend: Backend) -> None:
     """A sample input is one tensor on the backend's device type."""
     if not isinstance(sample, torch.Tensor):
@@ -687,11 +799,24 @@ class GraphedLayers(nn.Module):
         warmup_iters: eager iterations before capture.
         backend: the graphslot backend (default: :func:`graphslot.get_backend`).
         debug_checksums: verify a checksum of every restored activation (slow).
+        main_grad: accumulate each parameter's gradient into its ``main_grad`` attribute,
+            inside the backward graph (``main_grad.add_(grad)``, as Megatron-Core and
+            TransformerEngine do, e.g. bf16 gradients into fp32 ``main_grad``); ``.grad``
+            stays as it is (None, as Megatron keeps it), so ``main_grad`` is the only
+            gradient storage and the graphs' pool keeps no gradient buffers. Every
+            trainable parameter must carry a ``main_grad`` of its shape on its device,
+            kept in place for the stack's life (zero it in place), and belong to one
+            graph; post-accumulate-grad hooks still run once per backward, tensor hooks
+            (``register_hook``) cannot. The parameters' gradients do not reach autograd
+            (``torch.autograd.grad`` gets none), and a parameter also used outside the
+            stack gets only the stack's part in ``main_grad``.
 
     Raises:
         UsageError: no layers, a sample that is not a tensor on the backend's device, a
             bad layer index or mode, a budget below the least any plan reaches (the
-            message names that least budget), or a budget beside explicit layer lists.
+            message names that least budget), a budget beside explicit layer lists, or
+            with ``main_grad=True`` a parameter without a fitting ``main_grad``, with
+            tensor hooks, or in several graphs.
 
     ``close()`` releases its slots, banks and host buffers; as a context manager
     (``with GraphedLayers(...) as stack:``) it closes on exit.
@@ -704,12 +829,17 @@ class GraphedLayers(nn.Module):
                  recompute_layers: Iterable[int] | None = None,
                  memory_budget: int | str | None = None,
                  layers_per_graph: int | None = None, warmup_iters: int = 2,
-                 backend: Backend | None = None, debug_checksums: bool = False) -> None:
+                 backend: Backend | None = None, debug_checksums: bool = False,
+                 main_grad: bool = False) -> None:
         super().__init__()
         _check_layers(layers)
         self.layers = nn.ModuleList(layers)
         self.backend = backend or get_backend()
         _check_sample(sample_input, self.backend)
+        #: the backward graphs add into the parameters' ``main_grad`` (see ``main_grad``)
+        self.main_grad = bool(main_grad)
+        if self.main_grad:
+            _check_main_grads(self.layers)
         n = len(self.layers)
         if memory_budget is not None and (offload_layers is not None or recompute_layers is not None):
             raise UsageError("memory_budget plans which layers to offload and recompute: give "
@@ -723,8 +853,8 @@ class GraphedLayers(nn.Module):
             raise UsageError(f"layers_per_graph must be a positive integer or None (join small "
                              f"layers), got {layers_per_graph!r}")
         modes = tuple(m.value for m in Mode) if mode is None else (Mode(mode).value,)
-        self._engine_args = dict(min_bytes=min_offload_bytes, section_bytes=section_bytes,
-                                 debug_checksums=debug_checksums)
+        self._engine_args: dict[str, Any] = dict(
+            min_bytes=min_offload_bytes, section_bytes=section_bytes, debug_checksums=debug_checksums)
         self.warmup_iters = max(1, int(warmup_iters))
         self._microbatch = 0
         #: the layers each device graph covers, in order (see ``layers_per_graph``)
@@ -886,6 +1016,8 @@ class GraphedLayers(nn.Module):
         x = (self._pool_buffer(sample) if pooled else sample.detach().clone()
              ).requires_grad_(sample.requires_grad)
         shared = self._shared_params()
+        if self.main_grad:
+            self._check_main_grads_graphs()
         for i, r in enumerate(runners):
             out = r.build_forward(x)
             # The next layer is captured reading this layer's output buffer itself.
@@ -962,6 +1094,19 @@ class GraphedLayers(nn.Module):
         view = self.backend.return_to_pool(a.static_out)
         if view is not None:
             a.static_out = b.static_in = view
+
+    def _check_main_grads_graphs(self) -> None:
+        """With ``main_grad=True``, a parameter in several graphs would get each graph's part
+        added into ``main_grad`` in turn, where eager adds their sum: refuse it."""
+        seen: set[int] = set()
+        for r in self._runners:
+            for p in r.params:
+                if id(p) in seen:
+                    raise UsageError(
+                        f"main_grad=True, but parameter {_param_name(self.layers, p)} is in "
+                        f"several graphs ({self.graph_layers}); give the layers that share it one "
+                        "graph (layers_per_graph) or build without main_grad")
+            seen.update(id(p) for p in r.params)
 
     def _shared_params(self) -> set[int]:
         seen: dict[int, int] = {}
