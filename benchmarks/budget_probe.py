@@ -29,19 +29,15 @@ def child(args: argparse.Namespace) -> dict:
 
     from graphslot import get_backend
     from graphslot.adapters.torch import GraphedLayers
-    from graphslot.cli.bench_models import BenchShape, make_layers
+    from graphslot.cli.bench_models import BenchShape, training_data
 
     b = get_backend()
     shape = BenchShape.preset(args.preset)
     for k in ("layers", "seq"):
         if getattr(args, k):
             setattr(shape, k, getattr(args, k))
-    layers = make_layers(shape, b.device)
+    layers, x, gy = training_data(shape, b.device)
     params = [p for m in layers for p in m.parameters()]
-    g = torch.Generator().manual_seed(0)
-    x = torch.randn(shape.batch, shape.seq, shape.hidden, generator=g).to(b.device, shape.dtype)
-    x.requires_grad_()
-    gy = torch.randn(x.shape, generator=g).to(b.device, shape.dtype)
     opt = torch.optim.SGD(params, lr=1e-6)
     kw: dict = {}
     if args.run == "keep":

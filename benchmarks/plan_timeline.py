@@ -21,7 +21,7 @@ import torch
 
 from graphslot import get_backend
 from graphslot.adapters.torch import GraphedLayers
-from graphslot.cli.bench_models import BenchShape, make_layers
+from graphslot.cli.bench_models import BenchShape, training_data
 from graphslot.trace import Timeline
 
 
@@ -32,12 +32,8 @@ def main() -> None:
     args = ap.parse_args()
     b = get_backend()
     shape = BenchShape.preset(args.preset)
-    layers = make_layers(shape, b.device)
+    layers, x, gy = training_data(shape, b.device)
     params = [p for m in layers for p in m.parameters()]
-    g = torch.Generator().manual_seed(0)
-    x = torch.randn(shape.batch, shape.seq, shape.hidden, generator=g).to(b.device, shape.dtype)
-    x.requires_grad_()
-    gy = torch.randn(x.shape, generator=g).to(b.device, shape.dtype)
     opt = torch.optim.SGD(params, lr=1e-6)
     kw: dict = dict(mode="off") if args.budget == "keep" else dict(memory_budget=args.budget)
     with GraphedLayers(layers, x, **kw) as stack:

@@ -38,7 +38,7 @@ def child(run: str, preset: str, layers_n: int | None, seq: int | None) -> dict[
 
     from graphslot import get_backend
     from graphslot.adapters.torch import GraphedLayers
-    from graphslot.cli.bench_models import BenchShape, make_layers
+    from graphslot.cli.bench_models import BenchShape, training_data
 
     b = get_backend()
     shape = BenchShape.preset(preset)
@@ -46,12 +46,8 @@ def child(run: str, preset: str, layers_n: int | None, seq: int | None) -> dict[
         shape.layers = layers_n
     if seq:
         shape.seq = seq
-    layers = make_layers(shape, b.device)
+    layers, x, gy = training_data(shape, b.device)
     params = [p for m in layers for p in m.parameters()]
-    g = torch.Generator().manual_seed(0)
-    x = torch.randn(shape.batch, shape.seq, shape.hidden, generator=g).to(b.device, shape.dtype)
-    x.requires_grad_()
-    gy = torch.randn(x.shape, generator=g).to(b.device, shape.dtype)
     opt = torch.optim.SGD(params, lr=1e-6)
     n = len(layers)
     if run == "checkpoint":

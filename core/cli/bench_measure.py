@@ -23,7 +23,7 @@ from ..backend import Backend
 from ..memory import report, saved_activation_bytes, saved_bytes_per_layer
 from ..profile import copy_bandwidth
 from ..trace import Timeline
-from .bench_models import BenchShape, make_layers
+from .bench_models import BenchShape, training_data
 from .output import Progress
 
 __all__ = ["GiB", "MiB", "LR", "Inputs", "Built", "prepare", "measure",
@@ -80,13 +80,8 @@ def prepare(b: Backend, shape: BenchShape, steps: int, warmup: int, n_configs: i
             progress: bool, rounds: int = 1, accumulate: int = 1,
             set_to_none: bool = True) -> Inputs:
     """The layers, data and optimizer every configuration runs on, and the copy ceiling."""
-    dtype = shape.dtype
-    layers = make_layers(shape, b.device)
+    layers, x, gy = training_data(shape, b.device)
     params = [p for m in layers for p in m.parameters()]
-    g = torch.Generator().manual_seed(0)  # host generator: the same data on every backend
-    x = torch.randn(shape.batch, shape.seq, shape.hidden, generator=g).to(b.device, dtype)
-    x.requires_grad_()
-    gy = torch.randn(x.shape, generator=g).to(b.device, dtype)
     saved = saved_activation_bytes(layers, x)
     per_layer = saved_bytes_per_layer(layers, x)
     copy_n = min(GiB, max(MiB, saved // shape.layers))

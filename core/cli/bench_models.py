@@ -18,8 +18,8 @@ from torch.utils.checkpoint import checkpoint
 
 from .toy import Block, GPTConfig
 
-__all__ = ["BenchShape", "LlamaLayer", "CheckpointedLayer", "make_layers", "transformers_missing",
-           "MODELS_EXTRA"]
+__all__ = ["BenchShape", "LlamaLayer", "CheckpointedLayer", "make_layers", "training_data",
+           "transformers_missing", "MODELS_EXTRA"]
 
 #: the extra that brings transformers for the llama preset
 MODELS_EXTRA = "graphslot[models]"
@@ -185,3 +185,15 @@ def make_layers(shape: BenchShape, device: torch.device) -> list[nn.Module]:
             layer = llama.LlamaDecoderLayer(config, i).to(dtype=shape.dtype)
             layers.append(LlamaLayer(layer, cos, sin))
     return layers
+
+
+def training_data(shape: BenchShape, device: torch.device
+                  ) -> tuple[list[nn.Module], torch.Tensor, torch.Tensor]:
+    """The bench's layers (:func:`make_layers`), an input that wants its gradient and the
+    output's gradient, drawn from a seeded host generator: the same data on every backend."""
+    layers = make_layers(shape, device)
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(shape.batch, shape.seq, shape.hidden, generator=g).to(device, shape.dtype)
+    x.requires_grad_()
+    gy = torch.randn(x.shape, generator=g).to(device, shape.dtype)
+    return layers, x, gy
