@@ -350,6 +350,10 @@ class _Runner:
         fwd = st._new_graph()
         if self.recompute:
             self.rng = b.new_rng_stream()
+            if self.rng is None:
+                warnings.warn(f"GraphedLayers: the {b.name} backend's graphs have no random stream "
+                              "of their own: random ops (dropout) in a recomputed layer draw "
+                              "other numbers in its backward than in its forward", stacklevel=2)
         drawing = self._attach_rng(fwd)
         g.begin_capture()
         if g.offload_enabled:
@@ -559,22 +563,26 @@ class _Runner:
                     self.static_grad_out.copy_(grad)
             graph = self.bwd
             rng = self.rng
-            if rng is not None:  # the recompute draws what this microbatch's forward drew
-                rng.seek(self._rng_at.pop(mb))
-            if stack._tracing:
-                with stack._span(f"bwd {self.name}"):
+            at = self._rng_at.pop(mb, None)
+            if rng is not None and at is not None:  # the recompute draws what this
+                rng.seek(at)  # microbatch's forward drew
+            try:
+                if stack._tracing:
+                    with stack._span(f"bwd {self.name}"):
+                        graph.replay()
+                    if stack.probe is not None:
+                        stack.probe(f"B{self.layers[0]}")
+                else:
                     graph.replay()
-                if stack.probe is not None:
-                    stack.probe(f"B{self.layers[0]}")
-            else:
-                graph.replay()
-            if rng is not None:  # and the next forward draws fresh numbers
-                rng.seek(self._rng_next)
+            finally:
+                if rng is not None:  # and the next forward draws fresh numbers
+                    rng.seek(self._rng_next)
             out = self._grads_out()
             lent = [pg for pg in self.grads if pg is not None and not pg.copy]
             if lent:
                 stack._lent[self.index] = lent
         self.pending.discard(mb)
+        self._rng_at.pop(mb, None)  # (a runner without a backward graph draws nothing back)
         eng.consumed(t)
         # Look-ahead: the next offloaded layer's reload runs under this backward graph
         # (and under every graph up to it, when offloaded layers are spread out). Queued
@@ -663,12 +671,11 @@ class _LayerFunction(torch.autograd.Function):
             # The first layer's node outlives the others: when it dies without a backward
             # (the output was dropped), the stack gives back what the microbatch holds.
             weakref.finalize(ctx, runner.stack._abandoned.append, mb).atexit = False
-            if x.requires_grad and (x.is_leaf or x.retains_grad):
+            if x.requires_grad and x.is_leaf:
                 # autograd keeps the input's gradient as ``x.grad``: the stack looks there
                 # before a replay overwrites the buffer it lent (see _give_back)
                 runner.stack._hold_input(x)
-            # a hook may keep what it is handed where nobody finds it again: a copy
-            ctx.input_hooked = bool(x._backward_hooks)
+            ctx.input = weakref.ref(x)
         # The last layer's output goes to the caller, who may keep it across the next
         # forward; inside the stack the next layer reads the buffer itself.
         return out.clone() if runner.stack._runners[-1] is runner else out.detach()
@@ -677,8 +684,10 @@ class _LayerFunction(torch.autograd.Function):
     def backward(ctx: Any, grad: torch.Tensor) -> Any:
         grads = ctx.runner.backward(grad, ctx.mb)
         gin = grads[0]
-        if getattr(ctx, "input_hooked", False) and gin is not None \
+        x = ctx.input() if hasattr(ctx, "input") else None
+        if x is not None and x._backward_hooks and gin is not None \
                 and gin.data_ptr() == ctx.runner.grad_in.data_ptr():
+            # a hook may keep what it is handed where nobody finds it again: a copy
             grads = (gin.clone(), *grads[1:])
         return (None, None, *grads)
 
@@ -1191,8 +1200,11 @@ class GraphedLayers(nn.Module):
     def _hold_input(self, x: torch.Tensor) -> None:
         holders = self._input_holders
         key = id(x)
-        if key not in holders:  # (gone from here as x goes)
-            holders[key] = weakref.ref(x, lambda _r, key=key: holders.pop(key, None))
+        if key not in holders:
+            def gone(_ref: weakref.ref[torch.Tensor]) -> None:
+                holders.pop(key, None)
+
+            holders[key] = weakref.ref(x, gone)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self._closed:
@@ -1237,6 +1249,7 @@ class GraphedLayers(nn.Module):
         eng = self.engine
         for r in self._runners:
             r.pending.discard(mb)
+            r._rng_at.pop(mb, None)
             if not eng.closed:
                 t = eng.find(r.group, mb)
                 if t is not None:
@@ -1269,6 +1282,8 @@ class GraphedLayers(nn.Module):
         self._finalizer.detach()
         self.engine.close()
         self._warmup_stream = None
+        for r in self._runners:
+            r._rng_at.clear()
 
     def __enter__(self) -> GraphedLayers:
         return self

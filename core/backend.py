@@ -887,19 +887,21 @@ class Backend(abc.ABC):
                 "peak_allocated_bytes": None, "graph_pool_reserved_bytes": None,
                 "graph_pool_allocated_bytes": None}
 
+    _rng_streams_made = 0  #: (per backend object once it makes one: see _rng_stream_seed)
+
     def new_rng_stream(self) -> RngStream | None:
         """A random stream of graphs' own (:class:`RngStream`), seeded from the framework's
-        seed; None where this backend has none (a recomputed layer's random ops then draw
-        other numbers than its forward did)."""
+        seed as it is when the stream is made (a later ``torch.manual_seed`` leaves it be);
+        None where this backend has none (a recomputed layer's random ops then draw other
+        numbers than its forward did)."""
         return None
 
     def _rng_stream_seed(self, initial_seed: int) -> int:
         """The seed of this backend's next :class:`RngStream`: the framework's seed moved
         on by a count of the streams made, so no two streams draw alike, and a run seeded
         alike makes the same ones."""
-        k = self.__dict__.get("_rng_streams_made", 0) + 1
-        self.__dict__["_rng_streams_made"] = k
-        return (initial_seed + 0x9E3779B97F4A7C15 * k) % (1 << 63)
+        self._rng_streams_made += 1
+        return (initial_seed + 0x9E3779B97F4A7C15 * self._rng_streams_made) % (1 << 63)
 
     #: whether :meth:`make_graphed_callables` exists here (the framework's own, for comparison)
     has_graphed_callables: bool = False

@@ -116,8 +116,9 @@ class StackProfile:
         granularity: the device's VMM granularity (banks are whole granules).
         section_bytes: slots move in sections of at most this many bytes.
         d2d_gbps: device to device copy bandwidth, GB/s of bytes copied (None: free). A
-            layer that offloads copies what it saves into its slot as its forward runs,
-            which lengthens that forward by its slot's bytes at this rate.
+            layer with a slot (an offloaded one, or a recomputed one whose input goes to
+            the host) copies into it as its forward runs, which lengthens that forward by
+            its slot's bytes at this rate.
     """
 
     layers: tuple[LayerCost, ...]

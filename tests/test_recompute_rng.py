@@ -76,3 +76,21 @@ def test_two_recomputed_layers_draw_different_numbers(clean):
         m0, m1 = out0 == 0, (out1 == 0) & (out0 != 0)
         assert m0.any() and m1.any()
         assert not torch.equal(out0 == 0, out1 == 0)
+
+
+def test_forwards_without_a_backward_leave_no_stream_positions_behind(clean):
+    """A forward whose output is dropped (validation with grad enabled) is abandoned: its
+    recorded stream position goes with it, and close() forgets the rest."""
+    b = clean
+    layers = _layers(b)
+    x = torch.rand(8, 256, device=b.device) + 0.5
+    stack = GraphedLayers(layers, x.clone().requires_grad_(), mode="off", recompute_layers=[0, 1],
+                          layers_per_graph=1, backend=b)
+    for _ in range(5):
+        stack(x.clone().requires_grad_())  # dropped: no backward
+    y = stack(x.clone().requires_grad_())
+    y.sum().backward()
+    assert all(len(r._rng_at) == 0 for r in stack._runners)
+    stack(x.clone().requires_grad_())
+    stack.close()
+    assert all(len(r._rng_at) == 0 for r in stack._runners)

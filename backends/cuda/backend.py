@@ -181,7 +181,8 @@ class CudaBackend(Backend, RegionGraphBackend):
         from .rng import CudaRngStream
 
         index = self.device.index if self.device.index is not None else torch.cuda.current_device()
-        return CudaRngStream(index, self._rng_stream_seed(torch.cuda.initial_seed()))
+        seed = torch.cuda.default_generators[index].initial_seed()
+        return CudaRngStream(index, self._rng_stream_seed(seed))
 
     def new_graph(self, share_pool_with: DeviceGraph | None = None,
                   pool_region: tuple[int, int] | None = None) -> DeviceGraph:

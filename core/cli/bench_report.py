@@ -120,7 +120,8 @@ def planned_figures(out: dict[str, Any], graph: dict[str, float] | None) -> None
 
     Args:
         out: the report.
-        graph: the graph configuration's ``fwd_ms`` and ``bwd_ms`` (None: it did not run).
+        graph: the graph configuration's ``fwd_ms``, ``bwd_ms`` (from its timed step) and
+            ``step_ms`` (the median step; None: it did not run).
     """
     copy = out.get("copy") or {}
     configs = out["configs"]
@@ -276,7 +277,7 @@ def render_table(r: dict[str, Any]) -> str:
                       "added; last column: the fastest peer whose peak fits, and step / its step)",
                   table(planned, ("config", "plan", "budget", "peak dev", "predicted", "fits",
                                   "step ms", "predicted", "LB plan", "step/LB", "LB run",
-                                  "step/LB run", "step/(LB+rest)", "peer in budget"), "llrrrlrrrrrrrl")]
+                                  "step/LB run", "step/(LB run+rest)", "peer in budget"), "llrrrlrrrrrrrl")]
     warned = [f"{name} warned: {w}" for name, c in r["configs"].items() for w in c.get("warnings", ())]
     return "\n".join([*parts, *skipped, *warned])
 
