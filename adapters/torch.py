@@ -76,7 +76,7 @@ from graphslot.backend import Backend, DeviceGraph, RngStream
 from graphslot.budget import (OFFLOAD, RECOMPUTE, BudgetPlan, StackProfile, banks_bytes,
                               parse_budget, plan_budget)
 from graphslot.errors import CaptureMismatchError, StateError, UsageError
-from graphslot.memory import saved_bytes_per_layer
+from graphslot.memory import saved_bytes_per_layer, settle
 from graphslot.offload import (SECTION_BYTES, Mode, OffloadEngine, OffloadGroup, never_offloaded,
                                recording_saved_tensors, state_storages)
 from graphslot.profile import copy_bandwidth, held_bytes, profile_units
@@ -171,7 +171,7 @@ class _ParamGrad:
     """One parameter's gradient buffer in a layer's backward graphs (``param`` None: the
     stack's input gradient, the first layer's buffer)."""
 
-    __slots__ = ("param", "buf", "ptr", "storage", "base_refs", "copy")
+    __slots__ = ("param", "buf", "ptr", "storage", "base_refs", "copy", "holder")
 
     def __init__(self, param: nn.Parameter | None, buf: torch.Tensor, copy: bool) -> None:
         self.param = param
@@ -182,16 +182,23 @@ class _ParamGrad:
         #: hand out a copy, never the buffer: shared parameters, hooked ones, and those
         #: whose earlier gradient somebody kept
         self.copy = copy
+        #: the stack's input the buffer was last lent to as its ``.grad`` (input gradient only)
+        self.holder: weakref.ref[torch.Tensor] | None = None
 
     def settle(self) -> None:
         """After the build: count the references graphslot itself holds to the buffer."""
         if _use_count is not None:
             self.base_refs = _use_count(self.storage)
 
+    def grad(self) -> torch.Tensor | None:
+        """The ``.grad`` the buffer was handed to: its parameter's, or the stack input's."""
+        if self.param is not None:
+            return self.param.grad
+        x = self.holder() if self.holder is not None else None
+        return None if x is None else x.grad
+
     def aliased(self) -> bool:
-        if self.param is None:  # the stack's input gradient: no .grad of ours to look at
-            return False
-        g = self.param.grad
+        g = self.grad()
         return g is not None and g.data_ptr() == self.ptr
 
     def others_hold(self) -> bool:
@@ -272,7 +279,6 @@ class _Runner:
         # where each microbatch's forward drew before its backward graph draws it again.
         self.rng: RngStream | None = None
         self._rng_at: dict[int, Any] = {}  # microbatch -> the stream before its forward
-        self._rng_next: Any = None  # the stream after the newest forward
 
     # -- build ---------------------------------------------------------------------------
 
@@ -498,9 +504,8 @@ class _Runner:
         if x.data_ptr() != self.static_in.data_ptr():
             with torch.no_grad():
                 self.static_in.copy_(x)
-        rng = self.rng
-        if rng is not None and training:
-            self._rng_at[mb] = rng.position()
+        if self.rng is not None and training:
+            self._rng_at[mb] = self.rng.position()
         if stack._tracing:
             with stack._span(f"fwd {self.name}"):
                 self.fwd.replay()
@@ -508,8 +513,6 @@ class _Runner:
                 stack.probe(f"F{self.layers[-1]}")
         else:
             self.fwd.replay()
-        if rng is not None:
-            self._rng_next = rng.position()
         if training:
             eng.after_forward(ticket)
         else:
@@ -518,23 +521,27 @@ class _Runner:
             self.pending.add(mb)
         return self.static_out
 
-    def backward(self, grad: torch.Tensor, mb: int) -> tuple[torch.Tensor | None, ...]:
+    def backward(self, grad: torch.Tensor, mb: int, input_ref: weakref.ref[torch.Tensor] | None = None
+                 ) -> tuple[torch.Tensor | None, ...]:
+        """Replay microbatch ``mb``'s backward; ``input_ref``: the stack's input (the first
+        layer's), whose gradient the returned input gradient becomes."""
         stack = self.stack
         if stack._closed:
             raise StateError(f"{self.label}: backward of microbatch {mb} after close(); "
                              "close() abandoned the forward it belonged to")
         stack._enter()
         try:
-            return self._backward(grad, mb)
+            return self._backward(grad, mb, input_ref)
         finally:
             stack._leave()
 
-    def _backward(self, grad: torch.Tensor, mb: int) -> tuple[torch.Tensor | None, ...]:
+    def _backward(self, grad: torch.Tensor, mb: int, input_ref: weakref.ref[torch.Tensor] | None
+                  ) -> tuple[torch.Tensor | None, ...]:
         stack = self.stack
         # A backward pass is one unit for close(): from its first layer to the stack's first.
         stack._in_backward.add(mb)
         try:
-            out = self._replay_backward(grad, mb)
+            out = self._replay_backward(grad, mb, input_ref)
         except BaseException:
             stack._in_backward.discard(mb)
             raise
@@ -542,7 +549,8 @@ class _Runner:
             stack._in_backward.discard(mb)
         return out
 
-    def _replay_backward(self, grad: torch.Tensor, mb: int) -> tuple[torch.Tensor | None, ...]:
+    def _replay_backward(self, grad: torch.Tensor, mb: int, input_ref: weakref.ref[torch.Tensor] | None
+                         ) -> tuple[torch.Tensor | None, ...]:
         stack, eng = self.stack, self.stack.engine
         if mb not in self.pending:
             raise StateError(
@@ -557,15 +565,16 @@ class _Runner:
         t = eng.ticket(self.group, mb)
         eng.wait_restored(t)
         out: list[torch.Tensor | None] = [None] * len(self.params)
+        at = self._rng_at.pop(mb, None)  # (a runner without a backward graph draws nothing back)
         if self.bwd is not None:
             if grad.data_ptr() != self.static_grad_out.data_ptr():
                 with torch.no_grad():
                     self.static_grad_out.copy_(grad)
             graph = self.bwd
-            rng = self.rng
-            at = self._rng_at.pop(mb, None)
-            if rng is not None and at is not None:  # the recompute draws what this
-                rng.seek(at)  # microbatch's forward drew
+            rng = self.rng if at is not None else None
+            if rng is not None:  # the recompute draws what this microbatch's forward drew,
+                newest = rng.position()  # and the next forward goes on from the newest one
+                rng.seek(at)
             try:
                 if stack._tracing:
                     with stack._span(f"bwd {self.name}"):
@@ -575,14 +584,13 @@ class _Runner:
                 else:
                     graph.replay()
             finally:
-                if rng is not None:  # and the next forward draws fresh numbers
-                    rng.seek(self._rng_next)
+                if rng is not None:
+                    rng.seek(newest)
             out = self._grads_out()
             lent = [pg for pg in self.grads if pg is not None and not pg.copy]
             if lent:
                 stack._lent[self.index] = lent
         self.pending.discard(mb)
-        self._rng_at.pop(mb, None)  # (a runner without a backward graph draws nothing back)
         eng.consumed(t)
         # Look-ahead: the next offloaded layer's reload runs under this backward graph
         # (and under every graph up to it, when offloaded layers are spread out). Queued
@@ -595,7 +603,7 @@ class _Runner:
         gin = self.grad_in
         if gin is not None:
             if self.first:
-                gin = stack._lend_input_grad(gin)
+                gin = stack._lend_input_grad(gin, input_ref)
             elif len(stack._runners[self.index - 1].pending) > 1:
                 gin = gin.clone()  # another microbatch of the layer below may run in between
             else:
@@ -627,12 +635,11 @@ class _Runner:
         ``.grad`` under accumulation, or a kept reference) gets bytes of its own first."""
         if _use_count is not None and _use_count(pg.storage) <= pg.base_refs:
             return  # nobody kept it: the usual case after zero_grad(set_to_none=True)
-        if pg.aliased():
+        g = pg.grad()
+        if g is not None and g.data_ptr() == pg.ptr:
             # The same tensor object keeps its identity (references to it stay good) and
             # gets its own bytes; autograd then adds the next gradient into it, as eagerly.
-            assert pg.param is not None  # (aliased() says so)
-            g = pg.param.grad
-            g.data = g.clone()  # type: ignore[union-attr]
+            g.data = g.clone()
         if pg.others_hold():
             self._move_out(pg)
 
@@ -671,24 +678,14 @@ class _LayerFunction(torch.autograd.Function):
             # The first layer's node outlives the others: when it dies without a backward
             # (the output was dropped), the stack gives back what the microbatch holds.
             weakref.finalize(ctx, runner.stack._abandoned.append, mb).atexit = False
-            if x.requires_grad and x.is_leaf:
-                # autograd keeps the input's gradient as ``x.grad``: the stack looks there
-                # before a replay overwrites the buffer it lent (see _give_back)
-                runner.stack._hold_input(x)
-            ctx.input = weakref.ref(x)
+            ctx.input = weakref.ref(x) if x.requires_grad else None
         # The last layer's output goes to the caller, who may keep it across the next
         # forward; inside the stack the next layer reads the buffer itself.
         return out.clone() if runner.stack._runners[-1] is runner else out.detach()
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> Any:
-        grads = ctx.runner.backward(grad, ctx.mb)
-        gin = grads[0]
-        x = ctx.input() if hasattr(ctx, "input") else None
-        if x is not None and x._backward_hooks and gin is not None \
-                and gin.data_ptr() == ctx.runner.grad_in.data_ptr():
-            # a hook may keep what it is handed where nobody finds it again: a copy
-            grads = (gin.clone(), *grads[1:])
+        grads = ctx.runner.backward(grad, ctx.mb, getattr(ctx, "input", None))
         return (None, None, *grads)
 
 
@@ -887,8 +884,6 @@ class GraphedLayers(nn.Module):
         self._lent: dict[int, list[_ParamGrad]] = {}  # by layer
         #: the first layer's input gradient buffer, lent as the stack's input gradient
         self._input_grad: _ParamGrad | None = None
-        #: inputs that keep their gradient (leaves, retain_grad()), while they live
-        self._input_holders: dict[int, weakref.ref[torch.Tensor]] = {}
         self._lock = threading.Condition()
         self._users = 0  # forwards and backwards under way (close() waits for them)
         self._in_backward: set[int] = set()  # microbatches whose backward pass has begun
@@ -938,9 +933,7 @@ class GraphedLayers(nn.Module):
         self._pool_owner = None
         self._lent.clear()
         self._input_grad = None
-        gc.collect()
-        self.backend.synchronize()
-        self.backend.empty_cache()
+        settle(self.backend)
 
     def _make_planned(self, budget: int | str, modes: tuple[str, ...], layers_per_graph: int | None,
                       saved: list[int] | None, sample: torch.Tensor, section_bytes: int) -> None:
@@ -961,9 +954,7 @@ class GraphedLayers(nn.Module):
             # (in a mode that offloads, a recomputed layer's input goes to the host too)
             offloaded = set(self.plan.layers(OFFLOAD)) | (recomputed if plan.mode != "off" else set())
             self._make(Mode(plan.mode), offloaded, recomputed, layers_per_graph, saved, sample)
-            b.synchronize()
-            gc.collect()
-            b.empty_cache()
+            settle(b)
             held = held_bytes(b)
             if held is None:
                 return  # the allocator cannot tell: the model's figure stands
@@ -995,9 +986,7 @@ class GraphedLayers(nn.Module):
         costs = profile_units(b, mods, sample)
         probe = min(max(c.saved_bytes for c in costs), 256 << 20) or (1 << 20)
         bw = copy_bandwidth(b, probe, reps=3)
-        b.synchronize()
-        gc.collect()
-        b.empty_cache()
+        settle(b)
         # What the step holds whatever the plan: what the process holds now, and the
         # step's tensors outside the graphs (the output the caller gets, its gradient and
         # the stack's input gradient); the gradients, boundary buffers and the graphs'
@@ -1079,13 +1068,19 @@ class GraphedLayers(nn.Module):
             buf.copy_(like.detach())
         return buf
 
-    def _lend_input_grad(self, buf: torch.Tensor) -> torch.Tensor:
+    def _lend_input_grad(self, buf: torch.Tensor, input_ref: weakref.ref[torch.Tensor] | None
+                         ) -> torch.Tensor:
         """The stack's input gradient: the first layer's gradient buffer itself, lent as
         parameter gradients are (no copy). Before any replay that could overwrite the
-        buffer, whoever still holds it gets bytes of its own (see :meth:`_give_back`)."""
+        buffer, whoever still holds it gets bytes of its own (see :meth:`_give_back`): a
+        leaf input keeps it as ``.grad`` (``pg.holder``); an input with hooks, which may
+        keep it where nobody finds it again, gets a copy."""
         pg = self._input_grad
-        if pg is None or pg.copy:
+        x = input_ref() if input_ref is not None else None
+        if pg is None or pg.copy or (x is not None and x._backward_hooks):
             return buf.clone()
+        # (given back before every replay, so it is lent to one input at a time)
+        pg.holder = input_ref if x is not None and x.is_leaf else None
         lent = self._lent.setdefault(0, [])
         if pg not in lent:
             lent.append(pg)
@@ -1184,27 +1179,7 @@ class GraphedLayers(nn.Module):
         for i in [i for i in self._lent if layer is None or i <= layer]:
             runner = self._runners[i]
             for pg in self._lent.pop(i):
-                if pg.param is None:
-                    self._move_input_grads(pg)
                 runner.give_back(pg)
-
-    def _move_input_grads(self, pg: _ParamGrad) -> None:
-        """Inputs whose ``.grad`` is the lent input-gradient buffer get bytes of their own,
-        the same tensor object (references to it stay good; autograd adds into it)."""
-        for ref in list(self._input_holders.values()):
-            x = ref()
-            g = None if x is None else x.grad
-            if g is not None and g.data_ptr() == pg.ptr:
-                g.data = g.clone()
-
-    def _hold_input(self, x: torch.Tensor) -> None:
-        holders = self._input_holders
-        key = id(x)
-        if key not in holders:
-            def gone(_ref: weakref.ref[torch.Tensor]) -> None:
-                holders.pop(key, None)
-
-            holders[key] = weakref.ref(x, gone)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self._closed:

@@ -3,7 +3,7 @@ on the device, offload them to the host, or recompute them in the backward, so t
 step is as fast as the budget allows.
 
 Device neutral: it plans from a :class:`StackProfile` (what each layer costs, measured by
-:func:`graphslot.profile.profile_stack` or given by hand) and knows nothing of tensors.
+:func:`graphslot.profile.profile_units` or given by hand) and knows nothing of tensors.
 
 The model behind it:
 

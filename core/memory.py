@@ -38,6 +38,7 @@ from .errors import UsageError
 from .offload import SavedTensorSpec, never_offloaded, recording_saved_tensors, state_storages
 
 __all__ = ["MemoryReport", "report", "measure", "settle", "used_bytes", "saved_activation_bytes",
+           "run_counting_saved",
            "saved_bytes_per_layer"]
 
 
@@ -177,6 +178,25 @@ def _recording_spans(device_type: str, state: set[int], spans: dict[int, tuple[i
     return record
 
 
+def run_counting_saved(fn: Callable[[], Any], device_type: str,
+                       modules: Sequence[torch.nn.Module]) -> tuple[Any, int]:
+    """Run ``fn`` and count what autograd saves for backward meanwhile.
+
+    Args:
+        fn: the work (a forward).
+        device_type: count tensors on this device type.
+        modules: their parameters and buffers are not counted.
+
+    Returns:
+        ``fn``'s result and the bytes saved (views of one storage count once).
+    """
+    spans: dict[int, tuple[int, int]] = {}
+    with recording_saved_tensors(_recording_spans(device_type, state_storages(modules), spans)):
+        out = fn()
+    # A tensor saved twice, or several views of one buffer, cost their storage once.
+    return out, sum(b - a for a, b in spans.values())
+
+
 def saved_activation_bytes(layers: Sequence[torch.nn.Module], x: torch.Tensor) -> int:
     """What stays on the device between forward and backward without offload.
 
@@ -188,14 +208,12 @@ def saved_activation_bytes(layers: Sequence[torch.nn.Module], x: torch.Tensor) -
         Bytes of activations autograd saves on ``x``'s device for one forward through
         ``layers`` (parameters and buffers excluded; views of one storage count once).
     """
-    spans: dict[int, tuple[int, int]] = {}
-    with recording_saved_tensors(_recording_spans(x.device.type, state_storages(layers), spans)):
+    def forward() -> None:
         h = x
         for m in layers:
             h = m(h)
-    del h
-    # A tensor saved twice, or several views of one buffer, cost their storage once.
-    return sum(b - a for a, b in spans.values())
+
+    return run_counting_saved(forward, x.device.type, layers)[1]
 
 
 def saved_bytes_per_layer(layers: Sequence[torch.nn.Module], x: torch.Tensor) -> list[int]:
@@ -209,13 +227,11 @@ def saved_bytes_per_layer(layers: Sequence[torch.nn.Module], x: torch.Tensor) ->
     out: list[int] = []
     h = x
     for i, m in enumerate(layers):
-        spans: dict[int, tuple[int, int]] = {}
-        with recording_saved_tensors(_recording_spans(x.device.type, state_storages([m]), spans)):
-            y = m(h)
+        y, saved = run_counting_saved(lambda: m(h), x.device.type, [m])
         if not isinstance(y, torch.Tensor):
             raise UsageError(f"layer {i} returned {type(y).__name__}; graphed layers must "
                              "return one tensor")
-        out.append(sum(b - a for a, b in spans.values()))
+        out.append(saved)
         h = y.detach().requires_grad_(h.requires_grad or y.requires_grad)
         del y
     return out

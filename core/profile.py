@@ -1,6 +1,6 @@
 """Measuring what a layer stack costs, for the budget planner (:mod:`graphslot.budget`).
 
-:func:`profile_stack` runs each unit (a layer, or a run of joined layers) eagerly on the
+:func:`profile_units` runs each unit (a layer, or a run of joined layers) eagerly on the
 device: its forward and backward time from device events, what its forward saves for
 backward, the working memory its backward needs beyond that, and the copy bandwidth to
 and from pinned host memory. It costs a couple of eager steps of the stack, one unit's
@@ -9,7 +9,6 @@ activations at a time, and leaves nothing behind but cached allocator blocks (re
 
 from __future__ import annotations
 
-import contextlib
 import statistics
 import time
 from typing import Sequence
@@ -19,13 +18,9 @@ import torch
 from .backend import Backend
 from .budget import LayerCost
 from .errors import UsageError
-from .memory import _recording_spans
-from .offload import recording_saved_tensors, state_storages
+from .memory import run_counting_saved
 
 __all__ = ["copy_bandwidth", "profile_units", "held_bytes"]
-
-GiB, MiB = 1 << 30, 1 << 20
-
 
 def copy_bandwidth(b: Backend, nbytes: int, reps: int = 5) -> dict[str, float]:
     """GB/s device to pinned host (``d2h_gbps``), pinned host to device (``h2d_gbps``),
@@ -86,40 +81,36 @@ def profile_units(b: Backend, units: Sequence[torch.nn.Module], sample: torch.Te
     costs: list[LayerCost] = []
     x = sample.detach().requires_grad_(sample.requires_grad)
     seen: set[int] = set()  # parameters counted already (a tied one has one gradient)
-    sees_peak = b.allocator_stats()["allocated_bytes"] is not None
+    sees_peak = b.allocator_stats()["peak_allocated_bytes"] is not None
     for k, m in enumerate(units):
         params = [p for p in m.parameters() if p.requires_grad]
         inputs = ([x] if x.requires_grad else []) + params
+        grad_bytes = sum(p.numel() * p.element_size() for p in params)
+        # A first, untimed forward counts what it saves (and warms the unit up).
+        y, saved = run_counting_saved(lambda: m(x), x.device.type, [m])
+        if not isinstance(y, torch.Tensor):
+            raise UsageError(f"layer {k} returned {type(y).__name__}; graphed layers must "
+                             "return one tensor")
+        del y
         fwd_ms, bwd_ms = [], []
-        saved = work = 0
-        for it in range(iters + 1):
-            spans: dict[int, tuple[int, int]] = {}
+        work = 0
+        for _ in range(iters):
             b.synchronize()
-            start = b.allocator_stats(reset_peak=True)["allocated_bytes"]
+            b.allocator_stats(reset_peak=True)
             with b.timed() as tf:
-                with recording_saved_tensors(_recording_spans(
-                        x.device.type, state_storages([m]), spans)) if it == 0 else contextlib.nullcontext():
-                    y = m(x)
-            if not isinstance(y, torch.Tensor):
-                raise UsageError(f"layer {k} returned {type(y).__name__}; graphed layers must "
-                                 "return one tensor")
-            if it == 0:
-                saved = sum(hi - lo for lo, hi in spans.values())
-                del y
-                continue  # (the recording pass keeps nothing: it measures bytes, not time)
+                y = m(x)
             gy = torch.ones_like(y)
             after_fwd = b.allocator_stats()["allocated_bytes"]
             with b.timed() as tb:
                 if inputs and y.requires_grad:
                     grads = torch.autograd.grad(y, inputs, gy, allow_unused=True)
                     del grads
-            peak = b.allocator_stats()["peak_allocated_bytes"] if sees_peak else None
             fwd_ms.append(tf["device_ms"])
             bwd_ms.append(tb["device_ms"])
-            if sees_peak and peak is not None and start is not None and after_fwd is not None:
+            peak = b.allocator_stats()["peak_allocated_bytes"]
+            if peak is not None and after_fwd is not None:
                 # Beyond what the forward left (its saved tensors and output) and the
                 # parameter gradients: the backward's own working memory.
-                grad_bytes = sum(p.numel() * p.element_size() for p in params)
                 work = max(work, peak - after_fwd - grad_bytes)
             out = y.detach()
             del y, gy

@@ -216,7 +216,8 @@ def _memory_step(r: Inputs, built: Built, saved_on_device: int, curve: list[tupl
         # The host allocator keeps no figure, so the cpu backend shows the driver's.
         a = b.allocator_stats()["allocated_bytes"]
         if a is None:
-            return b.mem_info()[1] - b.mem_info()[0]
+            free, total = b.mem_info()
+            return total - free
         return a + b.ledger.allocated_bytes
 
     def probe(label: str) -> None:
