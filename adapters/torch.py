@@ -792,8 +792,9 @@ class GraphedLayers(nn.Module):
             measures its layers (:mod:`graphslot.profile`) and plans each graph's layers
             kept, offloaded or recomputed (:func:`graphslot.budget.plan_budget`), then
             checks what its build holds against the budget and plans again when the
-            graphs hold more than predicted. ``plan`` says what was chosen. Not with
-            ``offload_layers`` or ``recompute_layers``.
+            graphs hold more than predicted. ``plan`` says what was chosen. What the
+            step makes outside the stack after the build (the loss, the output's
+            gradient) comes on top. Not with ``offload_layers`` or ``recompute_layers``.
         layers_per_graph: how many consecutive layers each device graph covers. ``None``
             (the default) joins consecutive layers while what their forwards save for
             backward stays within :data:`JOIN_BYTES` together, so a stack of small layers
@@ -959,12 +960,11 @@ class GraphedLayers(nn.Module):
             if held is None:
                 return  # the allocator cannot tell: the model's figure stands
             # What the step adds to what the build holds: the banks it has not mapped now
-            # (remap maps them only while a pass runs), and the stack's output and input
-            # gradient outside the graphs.
+            # (remap maps them only while a pass runs), and the copy of the output the
+            # caller gets, as far as the allocator needs memory for it.
             banks = banks_bytes(profile, plan.choices, plan.mode)
             unmapped = max(0, banks - (b.ledger.mapped_bytes - mapped_before))
-            extra = 2 * self._runners[-1].static_out.untyped_storage().nbytes()
-            measured = held + unmapped + extra
+            measured = held + unmapped + self._output_copy_bytes(held)
             self.plan = replace(self.plan, predicted_peak_bytes=measured)
             over = measured - plan.predicted_peak_bytes
             if limit is None or measured <= limit or attempt == 2 or over <= 0:
@@ -977,6 +977,16 @@ class GraphedLayers(nn.Module):
             profile = replace(profile, fixed_bytes=profile.fixed_bytes + over)
             self._unmake()
 
+    def _output_copy_bytes(self, held: int) -> int:
+        """What the caller's copy of the stack's output adds to ``held`` (what the process
+        holds after the build): allocated once here and measured, since it often fits in
+        memory the allocator holds already. The output's gradient and the loss are the
+        caller's, made as the caller makes them (a preallocated gradient is in ``held``)."""
+        probe = torch.empty_like(self._runners[-1].static_out)
+        grown = held_bytes(self.backend)
+        del probe
+        return 0 if grown is None else max(0, grown - held)
+
     def _profile(self, units: tuple[tuple[int, ...], ...], sample: torch.Tensor,
                  section_bytes: int) -> StackProfile:
         """What each graph's layers cost, measured eagerly (:mod:`graphslot.profile`)."""
@@ -988,13 +998,13 @@ class GraphedLayers(nn.Module):
         bw = copy_bandwidth(b, probe, reps=3)
         settle(b)
         # What the step holds whatever the plan: what the process holds now, and the
-        # step's tensors outside the graphs (the output the caller gets, its gradient and
-        # the stack's input gradient); the gradients, boundary buffers and the graphs'
-        # pool depend on the plan.
+        # step's tensors outside the graphs (the output the caller gets and the stack's
+        # input gradient; the output's gradient is the caller's, as its loss is); the
+        # gradients, boundary buffers and the graphs' pool depend on the plan.
         held = held_bytes(b)
         if held is None:  # no allocator figures: what the process holds, where it can tell
             held = b.footprint_bytes() or 0
-        fixed = held + 3 * costs[-1].input_bytes
+        fixed = held + 2 * costs[-1].input_bytes
         return StackProfile(tuple(costs), bw["d2h_gbps"], bw["h2d_gbps"], fixed_bytes=fixed,
                             granularity=b.granularity, section_bytes=section_bytes,
                             d2d_gbps=bw.get("d2d_gbps"))
