@@ -62,6 +62,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import gc
+import sys
 import threading
 import warnings
 import weakref
@@ -209,33 +210,149 @@ class _ParamGrad:
         return _use_count(self.storage) > self.base_refs + extra
 
 
-def _backward_into(main_grads: Sequence[torch.Tensor], out: torch.Tensor,
+class _GradHome:
+    """A parameter's gradient storage outside the graphs' pool, at one address for good:
+    the backward graph adds the parameter's gradient into it (``home.add_(grad)``), and
+    ``.grad`` is the home itself, so a kept or accumulated ``.grad`` is the only copy.
+
+    Used where no layer keeps activations in the pool (every layer offloads or
+    recomputes): there pool gradient buffers would overlap nothing, so the home costs no
+    memory with ``zero_grad()`` and saves a whole copy of the gradients without.
+
+    Before each backward replay :meth:`prepare` makes the home hold what the graph must
+    add to: ``.grad`` itself when it is the home; ``-0.0`` (``-0.0 + g`` is ``g`` bit
+    for bit, negative zeros included) when ``.grad`` is None, the earlier home first
+    given to whoever kept it; a copy of a ``.grad`` the user assigned (it receives the
+    sum after). Where this backward does not accumulate into ``.grad``
+    (``torch.autograd.grad``, ``backward(inputs=...)`` without the parameter) or a
+    tensor hook must see the gradient, the home is set aside for the replay and the
+    gradient goes back to autograd as a tensor of its own."""
+
+    __slots__ = ("param", "home", "node", "base_pyrefs", "base_refs", "_user", "_saved")
+
+    def __init__(self, param: nn.Parameter) -> None:
+        self.param = param
+        g = param.grad
+        # A .grad assigned before the build (views into one flat buffer, as DDP's
+        # gradient_as_bucket_view makes) is the home: the graph adds into it directly.
+        fits = (g is not None and g.device == param.device and g.dtype == param.dtype
+                and g.shape == param.shape and g.stride() == param.stride())
+        self.home: torch.Tensor = g if fits else torch.empty_like(param)  # type: ignore[assignment]
+        # The parameter's gradient accumulator, held so that it stays the one autograd
+        # uses: whether a backward runs it tells whether that backward fills .grad.
+        self.node = param.view_as(param).grad_fn.next_functions[0][0]  # type: ignore[union-attr]
+        self.base_pyrefs = 0
+        self.base_refs = 0
+        self._user: torch.Tensor | None = None
+        self._saved: torch.Tensor | None = None
+
+    def settle(self) -> None:
+        """After the build: count the references graphslot itself holds to the home."""
+        self.base_pyrefs = sys.getrefcount(self.home)
+        if _use_count is not None:
+            self.base_refs = _use_count(_storage_id(self.home))
+
+    def fills_grad(self) -> bool:
+        """Will the running backward accumulate into ``.grad``, with no tensor hook between?"""
+        if self.param._backward_hooks:
+            return False
+        try:
+            return bool(torch._C._will_engine_execute_node(self.node))
+        except RuntimeError:  # torch.autograd.grad: it never fills .grad
+            return False
+
+    def prepare(self, fills: bool) -> None:
+        """Before the replay: make the home hold what the graph must add to."""
+        h = self.home
+        if not fills:
+            self._saved = h.clone()
+            h.fill_(-0.0)
+            return
+        g = self.param.grad
+        if g is None:
+            self._release_to_holders()
+            self.home.fill_(-0.0)
+        elif g.data_ptr() != h.data_ptr() or g.stride() != h.stride() or g.dtype != h.dtype:
+            h.copy_(g)
+            self._user = g
+
+    def finish(self) -> torch.Tensor | None:
+        """After the replay: the gradient for autograd (None when ``.grad`` has it)."""
+        h, p = self.home, self.param
+        if self._saved is not None:
+            grad = h.clone()
+            h.copy_(self._saved)
+            self._saved = None
+            return grad
+        if self._user is not None:
+            self._user.copy_(h)
+            self._user = None
+        elif p.grad is None:
+            p.grad = h
+        # (autograd still runs the parameter's accumulator on the None returned for it, and
+        # with it the post-accumulate-grad hooks, which then see the sum in .grad)
+        return None
+
+    def abandon(self) -> None:
+        """The replay raised: put back what :meth:`prepare` set aside."""
+        if self._saved is not None:
+            self.home.copy_(self._saved)
+        self._saved = self._user = None
+
+    def _release_to_holders(self) -> None:
+        """``.grad`` was set to None, but somebody may still hold the earlier one (the home,
+        or a view of it): give them their bytes before the graph writes the home, as eager
+        leaves an old ``.grad`` alone."""
+        h = self.home
+        held_obj = sys.getrefcount(h) > self.base_pyrefs + 1  # (+1: the local name h)
+        held_views = _use_count is not None and _use_count(_storage_id(h)) > self.base_refs
+        if not (held_obj or held_views):
+            return
+        fresh = h.detach()  # graphslot's own handle on the address from now on
+        if held_views:
+            with warnings.catch_warnings():  # isinstance() wakes deprecated module attributes
+                warnings.simplefilter("ignore")
+                held = [o for o in _tracked_objects() if isinstance(o, torch.Tensor)
+                        and o is not h and o is not fresh and o.device == h.device
+                        and o.data_ptr() >= h.data_ptr()
+                        and o.untyped_storage()._cdata == h.untyped_storage()._cdata]
+            for o in held:
+                o.data = o.clone()
+        if held_obj:
+            h.data = h.clone()
+        self.home = fresh
+        del h
+        self.settle()
+
+
+def _backward_into(targets: Sequence[torch.Tensor | None], out: torch.Tensor,
                    inputs: Sequence[torch.Tensor], grad_out: torch.Tensor | None
                    ) -> tuple[torch.Tensor | None, ...]:
     """Under capture: the backward of ``out`` with each parameter alias's gradient added into
-    its ``main_grad`` as it arrives (Megatron's ``main_grad.add_(grad)``) and dropped at once,
-    so the graphs' pool holds one parameter's gradient at a time, none after the replay.
-    ``inputs`` are the stack input (when it wants a gradient) and then the aliases, one per
-    ``main_grads`` entry. Returns what ``torch.autograd.grad`` would, parameters' as None:
-    the input gradient is the tensor autograd accumulated into the leaf (graph memory)."""
-    n_in = len(inputs) - len(main_grads)
-    leaves = list(inputs[:n_in])
+    its target as it arrives (Megatron's ``main_grad.add_(grad)``) and dropped at once, so
+    the graphs' pool holds one such gradient at a time, none after the replay. ``inputs``
+    are the stack input (when it wants a gradient) and then the aliases, one per
+    ``targets`` entry (None: that gradient is returned, a buffer of the graphs' pool).
+    Returns what ``torch.autograd.grad`` would, added ones as None."""
+    n_in = len(inputs) - len(targets)
+    kept = list(inputs[:n_in]) + [a for a, t in zip(inputs[n_in:], targets) if t is None]
 
-    def into(mg: torch.Tensor, alias: torch.Tensor) -> None:
-        mg.add_(alias.grad)  # type: ignore[arg-type]  # (the hook runs once it is set)
+    def into(target: torch.Tensor, alias: torch.Tensor) -> None:
+        target.add_(alias.grad)  # type: ignore[arg-type]  # (the hook runs once it is set)
         alias.grad = None
 
-    handles = [a.register_post_accumulate_grad_hook(lambda a, mg=mg: into(mg, a))
-               for a, mg in zip(inputs[n_in:], main_grads)]
+    handles = [a.register_post_accumulate_grad_hook(lambda a, t=t: into(t, a))
+               for a, t in zip(inputs[n_in:], targets) if t is not None]
     try:
         torch.autograd.backward(out, grad_out, inputs=list(inputs))
     finally:
         for h in handles:
             h.remove()
-    grads = tuple(x.grad for x in leaves)
-    for x in leaves:
+    got = {id(x): x.grad for x in kept}
+    for x in kept:
         x.grad = None
-    return grads + (None,) * len(main_grads)
+    return tuple(got.get(id(x)) for x in inputs[:n_in]) + tuple(
+        None if t is not None else got[id(a)] for a, t in zip(inputs[n_in:], targets))
 
 
 class _Runner:
@@ -256,6 +373,9 @@ class _Runner:
         #: with ``main_grad=True``: each parameter's main_grad, which the backward graph adds into
         self.main_grads: list[torch.Tensor] | None = (
             [getattr(p, "main_grad") for p in self.params] if stack.main_grad else None)
+        #: where no layer keeps activations in the pool: each parameter's gradient home the
+        #: backward graph adds into (None for one that stays with a pool buffer)
+        self.homes: list[_GradHome | None] | None = None
         # Warm-up and capture differentiate with respect to aliases of the parameters (same
         # memory, so the graphs read the very same addresses): the parameters' own tensor
         # hooks must run at each real backward, not once baked into a graph, and their
@@ -399,13 +519,21 @@ class _Runner:
         own = static_grad_out is None or static_grad_out.shape != out.shape
         if own and not differentiable:
             static_grad_out = torch.zeros_like(out)
-        main = self.main_grads
+        targets: list[torch.Tensor | None] | None = list(self.main_grads or []) or None
+        if targets is None and self.stack._grad_homes and differentiable:
+            # Shared parameters (eager adds their parts first, then into .grad) and hooked
+            # ones (the hook sees each gradient) keep a pool buffer.
+            homes = [None if id(p) in shared or p._backward_hooks else _GradHome(p)
+                     for p in self.params]
+            if any(h is not None for h in homes):
+                self.homes = homes
+                targets = [None if h is None else h.home for h in homes]
         try:
             if differentiable:
                 bwd = self.stack._new_graph()
                 # A backend whose capture runs the work (cpu) would add the capture's gradient
-                # (from whatever the static buffers hold) into main_grad: put it back after.
-                before = ([mg.clone() for mg in main] if main is not None
+                # (from whatever the static buffers hold) into the targets: put them back after.
+                before = ([None if t is None else t.clone() for t in targets] if targets is not None
                           and getattr(bwd, "executes_during_capture", False) else None)
                 drawing = self._attach_rng(bwd)
                 with bwd.capture(self.stack._warmup_stream), drawing():
@@ -415,15 +543,17 @@ class _Runner:
                         # reads it, so once captured its bytes go back to the pool (below).
                         static_grad_out = torch.empty_like(out)
                     grads: tuple[torch.Tensor | None, ...]
-                    if main is None:
+                    if targets is None:
                         grads = torch.autograd.grad(out, inputs, static_grad_out, allow_unused=True)
                     else:
-                        grads = _backward_into(main, out, inputs, static_grad_out)
+                        grads = _backward_into(targets, out, inputs, static_grad_out)
                 if before is not None:
                     with torch.no_grad():
-                        for mg, was in zip(main or [], before):
-                            mg.copy_(was)
+                        for target, was in zip(targets or [], before):
+                            if target is not None and was is not None:
+                                target.copy_(was)
                     del before
+                del targets
                 if own:
                     assert static_grad_out is not None  # (allocated in the capture)
                     view = b.return_to_pool(static_grad_out)
@@ -432,7 +562,7 @@ class _Runner:
                 self.bwd = bwd
                 grad_list = list(grads)
                 self.grad_in = grad_list.pop(0) if wants_grad_in else None
-                # (with main_grad, grad_list is all None: the graph adds into main_grad itself)
+                # (None where the graph adds into main_grad or a gradient home itself)
                 self.grads = [None if gbuf is None else _ParamGrad(p, gbuf, id(p) in shared or bool(p._backward_hooks))
                               for p, gbuf in zip(self.params, grad_list)]
                 del grads, grad_list
@@ -467,6 +597,9 @@ class _Runner:
         for pg in self.grads:
             if pg is not None:
                 pg.settle()
+        for h in self.homes or ():
+            if h is not None:
+                h.settle()
 
     # -- run -------------------------------------------------------------------------------
 
@@ -575,6 +708,10 @@ class _Runner:
             if rng is not None:  # the recompute draws what this microbatch's forward drew,
                 newest = rng.position()  # and the next forward goes on from the newest one
                 rng.seek(at)
+            homes = [h for h in self.homes or () if h is not None]
+            with torch.no_grad():
+                for h in homes:
+                    h.prepare(h.fills_grad())
             try:
                 if stack._tracing:
                     with stack._span(f"bwd {self.name}"):
@@ -583,10 +720,20 @@ class _Runner:
                         stack.probe(f"B{self.layers[0]}")
                 else:
                     graph.replay()
+            except BaseException:
+                with torch.no_grad():
+                    for h in homes:
+                        h.abandon()
+                raise
             finally:
                 if rng is not None:
                     rng.seek(newest)
             out = self._grads_out()
+            if homes:
+                with torch.no_grad():
+                    for k, h in enumerate(self.homes or ()):
+                        if h is not None:
+                            out[k] = h.finish()
             lent = [pg for pg in self.grads if pg is not None and not pg.copy]
             if lent:
                 stack._lent[self.index] = lent
@@ -845,6 +992,7 @@ class GraphedLayers(nn.Module):
         _check_sample(sample_input, self.backend)
         #: the backward graphs add into the parameters' ``main_grad`` (see ``main_grad``)
         self.main_grad = bool(main_grad)
+        self._grad_homes = False  # (decided per build, in _make)
         if self.main_grad:
             _check_main_grads(self.layers)
         n = len(self.layers)
@@ -919,6 +1067,11 @@ class GraphedLayers(nn.Module):
               layers_per_graph: int | None, saved: list[int] | None, sample: torch.Tensor) -> None:
         """Build the engine, the graphs' plan and every graph."""
         self.offload_layers, self.recompute_layers = set(offload), set(recompute)
+        # Where no layer keeps its activations in the graphs' pool, gradient buffers there
+        # would share memory with nothing: each parameter's gradient gets a home of its own
+        # that the backward graph adds into (see _GradHome), and a kept .grad costs nothing.
+        gone = self.recompute_layers | (self.offload_layers if mode is not Mode.OFF else set())
+        self._grad_homes = not self.main_grad and gone >= set(range(len(self.layers)))
         self.engine = OffloadEngine(self.backend, mode, **self._engine_args)
         self.graph_layers = plan_graphs(len(self.layers), self.offload_layers, layers_per_graph,
                                         saved, recomputed=self.recompute_layers)
@@ -1154,7 +1307,8 @@ class GraphedLayers(nn.Module):
 
     @property
     def gradient_buffers(self) -> list[torch.Tensor]:
-        """The backward graphs' parameter-gradient buffers (what ``.grad`` may alias)."""
+        """The backward graphs' parameter-gradient buffers in their pool (what ``.grad`` may
+        alias; not the gradient homes outside it)."""
         return [pg.buf for r in self._runners for pg in r.grads if pg is not None]
 
     @property

@@ -22,12 +22,15 @@
 #   llama   graphslot bench --preset llama --budgets sweep --isolate beside every peer, JSON
 #   launch  graphslot bench --preset launch --isolate --rounds 3, JSON (that preset's step
 #           times move by a third between runs), plus a device timeline of remap
+#   grads [PRESET]  eager and the three modes with zero_grad() and again with .grad kept
+#           (zero_grad(set_to_none=False)) over four accumulated microbatches: what a kept
+#           gradient costs (default preset: default; about four minutes for llama)
 #
 # Logs and results go to $OUT (the device tool brings that folder back, also when a part
 # runs out of time), so nothing is piped through a filter that a timeout would cut off;
 # a bench's JSON is the last line of its log.
 set -uo pipefail
-part=${1:?"which part: a, b, c, te, megatron_te, weakrefs, bench, launch or llama"}
+part=${1:?"which part: a, b, c, te, megatron_te, weakrefs, bench, launch, llama or grads"}
 out=${OUT:-/tmp/graphslot-gpu-check}
 mkdir -p "$out"
 cd "$(dirname "$0")/.."
@@ -102,5 +105,13 @@ PY
       --quiet --steps 5 --warmup 2 \
       --configs eager,save_on_cpu,checkpoint,torch_graphed,torch_graphed_checkpoint,graph,graph_recompute,graph_auto \
       --plot "$out/llama.png" ;;
-  *) echo "unknown part '$part': choose a, b, c, te, megatron_te, weakrefs, bench, launch or llama" >&2; exit 2 ;;
+  grads)  # a kept .grad beside zero_grad(), per mode
+    preset=${2:-default}
+    for how in "none --accumulate 1" "keep --accumulate 4"; do
+      set -- $how
+      run "grads_${preset}_$1" python3 -m graphslot.cli bench --preset "$preset" --isolate --json \
+        --quiet --steps 3 --warmup 1 --configs eager,graph,graph_resident,graph_remap \
+        --zero-grad "$@"
+    done ;;
+  *) echo "unknown part '$part': choose a, b, c, te, megatron_te, weakrefs, bench, launch, llama or grads" >&2; exit 2 ;;
 esac

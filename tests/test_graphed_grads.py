@@ -138,6 +138,31 @@ def test_grad_is_the_graph_buffer_not_a_copy(clean):
         assert bufs and {p.grad.data_ptr() for p in block_params(model)} == bufs
 
 
+@pytest.mark.parametrize("mode", ["resident", "remap"])
+@pytest.mark.parametrize("set_to_none", [True, False], ids=["set-to-none", "zero-in-place"])
+def test_where_every_layer_offloads_grad_is_one_home_for_good(clean, mode, set_to_none):
+    """No layer keeps activations in the graphs' pool: each parameter's .grad is a home of
+    its own outside it, at the same address every step (the same tensor object when
+    zeroed in place), that the backward graph adds into; the pool holds no gradient."""
+    b = clean
+    model = small(b)
+    params = block_params(model)
+    opt = torch.optim.SGD(params, lr=0.05)
+    with graphed(model, b, mode) as stack:
+        assert stack.gradient_buffers == []
+        seen: list[list[tuple[int, int]]] = []
+        for step in range(3):
+            for micro in range(2):
+                model(*model.batch(2 * step + micro, b.device)).backward()
+            seen.append([(id(p.grad), p.grad.data_ptr()) for p in params])
+            opt.step()
+            opt.zero_grad(set_to_none=set_to_none)
+        assert seen[0] == seen[1] == seen[2] if not set_to_none else \
+            [ptr for _, ptr in seen[0]] == [ptr for _, ptr in seen[2]]
+        homes = {h.home.data_ptr() for r in stack._runners for h in r.homes or () if h is not None}
+        assert {ptr for _, ptr in seen[2]} == homes and len(homes) == len(params)
+
+
 class _KeepsGrads(torch.optim.Optimizer):
     """SGD whose update uses the gradient of the step before, through the very ``.grad``
     tensors it kept (valid in eager: zero_grad(set_to_none=True) leaves them alone)."""
@@ -685,10 +710,12 @@ def _peaks(stack: nn.Module, params: list[nn.Parameter], x: torch.Tensor, b: gra
                          ids=["gradients-outweigh-activations", "activations-outweigh-gradients"])
 def test_what_a_kept_grad_costs_beside_eager(clean, depth, rows, n, heavy):
     """Memory of .grad kept (zeroed in place) or accumulated over four microbatches, against
-    zero_grad(set_to_none=True), on four layers: at most one copy of the gradients more
-    (never one per microbatch); where activations outweigh gradients that is what eager
-    pays too (its kept gradients sit beside every activation at the forward's end). With
-    main_grad=True (main_grad as .grad) keeping costs nothing: the graph adds into it."""
+    zero_grad(set_to_none=True), on four layers. In mode off (activations in the graphs'
+    pool, which the gradient buffers share) at most one copy of the gradients more (never
+    one per microbatch); where activations outweigh gradients that is what eager pays too
+    (its kept gradients sit beside every activation at the forward's end). Where every
+    layer offloads (resident), and with main_grad=True (main_grad as .grad), keeping costs
+    nothing: the backward graph adds into the one gradient storage."""
     b = clean
     if b.footprint_bytes() is None:
         pytest.skip(f"the {b.name} backend cannot tell this process's footprint")
@@ -700,8 +727,13 @@ def test_what_a_kept_grad_costs_beside_eager(clean, depth, rows, n, heavy):
     eager = _peaks(nn.Sequential(*layers), params, x, b)
     for p in params:
         p.grad = None
-    with GraphedLayers(layers, x, mode="resident", backend=b, layers_per_graph=1) as stack:
+    with GraphedLayers(layers, x, mode="off", backend=b, layers_per_graph=1) as stack:
         graph = _peaks(stack, params, x, b)
+    for p in params:
+        p.grad = None
+    with GraphedLayers(layers, x, mode="resident", backend=b, layers_per_graph=1) as stack:
+        assert stack.gradient_buffers == []  # each .grad has a home outside the pool
+        offloaded = _peaks(stack, params, x, b)
     for p in params:
         p.grad = None
         p.main_grad = torch.zeros_like(p)
@@ -714,12 +746,13 @@ def test_what_a_kept_grad_costs_beside_eager(clean, depth, rows, n, heavy):
         return {k: round((v - peaks["set_to_none"]) / 2**20, 1) for k, v in peaks.items()}
 
     print(f"gradients {grad_bytes / 2**20:.0f} MiB; MiB over set_to_none: eager {over(eager)}, "
-          f"graphed {over(graph)}, main_grad {over(main)}")
+          f"graphed off {over(graph)}, resident {over(offloaded)}, main_grad {over(main)}")
     slack = 8 << 20
     assert grad_bytes >= 2 * slack  # a copy of the gradients shows
     for name in ("kept", "accumulate4"):
         assert graph[name] - graph["set_to_none"] <= grad_bytes + slack, (name, graph)
         assert abs(main[name] - main["set_to_none"]) <= slack, (name, main)
+        assert abs(offloaded[name] - offloaded["set_to_none"]) <= slack, (name, offloaded)
     if heavy:  # activations outweigh gradients: eager pays a copy too
         assert rows * n * x.element_size() * depth * 3 >= 2 * grad_bytes
         for name in ("kept", "accumulate4"):
