@@ -731,9 +731,9 @@ class _Runner:
             out = self._grads_out()
             if homes:
                 with torch.no_grad():
-                    for k, h in enumerate(self.homes or ()):
-                        if h is not None:
-                            out[k] = h.finish()
+                    for k, home in enumerate(self.homes or ()):
+                        if home is not None:
+                            out[k] = home.finish()
             lent = [pg for pg in self.grads if pg is not None and not pg.copy]
             if lent:
                 stack._lent[self.index] = lent
