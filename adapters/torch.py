@@ -240,7 +240,9 @@ class _GradHome:
         self.home: torch.Tensor = g if fits else torch.empty_like(param)  # type: ignore[assignment]
         # The parameter's gradient accumulator, held so that it stays the one autograd
         # uses: whether a backward runs it tells whether that backward fills .grad.
-        self.node = param.view_as(param).grad_fn.next_functions[0][0]  # type: ignore[union-attr]
+        node = param.view_as(param).grad_fn.next_functions[0][0]  # type: ignore[union-attr]
+        assert node is not None
+        self.node: torch.autograd.graph.Node = node
         self.base_pyrefs = 0
         self.base_refs = 0
         self._user: torch.Tensor | None = None
