@@ -1069,16 +1069,31 @@ class GraphedLayers(nn.Module):
               layers_per_graph: int | None, saved: list[int] | None, sample: torch.Tensor) -> None:
         """Build the engine, the graphs' plan and every graph."""
         self.offload_layers, self.recompute_layers = set(offload), set(recompute)
-        # Where no layer keeps its activations in the graphs' pool, gradient buffers there
-        # would share memory with nothing: each parameter's gradient gets a home of its own
-        # that the backward graph adds into (see _GradHome), and a kept .grad costs nothing.
-        gone = self.recompute_layers | (self.offload_layers if mode is not Mode.OFF else set())
-        self._grad_homes = not self.main_grad and gone >= set(range(len(self.layers)))
+        self._grad_homes = not self.main_grad and self._homes_pay(mode, saved, sample)
         self.engine = OffloadEngine(self.backend, mode, **self._engine_args)
         self.graph_layers = plan_graphs(len(self.layers), self.offload_layers, layers_per_graph,
                                         saved, recomputed=self.recompute_layers)
         self._runners = [_Runner(self, k, ls) for k, ls in enumerate(self.graph_layers)]
         self._build(sample)
+
+    def _homes_pay(self, mode: Mode, saved: list[int] | None, sample: torch.Tensor) -> bool:
+        """Do gradient homes outside the pool (:class:`_GradHome`) cost ``zero_grad()`` no
+        more than a little? Pool gradient buffers share memory with the activations the
+        layers keep in the pool (A), so with ``.grad`` set to None they save min(A,
+        gradients) over homes; with ``.grad`` kept they cost a whole copy of the gradients
+        more. So homes where no layer keeps activations in the pool (every one offloads or
+        recomputes), or where those kept (``saved``, measured) are at most a sixteenth of
+        the gradients."""
+        gone = self.recompute_layers | (self.offload_layers if mode is not Mode.OFF else set())
+        kept = [i for i in range(len(self.layers)) if i not in gone]
+        if not kept:
+            return True
+        if saved is None:  # (layers_per_graph given: not measured for joining layers)
+            saved = saved_bytes_per_layer(list(self.layers),
+                                          sample.detach().requires_grad_(sample.requires_grad))
+        params = {id(p): p for m in self.layers for p in m.parameters() if p.requires_grad}
+        grads = sum(p.numel() * p.element_size() for p in params.values())
+        return 16 * sum(saved[i] for i in kept) <= grads
 
     def _unmake(self) -> None:
         """Give back what :meth:`_make` built (the graphs, their pool, slots and banks)."""
