@@ -848,10 +848,19 @@ class OffloadGroup:
     # -- host buffers ------------------------------------------------------------------
 
     def _take_stash(self) -> Stash:
+        """A stash for a copy out on the engine's copy-out stream: one given back whose last
+        user is done, else the one given back first, the copy stream waiting for its last
+        user on the device (the host runs ahead of the device between microbatches, where
+        nothing synchronises: asking only whether they are done would pin more host memory
+        at each one, hundreds of milliseconds a buffer), else a new one."""
         b = self.engine.backend
         for i, st in enumerate(self._host_pool):
             if st.free_after is None or b.query_event(st.free_after):
                 return self._host_pool.pop(i)
+        if self._host_pool:
+            st = self._host_pool.pop(0)
+            b.wait_event(self.engine.d2h_stream, st.free_after)
+            return st
         host = b.pinned_empty(self.host_bytes) if self.host_bytes else None
         kept = self.nbytes - self.host_bytes
         dev = None
