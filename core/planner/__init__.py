@@ -39,7 +39,7 @@ from itertools import accumulate, chain, compress, count
 from operator import sub
 from typing import Callable, Collection, Hashable, Iterable, Iterator, Mapping, NamedTuple, Sequence
 
-from .errors import UsageError
+from ..errors import UsageError
 
 __all__ = [
     "TensorSpec",
