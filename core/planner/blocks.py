@@ -27,11 +27,11 @@ class Block:
     spans: list[tuple[int, int]]  # merged lifetime intervals, in steps
     members: list[tuple[int, int]]  # (index into tensors, byte offset from block start)
     life: int  # steps live (the sum of spans, in schedule steps)
-    nodes: tuple[int, list[int], list[int]] | None = None  # the packers' cache: (n, step-tree nodes)
+    nodes: tuple[int, list[int], list[int]] | None = None  # cached by the packers: n, tree nodes
 
 
 def validate(tensors: Sequence[TensorSpec],
-              branches: Collection[Hashable] | None) -> list[Block]:
+             branches: Collection[Hashable] | None) -> list[Block]:
     """Check the rules that involve several tensors and build the blocks to place."""
     allowed = None if branches is None else set(branches)
     seen: dict[str, int] = {}
@@ -48,7 +48,7 @@ def validate(tensors: Sequence[TensorSpec],
                             f"known branches: {sorted(map(repr, allowed))}")
         if t.alias_group is None:
             blocks.append(Block(t.size, t.align, 0, t.branch, [(t.start, t.end)], [(i, 0)],
-                                 t.end - t.start))
+                                t.end - t.start))
         else:
             groups.setdefault(t.alias_group, []).append(i)
     for gid, idx in groups.items():

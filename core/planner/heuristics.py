@@ -45,7 +45,7 @@ def _bundle(blocks: list[Block], unit: int) -> list[Block]:
             members += [(i, pos * unit + rel) for i, rel in b.members]
             pos += b.extent
         out.append(Block(pos, parts[0].align, 0, parts[0].branch, parts[0].spans, members,
-                          parts[0].life))
+                         parts[0].life))
     return out
 
 
@@ -126,7 +126,7 @@ def _coarse(blocks: list[Block]) -> list[Block]:
     for b in blocks:
         g = 1 << max(0, b.extent.bit_length() - _COARSE_BITS)
         out.append(Block(-(-b.extent // g) * g, b.align, b.phase, b.branch, b.spans,
-                          b.members, b.life, b.nodes))
+                         b.members, b.life, b.nodes))
     return out
 
 #: Tried in turn; plan() keeps the smallest arena. The sweeps come first: they cost little
@@ -138,19 +138,19 @@ def _coarse(blocks: list[Block]) -> list[Block]:
 CANDIDATES: tuple[Candidate, ...] = (
     Candidate("sweep", False, _sweep, first_fit, sweep=1, cost=0),
     Candidate("sweep-coarse", False, _sweep, first_fit, sweep=1, cost=_SWEEP_COST,
-               coarse=True),
+              coarse=True),
     Candidate("sweep-reversed-coarse", False, _sweep_reversed, first_fit, sweep=-1,
-               cost=_SWEEP_COST, coarse=True),
+              cost=_SWEEP_COST, coarse=True),
     Candidate("sweep-best-fit", False, _sweep, best_fit, sweep=1, cost=_SWEEP_COST),
     Candidate("sweep-reversed", False, _sweep_reversed, first_fit, sweep=-1, cost=_SWEEP_COST),
     Candidate("sweep-best-fit-coarse", False, _sweep, best_fit, sweep=1, cost=_SWEEP_COST,
-               coarse=True),
+              coarse=True),
     Candidate("sweep-reversed-best-fit", False, _sweep_reversed, best_fit, sweep=-1,
-               cost=_SWEEP_COST),
+              cost=_SWEEP_COST),
     Candidate("first-fit", False, _by_start_larger_first, first_fit, baseline=True, sweep=1,
-               cost=0),
+              cost=0),
     Candidate("greedy-by-size", False, _by_size_longest_lived_first, best_fit, baseline=True,
-               cost=0),
+              cost=0),
     Candidate("size-start-fused", True, _by_size_then_start, best_fit),
     Candidate("lifetime-size", False, _by_lifetime_then_size, best_fit),
     Candidate("size-start", False, _by_size_then_start, best_fit),
@@ -195,7 +195,7 @@ class Budget:
 
 
 def prepare(specs: tuple[TensorSpec, ...],
-             branches: Collection[Hashable] | None) -> tuple[list[Block], int, int]:
+            branches: Collection[Hashable] | None) -> tuple[list[Block], int, int]:
     """Validated blocks with spans in compressed steps, the number of steps, and the
     byte unit the blocks are measured in.
 
@@ -224,9 +224,9 @@ def _arena(cand: list[Block], starts: list[int]) -> int:
     return max((s + b.extent for s, b in zip(starts, cand)), default=0)
 
 
-def run_candidates(cands: Sequence[Candidate], blocks: list[Block], nsteps: int, unit: int,
-         lb: float, early_stop: bool = True,
-         budget: Budget | None = None) -> tuple[int, list[Block], list[int]]:
+def run_candidates(cands: Sequence[Candidate], blocks: list[Block], nsteps: int,
+                   unit: int, lb: float, early_stop: bool = True,
+                   budget: Budget | None = None) -> tuple[int, list[Block], list[int]]:
     """The smallest arena of ``cands``: (arena, the blocks placed, their starts), in
     units of ``unit`` bytes, as ``lb`` is. Candidates with a cost run only while
     ``budget`` has a full pass left (without one, all run)."""
@@ -265,8 +265,8 @@ def run_candidates(cands: Sequence[Candidate], blocks: list[Block], nsteps: int,
 
 
 def refine(blocks: list[Block], nsteps: int, lb: float,
-            best: tuple[int, list[Block], list[int]],
-            budget: Budget) -> tuple[int, list[Block], list[int]]:
+           best: tuple[int, list[Block], list[int]],
+           budget: Budget) -> tuple[int, list[Block], list[int]]:
     """Squeaky-wheel rounds of first-fit: every block that ended above the lower bound
     moves up in the order, and first-fit places again. Deterministic; each round is a
     pass of ``budget``. A run stops after _REFINE_PATIENCE rounds without progress and

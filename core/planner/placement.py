@@ -114,7 +114,7 @@ Fit = Callable[[list[int], list[int], int, int, int, int], int]
 
 
 def first_fit(los: list[int], his: list[int], top: int, size: int, align: int,
-               phase: int) -> int:
+              phase: int) -> int:
     """The lowest start where ``size`` bytes fit."""
     # Gap widths compared with size and filtered to indices, all C-level iterators.
     for i in compress(count(), map(size.__le__, map(sub, his, los))):
@@ -126,7 +126,7 @@ def first_fit(los: list[int], his: list[int], top: int, size: int, align: int,
 
 
 def best_fit(los: list[int], his: list[int], top: int, size: int, align: int,
-              phase: int) -> int:
+             phase: int) -> int:
     """The lowest start in the smallest gap where ``size`` bytes fit; above
     everything when none does."""
     widths = list(map(sub, his, los))
@@ -175,7 +175,7 @@ def _nodes(blk: Block, n: int) -> tuple[list[int], list[int]]:
 
 
 def pack(blocks: list[Block], order: Sequence[int], nsteps: int, fit: Fit = best_fit,
-          limit: float = math.inf) -> list[int] | None:
+         limit: float = math.inf) -> list[int] | None:
     """Place blocks in ``order``, each into the free gap ``fit`` picks; their starts, or
     ``None`` as soon as the arena would reach ``limit`` (a better plan is known)."""
     n = 1
@@ -310,8 +310,8 @@ def _meet(frees: Iterable[_Free]) -> tuple[list[int], list[int], int]:
 
 
 def pack_sweep(blocks: list[Block], order: Sequence[int], nsteps: int,
-                fit: Fit = first_fit, limit: float = math.inf,
-                reverse: bool = False) -> list[int] | None:
+               fit: Fit = first_fit, limit: float = math.inf,
+               reverse: bool = False) -> list[int] | None:
     """:func:`pack` for an ``order`` sorted by first step (by last step, descending,
     when ``reverse``): a sweep over time that keeps only the free gaps of what is live
     now, per branch key, so a placement looks at a few gaps instead of at a tree of
