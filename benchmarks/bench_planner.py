@@ -36,8 +36,8 @@ import time
 from dataclasses import dataclass, replace
 from typing import Any
 
-from graphslot import planner
-from graphslot.planner import TensorSpec, baselines, lower_bound, plan, verify
+from graphslot.planner import BASELINES, TensorSpec, baselines, lower_bound, plan, verify
+from graphslot.planner import heuristics
 
 MiB = 1 << 20
 
@@ -301,13 +301,13 @@ def run_case(name: str, kind: str, ts: list[TensorSpec], reps: int) -> dict[str,
 
 def ablation(ts: list[TensorSpec]) -> dict[str, float]:
     """Arena / lower bound of each candidate of the planner alone, without refinement
-    (reaches into the planner's private candidate list on purpose: this is what the
+    (reaches into the planner's internal candidate list on purpose: this is what the
     portfolio buys)."""
     specs = tuple(ts)
-    blocks, nsteps, unit = planner._prepare(specs, None)
+    blocks, nsteps, unit = heuristics.prepare(specs, None)
     lb = lower_bound(specs) / unit
-    return {c.name: planner._run([c], blocks, nsteps, unit, lb)[0] / lb
-            for c in planner._CANDIDATES}
+    return {c.name: heuristics.run_candidates([c], blocks, nsteps, unit, lb)[0] / lb
+            for c in heuristics.CANDIDATES}
 
 
 def all_cases(args: argparse.Namespace) -> list[tuple[str, str, list[TensorSpec]]]:
@@ -350,7 +350,7 @@ def main() -> None:
         print(json.dumps({"python": platform.python_version(), "machine": platform.machine(),
                           "cases": rows}, indent=2))
         return
-    names = list(planner.BASELINES)
+    names = list(BASELINES)
     print(f"{'case':<18} {'kind':<9} {'tensors':>7} {'branches':>8} {'steps':>5} "
           f"{'lower bound':>12} {'arena':>12} {'ratio':>6} "
           + " ".join(f"{n:>14}" for n in names) + f" {'plan s':>7} {'cpu s':>7} {'verify s':>8}")
