@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -281,7 +282,7 @@ def test_graph_events_are_refused_where_they_cannot_be(clean, monkeypatch):
         with pytest.raises(UsageError, match="before the capture that uses them"):
             with g.capture(b.side_stream()):
                 b.new_graph_event()
-    monkeypatch.setattr(b, "graph_events", False)
+    monkeypatch.setattr(b, "capabilities", dataclasses.replace(b.capabilities, graph_events=False))
     with pytest.raises(UsageError, match="graphs cannot record or wait on events"):
         b.new_graph_event()
 
