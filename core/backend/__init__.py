@@ -46,6 +46,9 @@ __all__ = [
     "DeviceGraph",
     "align_up",
     "no_gc",
+    "LentEvent",
+    "FREE_EVENTS",
+    "VMM_OPS",
+    "ALLOCATOR_STATS_KEYS",
+    "FEATURE_HOOKS",
 ]
-# Also importable from here, as before: LentEvent, FREE_EVENTS and VMM_OPS; and for
-# vendors ALLOCATOR_STATS_KEYS and FEATURE_HOOKS.

@@ -28,16 +28,25 @@ class FaultPlan:
         self._lock = threading.Lock()
 
     def fail(self, op: str, after: int = 0, times: int = 1) -> None:
+        """Plan a failure of driver call ``op``.
+
+        Args:
+            op: one of the VMM operations (``"reserve"``, ``"map"`` ...).
+            after: calls of ``op`` let through first.
+            times: calls that fail after those.
+        """
         if op not in VMM_OPS:
             raise UsageError(f"cannot inject a fault into {op!r}; choose one of {', '.join(VMM_OPS)}")
         with self._lock:
             self._plan[op] = [after, times]
 
     def clear(self) -> None:
+        """Drop every planned failure."""
         with self._lock:
             self._plan.clear()
 
     def check(self, op: str, desc: str) -> None:
+        """Before driver call ``op`` (described as ``desc``): raise the planned failure, if due."""
         with self._lock:
             entry = self._plan.get(op)
             if entry is None:
