@@ -55,7 +55,7 @@ def primitives(b: Any, n: int) -> dict[str, float]:
     out = {
         "new_event": _per_call_us(b.new_event, n),
         "new_event+record": _per_call_us(lambda: b.record_event(b.new_event()), n),
-        "new_framework_event+record": _per_call_us(lambda: b._record(b._new_event(False), s), n),
+        "new_framework_event+record": _per_call_us(lambda: b.vendor_new_event(False).record(s), n),
         "record_reused": _per_call_us(lambda: b.record_event(ev), n),
         "wait_event": _per_call_us(lambda: b.wait_event(s, ev), n),
         "copy_async_4k_d2h": _per_call_us(lambda: b.copy_async(host, dev, s), n),
@@ -99,7 +99,7 @@ def _watched(b: Any) -> list[tuple[Any, list[str]]]:
         (KeptOnDevice, ["claim"]),
         (ResidentBanks, ["before_forward", "restore"]),
         (Backend, ["copy_async", "record_event", "wait_event", "query_event", "new_event"]),
-        (type(b), ["_new_event", "current_stream"]),
+        (type(b), ["vendor_new_event", "current_stream"]),
     ]
 
 

@@ -317,8 +317,7 @@ class DriverWorker:
 
     def wait_event(self, event: Any) -> None:
         """Block this worker (not the training thread) until ``event`` completes."""
-        self._backend.counters["worker_sync"] += 1
-        self._backend._event_synchronize(event)
+        self._backend.synchronize_event(event, count_as="worker_sync")
 
     def drain(self) -> None:
         self.submit(lambda: None).result()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -14,7 +15,7 @@ import torch
 
 import graphslot
 from graphslot import align_up
-from graphslot.backend import VmmDriver
+from graphslot.backend import FEATURE_HOOKS, Backend, Capabilities, DeviceVendor, VmmDriver
 from graphslot.errors import DriverError, InjectedFault, UsageError
 
 from devices import spin
@@ -281,7 +282,7 @@ def test_graph_events_are_refused_where_they_cannot_be(clean, monkeypatch):
         with pytest.raises(UsageError, match="before the capture that uses them"):
             with g.capture(b.side_stream()):
                 b.new_graph_event()
-    monkeypatch.setattr(b, "graph_events", False)
+    monkeypatch.setattr(b, "capabilities", dataclasses.replace(b.capabilities, graph_events=False))
     with pytest.raises(UsageError, match="graphs cannot record or wait on events"):
         b.new_graph_event()
 
@@ -638,6 +639,22 @@ def test_the_driver_speaks_the_vmm_protocol_and_streams_and_events_torchs_names(
     f.synchronize()
     assert e.query() and f.query() and e.elapsed_time(f) >= 0
     assert backend.elapsed_ms(e, f) == e.elapsed_time(f)
+
+
+def test_the_vendor_implements_what_it_declares_and_overrides_no_checked_method(backend):
+    """The vendor's side is DeviceVendor: each feature declared in the backend's
+    Capabilities has its hooks implemented, and the vendor's classes leave every checked
+    method of Backend as it is."""
+    assert set(FEATURE_HOOKS) == {f.name for f in dataclasses.fields(Capabilities)}
+    caps = backend.capabilities
+    for feature, hooks in FEATURE_HOOKS.items():
+        if getattr(caps, feature):
+            lacking = [h for h in hooks if getattr(type(backend), h) is getattr(DeviceVendor, h)]
+            assert not lacking, f"{backend.name} declares {feature} but lacks {lacking}"
+    checked = {n for n in Backend.__dict__ if not n.startswith("__") and n != "_abc_impl"}
+    vendor_classes = type(backend).__mro__[:type(backend).__mro__.index(Backend)]
+    overridden = {n for cls in vendor_classes for n in cls.__dict__} & checked
+    assert not overridden, f"{backend.name} overrides checked members {sorted(overridden)}"
 
 
 def test_info_reports_required_keys(backend):

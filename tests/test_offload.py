@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import threading
 import time
 
@@ -276,7 +277,7 @@ def test_fences_hold_when_the_copy_streams_are_slowed(engine_clean, mode, monkey
     b = engine_clean
     if graph_events and not b.graph_events:
         pytest.skip(f"the {b.name} backend's graphs hold no events")
-    monkeypatch.setattr(b, "graph_events", graph_events)
+    monkeypatch.setattr(b, "capabilities", dataclasses.replace(b.capabilities, graph_events=graph_events))
     base, _ = small(b, 4)
     want = train(copy.deepcopy(base), b, 3)
     model = copy.deepcopy(base)

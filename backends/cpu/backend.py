@@ -18,7 +18,7 @@ from typing import Any, ContextManager, Iterator
 
 import torch
 
-from graphslot.backend import Backend, DeviceGraph, RngStream
+from graphslot.backend import Backend, Capabilities, DeviceGraph, RngStream
 from graphslot.errors import UsageError
 from graphslot.regions import RegionGraphBackend
 
@@ -46,6 +46,12 @@ class CpuBackend(Backend, RegionGraphBackend):
 
     driver: CpuDriver
 
+    # Graphs hold events as host steps (below); the footprint is read from /proc; of the
+    # allocator's figures only graph pools are known (graphslot's own), torch's host
+    # allocator keeping no statistics.
+    capabilities = Capabilities(graph_events=True, rng_streams=True, footprint=True,
+                                allocator_stats=True)
+
     def __init__(self, granularity: int | None = None) -> None:
         super().__init__(CpuDriver(granularity))
         self._streams: weakref.WeakSet[_s.CpuStream] = weakref.WeakSet()
@@ -61,7 +67,7 @@ class CpuBackend(Backend, RegionGraphBackend):
 
     def release_quarantine(self) -> None:
         """``munmap`` every quarantined range now (see :class:`Quarantine`)."""
-        with self._lock:
+        with self.driver_lock:
             self.quarantine.release()
 
     def headroom_bytes(self) -> int:
@@ -70,7 +76,7 @@ class CpuBackend(Backend, RegionGraphBackend):
 
     # -- capture state ----------------------------------------------------------
 
-    def _is_capturing(self) -> bool:
+    def vendor_is_capturing(self) -> bool:
         return bool(getattr(self._capture, "active", False))
 
     def _set_capturing(self, on: bool, graph: Any = None) -> None:
@@ -90,7 +96,7 @@ class CpuBackend(Backend, RegionGraphBackend):
     def stream(self, stream: Any) -> ContextManager[Any]:
         return _StreamContext(stream)
 
-    def _new_event(self, timing: bool) -> _s.CpuEvent:
+    def vendor_new_event(self, timing: bool) -> _s.CpuEvent:
         return _s.CpuEvent(timing)
 
     # A graph under capture keeps a record or a wait as a host step of its own, run at
@@ -98,41 +104,40 @@ class CpuBackend(Backend, RegionGraphBackend):
     # there, in program order, whatever stream is current: a record marks everything
     # before it as done, and a wait blocks the replay until the copy thread gets there):
     # the device graph's record and wait nodes.
-    graph_events = True
 
-    def _new_graph_event(self) -> _s.CpuEvent:
+    def vendor_new_graph_event(self) -> _s.CpuEvent:
         return _s.CpuEvent()
 
     def _capturing_graph(self) -> Any:
         return self._capture.graph
 
-    def _graph_record(self, event: Any) -> None:
+    def vendor_graph_record(self, event: Any) -> None:
         self._capturing_graph().host_step(lambda: event.record(_s.INLINE))
 
-    def _graph_wait(self, event: Any) -> None:
+    def vendor_graph_wait(self, event: Any) -> None:
         self._capturing_graph().host_step(lambda: event.wait(_s.INLINE))
 
-    def _synchronize(self) -> None:
+    def vendor_synchronize(self) -> None:
         for s in list(self._streams):
             s.drain()
 
     # -- tensors and copies -----------------------------------------------------
 
-    def _copy(self, dst: torch.Tensor, src: torch.Tensor, stream: Any) -> None:
+    def vendor_copy(self, dst: torch.Tensor, src: torch.Tensor, stream: Any) -> None:
         stream.submit(lambda: dst.copy_(src))
 
-    def _pinned_empty(self, nbytes: int) -> torch.Tensor:
+    def vendor_pinned_empty(self, nbytes: int) -> torch.Tensor:
         return torch.empty(nbytes, dtype=torch.uint8)
 
-    def _tensor_at(self, va: int, nbytes: int) -> torch.Tensor:
+    def vendor_tensor_at(self, va: int, nbytes: int) -> torch.Tensor:
         return bytes_at(va, nbytes)
 
     # -- graphs -----------------------------------------------------------------
 
-    def new_rng_stream(self) -> RngStream:
+    def vendor_new_rng_stream(self) -> RngStream:
         from .rng import CpuRngStream
 
-        return CpuRngStream(self, self._rng_stream_seed(torch.initial_seed()))
+        return CpuRngStream(self, self.rng_stream_seed(torch.initial_seed()))
 
     def new_graph(self, share_pool_with: DeviceGraph | None = None,
                   pool_region: tuple[int, int] | None = None) -> DeviceGraph:
@@ -146,11 +151,11 @@ class CpuBackend(Backend, RegionGraphBackend):
         self._graphs.add(g)
         return g
 
-    def empty_cache(self) -> None:
+    def vendor_empty_cache(self) -> None:
         if hasattr(_libc, "malloc_trim"):
             _libc.malloc_trim(0)  # glibc keeps freed heap pages resident otherwise
 
-    def footprint_bytes(self) -> int | None:
+    def vendor_footprint_bytes(self) -> int:
         # The process's anonymous memory (proportional), with graphslot's memfd pages
         # counted from the kernel: shared pages count once however often they are mapped,
         # but Pss sees them only once a mapping touched them (create commits all of them at
@@ -168,8 +173,7 @@ class CpuBackend(Backend, RegionGraphBackend):
             own = fields["Pss"] - fields["Pss_Shmem"]
         return own + memfd
 
-    def allocator_stats(self, reset_peak: bool = False) -> dict[str, int | None]:
-        # torch's host allocator keeps no statistics; graph pools are ours and exact.
+    def vendor_allocator_stats(self, reset_peak: bool) -> dict[str, int | None]:
         pools = sum(getattr(g, "pool_bytes", 0) for g in list(self._graphs))
         return {"allocated_bytes": None, "reserved_bytes": None, "peak_reserved_bytes": None,
                 "peak_allocated_bytes": None, "graph_pool_reserved_bytes": pools,

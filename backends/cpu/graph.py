@@ -269,7 +269,7 @@ class CpuGraph(DeviceGraph):
     def replay(self) -> None:
         if self._state != "captured":
             raise StateError(f"cannot replay a graph that is {self._state}")
-        with self._backend._lock:
+        with self._backend.driver_lock:
             for res, off, size in self._checks:
                 if res.freed or not res.is_accessible(off, size):
                     raise StateError(

@@ -6,11 +6,12 @@ from __future__ import annotations
 from typing import Any, ContextManager, Iterator
 
 import contextlib
+import dataclasses
 
 import torch
 from cuda.bindings import driver as cu
 
-from graphslot.backend import Backend, DeviceGraph, RngStream, no_gc
+from graphslot.backend import Backend, Capabilities, DeviceGraph, RngStream, no_gc
 from graphslot.errors import BackendUnavailableError, DriverError, UsageError
 from graphslot.regions import RegionGraph, RegionGraphBackend
 
@@ -42,6 +43,11 @@ class CudaBackend(Backend, RegionGraphBackend):
 
     driver: CudaDriver
 
+    # Graph events besides, where this torch has external events (known in __init__);
+    # this process's own footprint cannot be told apart from the driver's figure.
+    capabilities = Capabilities(graphed_callables=True, rng_streams=True, pool_return=True,
+                                pool_segments=True, allocator_stats=True)
+
     def __init__(self, device: int | None = None) -> None:
         super().__init__()
         if not torch.cuda.is_available():
@@ -55,12 +61,12 @@ class CudaBackend(Backend, RegionGraphBackend):
             torch.empty(1, device=self._torch_device)
         self.driver = CudaDriver(self._index)
         self._streams: dict[int, torch.cuda.Stream] = {}
-        self.graph_events = _external_events()
+        self.capabilities = dataclasses.replace(self.capabilities, graph_events=_external_events())
 
-    def empty_cache(self) -> None:
+    def vendor_empty_cache(self) -> None:
         torch.cuda.empty_cache()
 
-    def allocator_stats(self, reset_peak: bool = False) -> dict[str, int | None]:
+    def vendor_allocator_stats(self, reset_peak: bool) -> dict[str, int | None]:
         st = torch.cuda.memory_stats(self._torch_device)
         pool_reserved = pool_allocated = 0
         for seg in torch.cuda.memory_snapshot():
@@ -81,13 +87,11 @@ class CudaBackend(Backend, RegionGraphBackend):
             torch.cuda.reset_peak_memory_stats(self._torch_device)
         return out
 
-    has_graphed_callables = True
-
-    def make_graphed_callables(self, callables: tuple[Any, ...], sample_args: tuple[Any, ...]) -> Any:
+    def vendor_graphed_callables(self, callables: tuple[Any, ...], sample_args: tuple[Any, ...]) -> Any:
         return torch.cuda.make_graphed_callables(callables, sample_args)
 
-    def return_to_pool(self, t: torch.Tensor) -> torch.Tensor | None:
-        if self._is_capturing():
+    def vendor_return_to_pool(self, t: torch.Tensor) -> torch.Tensor | None:
+        if self.vendor_is_capturing():
             raise UsageError("return_to_pool runs between captures, not inside one")
         st = t.untyped_storage()
         if st.nbytes() == 0:
@@ -97,12 +101,12 @@ class CudaBackend(Backend, RegionGraphBackend):
         st.resize_(0)  # the caching allocator frees the block into the private pool it came from
         return view
 
-    def graph_pool_segments(self) -> list[tuple[int, int]] | None:
+    def vendor_graph_pool_segments(self) -> list[tuple[int, int]]:
         return [(int(seg["address"]), int(seg["total_size"])) for seg in torch.cuda.memory_snapshot()
                 if seg.get("device", self._index) == self._index
                 and tuple(seg.get("segment_pool_id", (0, 0))) != (0, 0)]
 
-    def _is_capturing(self) -> bool:
+    def vendor_is_capturing(self) -> bool:
         return bool(torch.cuda.is_current_stream_capturing())
 
     # -- streams and events -----------------------------------------------------
@@ -127,7 +131,7 @@ class CudaBackend(Backend, RegionGraphBackend):
     def stream(self, stream: Any) -> ContextManager[Any]:
         return torch.cuda.stream(stream)
 
-    def _new_event(self, timing: bool) -> torch.cuda.Event:
+    def vendor_new_event(self, timing: bool) -> torch.cuda.Event:
         return torch.cuda.Event(enable_timing=timing)
 
     # Graph events are torch's external events: recorded and waited on under capture they
@@ -136,23 +140,23 @@ class CudaBackend(Backend, RegionGraphBackend):
     # on an event never recorded is no wait at all (no node under capture), so each is
     # recorded once at birth. (Whether this torch has them is known in __init__.)
 
-    def _new_graph_event(self) -> torch.cuda.Event:
+    def vendor_new_graph_event(self) -> torch.cuda.Event:
         ev = torch.cuda.Event(external=True)
         ev.record(self.current_stream())
         return ev
 
-    def _graph_record(self, event: Any) -> None:
+    def vendor_graph_record(self, event: Any) -> None:
         event.record(self.current_stream())
 
-    def _graph_wait(self, event: Any) -> None:
+    def vendor_graph_wait(self, event: Any) -> None:
         self.current_stream().wait_event(event)
 
-    def _synchronize(self) -> None:
+    def vendor_synchronize(self) -> None:
         torch.cuda.synchronize(self._torch_device)
 
     # -- tensors and copies -----------------------------------------------------
 
-    def _copy(self, dst: torch.Tensor, src: torch.Tensor, stream: Any) -> None:
+    def vendor_copy(self, dst: torch.Tensor, src: torch.Tensor, stream: Any) -> None:
         if dst.is_contiguous() and src.is_contiguous():
             # Byte for byte: one cuMemcpyAsync on the stream's handle. torch's copy_ would
             # first make the stream current and then restore it, which costs about five
@@ -165,10 +169,10 @@ class CudaBackend(Backend, RegionGraphBackend):
         with torch.cuda.stream(stream):
             dst.copy_(src, non_blocking=True)
 
-    def _pinned_empty(self, nbytes: int) -> torch.Tensor:
+    def vendor_pinned_empty(self, nbytes: int) -> torch.Tensor:
         return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
 
-    def _tensor_at(self, va: int, nbytes: int) -> torch.Tensor:
+    def vendor_tensor_at(self, va: int, nbytes: int) -> torch.Tensor:
         t = torch.as_tensor(_CudaArray(va, nbytes), device=self._torch_device)
         if t.data_ptr() != va:  # as_tensor must not copy; a copy would defeat the slot
             raise DriverError("", "torch.as_tensor", "COPIED", 0,
@@ -177,12 +181,12 @@ class CudaBackend(Backend, RegionGraphBackend):
 
     # -- graphs -----------------------------------------------------------------
 
-    def new_rng_stream(self) -> RngStream:
+    def vendor_new_rng_stream(self) -> RngStream:
         from .rng import CudaRngStream
 
         index = self.device.index if self.device.index is not None else torch.cuda.current_device()
         seed = torch.cuda.default_generators[index].initial_seed()
-        return CudaRngStream(index, self._rng_stream_seed(seed))
+        return CudaRngStream(index, self.rng_stream_seed(seed))
 
     def new_graph(self, share_pool_with: DeviceGraph | None = None,
                   pool_region: tuple[int, int] | None = None) -> DeviceGraph:

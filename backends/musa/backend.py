@@ -17,7 +17,7 @@ from typing import Any, ContextManager, Iterator
 import torch
 import torch_musa  # noqa: F401  (registers the "musa" device and torch.musa)
 
-from graphslot.backend import Backend, DeviceGraph, no_gc
+from graphslot.backend import Backend, Capabilities, DeviceGraph, no_gc
 from graphslot.errors import BackendUnavailableError, DriverError, UsageError
 
 from .dlpack import byte_tensor_at, kDLExtDev, storage_tensor_at
@@ -35,6 +35,9 @@ class MusaBackend(Backend):
 
     name = "musa"
     driver: MusaDriver
+
+    # No optional feature declared: every one answers with its default.
+    capabilities = Capabilities()
 
     def __init__(self, device: int | None = None, driver: MusaDriver | None = None) -> None:
         Backend.__init__(self)
@@ -62,7 +65,7 @@ class MusaBackend(Backend):
 
     # -- capture state ------------------------------------------------------------
 
-    def _is_capturing(self) -> bool:
+    def vendor_is_capturing(self) -> bool:
         capturing = getattr(tmusa, "is_current_stream_capturing", None)
         return bool(capturing()) if capturing is not None else False
 
@@ -77,22 +80,22 @@ class MusaBackend(Backend):
     def stream(self, stream: Any) -> ContextManager[Any]:
         return tmusa.stream(stream)
 
-    def _new_event(self, timing: bool) -> Any:
+    def vendor_new_event(self, timing: bool) -> Any:
         return tmusa.Event(enable_timing=timing)
 
-    def _synchronize(self) -> None:
+    def vendor_synchronize(self) -> None:
         tmusa.synchronize(self._torch_device)
 
     # -- tensors and copies -------------------------------------------------------
 
-    def _copy(self, dst: torch.Tensor, src: torch.Tensor, stream: Any) -> None:
+    def vendor_copy(self, dst: torch.Tensor, src: torch.Tensor, stream: Any) -> None:
         with tmusa.stream(stream):
             dst.copy_(src, non_blocking=True)
 
-    def _pinned_empty(self, nbytes: int) -> torch.Tensor:
+    def vendor_pinned_empty(self, nbytes: int) -> torch.Tensor:
         return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
 
-    def _tensor_at(self, va: int, nbytes: int) -> torch.Tensor:
+    def vendor_tensor_at(self, va: int, nbytes: int) -> torch.Tensor:
         t, route = None, "torch.from_dlpack"
         if self._dlpack_error is None:
             try:
@@ -111,7 +114,7 @@ class MusaBackend(Backend):
 
     # -- graphs -------------------------------------------------------------------
 
-    def empty_cache(self) -> None:
+    def vendor_empty_cache(self) -> None:
         tmusa.empty_cache()
 
     def new_graph(self, share_pool_with: DeviceGraph | None = None,

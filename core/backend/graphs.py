@@ -1,0 +1,85 @@
+"""Device graphs and their random streams, as every backend makes them.
+
+:class:`DeviceGraph` is a captured sequence of device work (made by
+:meth:`Backend.new_graph <graphslot.backend.Backend.new_graph>`); :class:`RngStream` a
+random stream graphs draw from (made by
+:meth:`Backend.new_rng_stream <graphslot.backend.Backend.new_rng_stream>`); :func:`no_gc`
+the garbage-collector guard captures run under.
+"""
+
+from __future__ import annotations
+
+import abc
+import contextlib
+from typing import Any, ContextManager, Iterator
+
+__all__ = ["DeviceGraph", "RngStream", "no_gc"]
+
+
+@contextlib.contextmanager
+def no_gc() -> Iterator[None]:
+    """Collect garbage now, then keep the collector off until the block ends.
+
+    Device graph captures run inside it: a reference cycle that holds device tensors (a
+    saved-tensor hook that returns its argument makes one) must not be freed mid-capture,
+    where freeing touches streams the capture does not own and invalidates it.
+    """
+    import gc
+
+    gc.collect()
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
+
+
+class DeviceGraph(abc.ABC):
+    """A captured sequence of device work bound to the addresses it touched.
+
+    Replay reads and writes exactly the addresses seen at capture; whatever physical
+    memory is mapped there at replay time is what the graph sees.
+    """
+
+    @abc.abstractmethod
+    def capture(self, stream: Any = None) -> ContextManager[None]:
+        """Context manager: work issued inside is recorded instead of (or as well as) run."""
+
+    @abc.abstractmethod
+    def replay(self) -> None:
+        """Run the recorded work again on the current stream."""
+
+    @property
+    def pool_bytes(self) -> int | None:
+        """Bytes reserved by this graph's private memory pool (shared pools count fully)."""
+        return None
+
+
+class RngStream(abc.ABC):
+    """A random stream of graphs' own, which two graphs can draw the same numbers from.
+
+    A recomputed layer's backward graph runs its forward again: its random ops (dropout)
+    must draw what its forward graph drew at that microbatch's replay, while the next
+    forward draws fresh numbers. Graphs attached to the stream draw from it what their
+    captures drew under :meth:`drawing`; :meth:`position` and :meth:`seek` (outside
+    capture) rewind it between replays. Made by :meth:`Backend.new_rng_stream`.
+    """
+
+    @abc.abstractmethod
+    def attach(self, graph: DeviceGraph) -> None:
+        """Before ``graph``'s capture: its replays may draw from this stream."""
+
+    @abc.abstractmethod
+    def drawing(self) -> ContextManager[None]:
+        """Inside the capture of an attached graph: the random ops issued inside draw from
+        this stream, at capture and at every replay."""
+
+    @abc.abstractmethod
+    def position(self) -> Any:
+        """Where the stream is now (outside capture), for :meth:`seek`."""
+
+    @abc.abstractmethod
+    def seek(self, position: Any) -> None:
+        """Move to ``position``: the next replay draws what was drawn from there before."""

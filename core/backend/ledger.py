@@ -1,0 +1,159 @@
+"""graphslot's own account of a backend's memory: reservations, allocations, mappings.
+
+:class:`Ledger` records what the checked :class:`~graphslot.backend.Backend` reserved,
+created and mapped; every argument of a VMM call is checked against it before the driver
+sees it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..sizes import format_bytes
+
+__all__ = ["VMM_OPS", "Allocation", "Ledger", "Mapping", "Reservation", "align_up"]
+
+#: The VMM operations that count as driver calls (per-step counters use these names).
+VMM_OPS = ("reserve", "free", "create", "release", "map", "unmap", "set_access")
+
+
+def align_up(n: int, alignment: int) -> int:
+    """Round ``n`` up to a multiple of ``alignment``.
+
+    Args:
+        n: a non-negative integer.
+        alignment: a positive integer.
+
+    Returns:
+        The smallest multiple of ``alignment`` that is at least ``n``.
+    """
+    return -(-n // alignment) * alignment
+
+
+def _fmt(n: int) -> str:
+    return format_bytes(n, exact=True)  # sizes in messages are read back exactly
+
+
+@dataclass(eq=False)
+class Allocation:
+    """Physical backing created by :meth:`Backend.create`. ``handle`` is the backend's own."""
+
+    size: int
+    handle: Any
+    released: bool = False
+    mapped_at: set[tuple[int, int]] = field(default_factory=set)  # (reservation va, offset)
+
+    def __repr__(self) -> str:
+        state = "released" if self.released else f"{len(self.mapped_at)} mapping(s)"
+        return f"Allocation({_fmt(self.size)}, {state})"
+
+
+@dataclass(eq=False)
+class Mapping:
+    """One allocation mapped at ``offset`` of a reservation."""
+
+    offset: int
+    size: int
+    allocation: Allocation
+    accessible: bool = False
+
+
+@dataclass(eq=False)
+class Reservation:
+    """A reserved virtual address range. ``va`` never changes while it lives."""
+
+    va: int
+    size: int
+    freed: bool = False
+    mappings: dict[int, Mapping] = field(default_factory=dict)  # offset -> Mapping
+
+    @property
+    def end(self) -> int:
+        return self.va + self.size
+
+    def mapping_at(self, offset: int) -> Mapping | None:
+        return self.mappings.get(offset)
+
+    def is_accessible(self, offset: int, size: int) -> bool:
+        """True when every byte of ``[offset, offset + size)`` is mapped and accessible."""
+        pos, end = offset, offset + size
+        while pos < end:
+            hit = None
+            for m in self.mappings.values():
+                if m.offset <= pos < m.offset + m.size:
+                    hit = m
+                    break
+            if hit is None or not hit.accessible:
+                return False
+            pos = hit.offset + hit.size
+        return True
+
+    def __repr__(self) -> str:
+        state = "freed" if self.freed else f"{len(self.mappings)} mapping(s)"
+        return f"Reservation(va=0x{self.va:x}, {_fmt(self.size)}, {state})"
+
+
+class Ledger:
+    """graphslot's exact account of what it reserved, created and mapped on a backend."""
+
+    def __init__(self) -> None:
+        self.reservations: dict[int, Reservation] = {}
+        self.allocations: set[Allocation] = set()
+        self._mapped = 0
+        self._allocated = 0
+        #: the most bytes mapped at once since the last :meth:`reset_peak`.
+        self.peak_mapped_bytes = 0
+        #: the most physical bytes created and not released at once since then: what the
+        #: device really held (pages kept unmapped for reuse count here, not as mapped).
+        self.peak_allocated_bytes = 0
+
+    def _on_map(self, nbytes: int) -> None:
+        self._mapped += nbytes
+        self.peak_mapped_bytes = max(self.peak_mapped_bytes, self._mapped)
+
+    def _on_unmap(self, nbytes: int) -> None:
+        self._mapped -= nbytes
+
+    def _on_create(self, alloc: Allocation) -> None:
+        self.allocations.add(alloc)
+        self._allocated += alloc.size
+        self.peak_allocated_bytes = max(self.peak_allocated_bytes, self._allocated)
+
+    def _on_release(self, alloc: Allocation) -> None:
+        self.allocations.discard(alloc)
+        self._allocated -= alloc.size
+
+    def reset_peak(self) -> None:
+        self.peak_mapped_bytes = self._mapped
+        self.peak_allocated_bytes = self._allocated
+
+    @property
+    def reserved_bytes(self) -> int:
+        return sum(r.size for r in self.reservations.values())
+
+    @property
+    def allocated_bytes(self) -> int:
+        """Physical bytes created and not yet released."""
+        return self._allocated
+
+    @property
+    def mapped_bytes(self) -> int:
+        """Bytes mapped through graphslot now (an allocation mapped twice counts twice)."""
+        return self._mapped
+
+    def find(self, va: int, nbytes: int) -> Reservation | None:
+        """The live reservation that holds all of ``[va, va + nbytes)``, if any."""
+        for r in self.reservations.values():
+            if r.va <= va and va + nbytes <= r.end:
+                return r
+        return None
+
+    def snapshot(self) -> dict[str, int]:
+        return {
+            "reservations": len(self.reservations),
+            "reserved_bytes": self.reserved_bytes,
+            "allocations": len(self.allocations),
+            "allocated_bytes": self.allocated_bytes,
+            "mapped_bytes": self.mapped_bytes,
+        }
