@@ -220,24 +220,22 @@ class _GradHome:
     memory with ``zero_grad()`` and saves a whole copy of the gradients without.
 
     Before each backward replay :meth:`prepare` makes the home hold what the graph must
-    add to: ``.grad`` itself when it is the home; ``-0.0`` (``-0.0 + g`` is ``g`` bit
-    for bit, negative zeros included) when ``.grad`` is None, the earlier home first
-    given to whoever kept it; a copy of a ``.grad`` the user assigned (it receives the
-    sum after). Where this backward does not accumulate into ``.grad``
-    (``torch.autograd.grad``, ``backward(inputs=...)`` without the parameter) or a
-    tensor hook must see the gradient, the home is set aside for the replay and the
-    gradient goes back to autograd as a tensor of its own."""
+    add to: ``.grad`` itself when it is the home; else, once whoever kept the earlier
+    ``.grad`` (the home) got bytes of its own, ``-0.0`` (``-0.0 + g`` is ``g`` bit for
+    bit, negative zeros included) when ``.grad`` is None, or a copy of a ``.grad`` the
+    user assigned (which receives the sum after). Where this backward does not
+    accumulate into ``.grad`` (``torch.autograd.grad``, ``backward(inputs=...)`` without
+    the parameter), a tensor hook must see the gradient, or the parameter turned out to
+    get gradients from outside the stack too (eager adds those to the stack's before
+    adding into ``.grad``), the home is set aside for the replay and the gradient goes
+    back to autograd as a tensor of its own."""
 
-    __slots__ = ("param", "home", "node", "base_pyrefs", "base_refs", "_user", "_saved")
+    __slots__ = ("param", "home", "node", "base_pyrefs", "base_refs", "outside", "_user",
+                 "_saved", "_gave_none", "__weakref__")
 
     def __init__(self, param: nn.Parameter) -> None:
         self.param = param
-        g = param.grad
-        # A .grad assigned before the build (views into one flat buffer, as DDP's
-        # gradient_as_bucket_view makes) is the home: the graph adds into it directly.
-        fits = (g is not None and g.device == param.device and g.dtype == param.dtype
-                and g.shape == param.shape and g.stride() == param.stride())
-        self.home: torch.Tensor = g if fits else torch.empty_like(param)  # type: ignore[assignment]
+        self.home: torch.Tensor = torch.empty_like(param)
         # The parameter's gradient accumulator, held so that it stays the one autograd
         # uses: whether a backward runs it tells whether that backward fills .grad.
         node = param.view_as(param).grad_fn.next_functions[0][0]  # type: ignore[union-attr]
@@ -245,18 +243,33 @@ class _GradHome:
         self.node: torch.autograd.graph.Node = node
         self.base_pyrefs = 0
         self.base_refs = 0
+        #: the parameter gets gradients from outside the stack as well (a tied weight)
+        self.outside = False
         self._user: torch.Tensor | None = None
         self._saved: torch.Tensor | None = None
+        self._gave_none = False
+        _accumulator_runs_hooks_on_none()  # (asked here, not inside a backward)
+        me = weakref.ref(self)
+
+        def arrived(grads: tuple[torch.Tensor | None, ...]) -> None:
+            home = me()
+            if home is not None and home._gave_none and grads and grads[0] is not None:
+                home.outside = True  # from the next backward on: the gradient goes to autograd
+            if home is not None:
+                home._gave_none = False
+
+        node.register_prehook(arrived)
 
     def settle(self) -> None:
-        """After the build: count the references graphslot itself holds to the home."""
+        """Count the references graphslot itself holds to the home (no local names)."""
         self.base_pyrefs = sys.getrefcount(self.home)
         if _use_count is not None:
             self.base_refs = _use_count(_storage_id(self.home))
 
     def fills_grad(self) -> bool:
-        """Will the running backward accumulate into ``.grad``, with no tensor hook between?"""
-        if self.param._backward_hooks:
+        """Will the running backward accumulate into ``.grad``, with no tensor hook between
+        and nothing from outside the stack to add first?"""
+        if self.outside or self.param._backward_hooks:
             return False
         try:
             return bool(torch._C._will_engine_execute_node(self.node))
@@ -265,34 +278,41 @@ class _GradHome:
 
     def prepare(self, fills: bool) -> None:
         """Before the replay: make the home hold what the graph must add to."""
-        h = self.home
         if not fills:
-            self._saved = h.clone()
-            h.fill_(-0.0)
+            self._saved = self.home.clone()
+            self.home.fill_(-0.0)
             return
         g = self.param.grad
+        if g is not None and g is self.home:
+            return
+        if g is not None and (g.data_ptr() == self.home.data_ptr() and g.dtype == self.home.dtype
+                              and g.shape == self.home.shape and g.stride() == self.home.stride()):
+            return  # (a view of the home as it is: the graph adds into it)
+        self._release_to_holders()  # the earlier .grad, the home, may still be held
         if g is None:
-            self._release_to_holders()
             self.home.fill_(-0.0)
-        elif g.data_ptr() != h.data_ptr() or g.stride() != h.stride() or g.dtype != h.dtype:
-            h.copy_(g)
+        else:
+            self.home.copy_(g)
             self._user = g
 
     def finish(self) -> torch.Tensor | None:
         """After the replay: the gradient for autograd (None when ``.grad`` has it)."""
-        h, p = self.home, self.param
         if self._saved is not None:
-            grad = h.clone()
-            h.copy_(self._saved)
+            grad = self.home.clone()
+            self.home.copy_(self._saved)
             self._saved = None
             return grad
+        p = self.param
         if self._user is not None:
-            self._user.copy_(h)
+            self._user.copy_(self.home)
             self._user = None
         elif p.grad is None:
-            p.grad = h
-        # (autograd still runs the parameter's accumulator on the None returned for it, and
-        # with it the post-accumulate-grad hooks, which then see the sum in .grad)
+            p.grad = self.home
+        self._gave_none = True
+        if not _accumulator_runs_hooks_on_none():
+            # (older torch skips them when the accumulator gets no gradient)
+            for hook in (getattr(p, "_post_accumulate_grad_hooks", None) or {}).values():
+                hook(p)
         return None
 
     def abandon(self) -> None:
@@ -302,29 +322,58 @@ class _GradHome:
         self._saved = self._user = None
 
     def _release_to_holders(self) -> None:
-        """``.grad`` was set to None, but somebody may still hold the earlier one (the home,
-        or a view of it): give them their bytes before the graph writes the home, as eager
-        leaves an old ``.grad`` alone."""
-        h = self.home
-        held_obj = sys.getrefcount(h) > self.base_pyrefs + 1  # (+1: the local name h)
-        held_views = _use_count is not None and _use_count(_storage_id(h)) > self.base_refs
+        """Somebody may still hold the earlier ``.grad`` (the home, or a view of it): give
+        them their bytes before the graph writes the home, as eager leaves an old ``.grad``
+        alone."""
+        held_obj = sys.getrefcount(self.home) > self.base_pyrefs
+        held_views = _use_count is not None and _use_count(_storage_id(self.home)) > self.base_refs
         if not (held_obj or held_views):
             return
-        fresh = h.detach()  # graphslot's own handle on the address from now on
+        old = self.home
+        self.home = old.detach()  # graphslot's own handle on the address from now on
         if held_views:
+            lo, hi = old.data_ptr(), old.data_ptr() + old.untyped_storage().nbytes()
             with warnings.catch_warnings():  # isinstance() wakes deprecated module attributes
                 warnings.simplefilter("ignore")
-                held = [o for o in _tracked_objects() if isinstance(o, torch.Tensor)
-                        and o is not h and o is not fresh and o.device == h.device
-                        and o.data_ptr() >= h.data_ptr()
-                        and o.untyped_storage()._cdata == h.untyped_storage()._cdata]
-            for o in held:
+                views = [o for o in _tracked_objects() if isinstance(o, torch.Tensor)
+                         and o is not old and o is not self.home and o.device == old.device
+                         and lo <= o.data_ptr() < hi
+                         and o.untyped_storage()._cdata == old.untyped_storage()._cdata]
+            for o in views:
                 o.data = o.clone()
+            del views
         if held_obj:
-            h.data = h.clone()
-        self.home = fresh
-        del h
+            old.data = old.clone()
+        del old
         self.settle()
+
+
+_hooks_on_none: bool | None = None
+
+
+def _accumulator_runs_hooks_on_none() -> bool:
+    """Does autograd run a parameter's post-accumulate-grad hooks when its accumulator gets
+    no gradient (a Function returned None for it)? Newer torch does; asked once."""
+    global _hooks_on_none
+    if _hooks_on_none is None:
+        p = torch.zeros(1, requires_grad=True)
+        ran: list[int] = []
+        p.register_post_accumulate_grad_hook(lambda _: ran.append(1))
+
+        class _NoneForP(torch.autograd.Function):
+            @staticmethod
+            def forward(ctx: Any, x: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+                return x * 2
+
+            @staticmethod
+            def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None]:
+                return g * 2, None
+
+        x = torch.zeros(1, requires_grad=True)
+        with torch.enable_grad():
+            _NoneForP.apply(x, p).sum().backward()
+        _hooks_on_none = bool(ran)
+    return _hooks_on_none
 
 
 def _backward_into(targets: Sequence[torch.Tensor | None], out: torch.Tensor,

@@ -849,3 +849,109 @@ def test_gradients_stay_out_of_the_graphs_pool(clean, main_grad):
         pytest.skip(f"the {b.name} backend cannot tell its graphs' pool")
     print(f"pool {pool / 2**20:.1f} MiB, gradients {grad_bytes / 2**20:.1f} MiB")
     assert pool < grad_bytes, (pool, grad_bytes)
+
+
+# -- gradient homes against eager, where a reviewer broke them -------------------------
+
+
+@pytest.mark.parametrize("mode", ["resident", "remap", "off"])
+def test_a_grad_assigned_over_a_kept_one_leaves_the_kept_one_alone(clean, mode):
+    """The old .grad kept (per-task gradients), a fresh .grad assigned, another backward:
+    the kept tensors keep their values and the fresh one gets the gradient, as in eager."""
+    b = clean
+
+    def session(model: TinyGPT) -> list[torch.Tensor]:
+        ps = block_params(model)
+        model(*model.batch(0, b.device)).backward()
+        kept = [p.grad for p in ps]
+        for p in ps:
+            p.grad = torch.zeros_like(p)
+        model(*model.batch(1, b.device)).backward()
+        return [k.clone() for k in kept] + [p.grad.clone() for p in ps]
+
+    base = small(b)
+    want = session(copy.deepcopy(base))
+    model = copy.deepcopy(base)
+    with graphed(model, b, mode):
+        assert_bitwise(session(model), want)
+
+
+@pytest.mark.parametrize("mode", ["resident", "remap"])
+@pytest.mark.parametrize("flat", [False, True], ids=["own-tensors", "views-of-one-buffer"])
+def test_grads_assigned_before_the_build_and_kept_stay_the_users(clean, mode, flat):
+    """.grad assigned before the build (separate tensors, or views into one flat buffer as
+    DDP's gradient_as_bucket_view makes) and referenced by the user across
+    zero_grad(set_to_none=True): what the user holds is never written by a later backward,
+    and every step's .grad is eager's."""
+    b = clean
+
+    def session(model: TinyGPT, build: Callable[[TinyGPT], nn.Module] | None = None) -> list[torch.Tensor]:
+        ps = block_params(model)
+        if flat:
+            buf = torch.zeros(sum(p.numel() for p in ps), device=b.device)
+            o = 0
+            for p in ps:
+                p.grad = buf[o:o + p.numel()].view_as(p)
+                o += p.numel()
+        else:
+            for p in ps:
+                p.grad = torch.zeros_like(p)
+        kept = [p.grad for p in ps]
+        stack = build(model) if build is not None else None
+        out: list[torch.Tensor] = []
+        try:
+            for step in range(3):
+                model(*model.batch(step, b.device)).backward()
+                out += [p.grad.clone() for p in ps]
+                if step == 0:
+                    view = ps[0].grad.view(-1)  # a view of one old .grad, kept
+                for p in ps:
+                    p.grad = None
+        finally:
+            if stack is not None:
+                stack.close()
+        return out + [k.clone() for k in kept] + [view.clone()]
+
+    base = small(b)
+    want = session(copy.deepcopy(base))
+    assert_bitwise(session(copy.deepcopy(base), lambda m: graphed(m, b, mode)), want)
+
+
+class _TiedBlock(nn.Module):
+    def __init__(self, lin: nn.Linear) -> None:
+        super().__init__()
+        self.lin = lin
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.lin(x))
+
+
+@pytest.mark.parametrize("mode", ["resident", "off"])
+def test_a_parameter_also_used_outside_the_stack_accumulates_as_in_eager(clean, mode):
+    """A weight used by a graphed layer and again after the stack, four microbatches a
+    step: eager adds the two parts together before adding them into .grad, and so must
+    the stack (a gradient home added into inside the graph would not)."""
+    b = clean
+    torch.manual_seed(0)
+    tied = nn.Linear(64, 64).to(b.device)
+    base = nn.ModuleList([_TiedBlock(tied), _TiedBlock(nn.Linear(64, 64).to(b.device))])
+
+    def session(blocks: nn.ModuleList, stack: nn.Module) -> list[torch.Tensor]:
+        opt = torch.optim.SGD(blocks.parameters(), lr=0.1)
+        out: list[torch.Tensor] = []
+        for step in range(3):
+            for k in range(4):
+                g = torch.Generator().manual_seed(100 * step + k)
+                x = torch.randn(32, 64, generator=g).to(b.device)
+                (blocks[0].lin(stack(x)) ** 2).mean().backward()
+            out += [p.grad.clone() for p in blocks.parameters()]
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        return out
+
+    eager = copy.deepcopy(base)
+    want = session(eager, nn.Sequential(*eager))
+    blocks = copy.deepcopy(base)
+    with GraphedLayers(list(blocks), torch.zeros(32, 64, device=b.device), mode=mode,
+                       backend=b, layers_per_graph=1) as stack:
+        assert_bitwise(session(blocks, stack), want)
