@@ -140,6 +140,20 @@ def _tracked_objects() -> list[Any]:
         gc.freeze()
 
 
+def _give_holders_own_bytes(t: torch.Tensor, lo: int, hi: int, spare: Sequence[torch.Tensor]) -> None:
+    """Every tensor the program holds over ``t``'s storage, starting in ``[lo, hi)``, except
+    ``spare``, gets a copy of its bytes of its own (the same object: references stay good),
+    before graphslot writes that memory again."""
+    storage = t.untyped_storage()._cdata
+    with warnings.catch_warnings():  # isinstance() wakes deprecated module attributes
+        warnings.simplefilter("ignore")
+        held = [o for o in _tracked_objects() if isinstance(o, torch.Tensor)
+                and all(o is not x for x in spare) and o.device == t.device
+                and lo <= o.data_ptr() < hi and o.untyped_storage()._cdata == storage]
+    for o in held:
+        o.data = o.clone()
+
+
 @contextlib.contextmanager
 def _parameters_as(module: nn.Module, alias_of: dict[int, torch.Tensor]) -> Iterator[None]:
     """Run ``module`` with each parameter ``p`` replaced by ``alias_of[id(p)]`` wherever it
@@ -282,12 +296,11 @@ class _GradHome:
             self._saved = self.home.clone()
             self.home.fill_(-0.0)
             return
-        g = self.param.grad
-        if g is not None and g is self.home:
-            return
-        if g is not None and (g.data_ptr() == self.home.data_ptr() and g.dtype == self.home.dtype
-                              and g.shape == self.home.shape and g.stride() == self.home.stride()):
-            return  # (a view of the home as it is: the graph adds into it)
+        g, h = self.param.grad, self.home
+        if g is not None and (g is h or g.data_ptr() == h.data_ptr() and g.dtype == h.dtype
+                              and g.shape == h.shape and g.stride() == h.stride()):
+            return  # .grad is the home (or a view of it as it is): the graph adds into it
+        del h  # (no local name on the home while its holders are counted)
         self._release_to_holders()  # the earlier .grad, the home, may still be held
         if g is None:
             self.home.fill_(-0.0)
@@ -332,16 +345,8 @@ class _GradHome:
         old = self.home
         self.home = old.detach()  # graphslot's own handle on the address from now on
         if held_views:
-            lo, hi = old.data_ptr(), old.data_ptr() + old.untyped_storage().nbytes()
-            with warnings.catch_warnings():  # isinstance() wakes deprecated module attributes
-                warnings.simplefilter("ignore")
-                views = [o for o in _tracked_objects() if isinstance(o, torch.Tensor)
-                         and o is not old and o is not self.home and o.device == old.device
-                         and lo <= o.data_ptr() < hi
-                         and o.untyped_storage()._cdata == old.untyped_storage()._cdata]
-            for o in views:
-                o.data = o.clone()
-            del views
+            lo = old.data_ptr()
+            _give_holders_own_bytes(old, lo, lo + old.untyped_storage().nbytes(), (old, self.home))
         if held_obj:
             old.data = old.clone()
         del old
@@ -424,9 +429,9 @@ class _Runner:
         #: with ``main_grad=True``: each parameter's main_grad, which the backward graph adds into
         self.main_grads: list[torch.Tensor] | None = (
             [getattr(p, "main_grad") for p in self.params] if stack.main_grad else None)
-        #: where no layer keeps activations in the pool: each parameter's gradient home the
-        #: backward graph adds into (None for one that stays with a pool buffer)
-        self.homes: list[_GradHome | None] | None = None
+        #: where no layer keeps activations in the pool: (position among ``params``, its
+        #: gradient home the backward graph adds into) for each parameter that has one
+        self.homes: list[tuple[int, _GradHome]] = []
         # Warm-up and capture differentiate with respect to aliases of the parameters (same
         # memory, so the graphs read the very same addresses): the parameters' own tensor
         # hooks must run at each real backward, not once baked into a graph, and their
@@ -574,11 +579,12 @@ class _Runner:
         if targets is None and self.stack._grad_homes and differentiable:
             # Shared parameters (eager adds their parts first, then into .grad) and hooked
             # ones (the hook sees each gradient) keep a pool buffer.
-            homes = [None if id(p) in shared or p._backward_hooks else _GradHome(p)
-                     for p in self.params]
-            if any(h is not None for h in homes):
-                self.homes = homes
-                targets = [None if h is None else h.home for h in homes]
+            self.homes = [(k, _GradHome(p)) for k, p in enumerate(self.params)
+                          if id(p) not in shared and not p._backward_hooks]
+            if self.homes:
+                by_param = dict(self.homes)
+                targets = [by_param[k].home if k in by_param else None
+                           for k in range(len(self.params))]
         try:
             if differentiable:
                 bwd = self.stack._new_graph()
@@ -648,9 +654,8 @@ class _Runner:
         for pg in self.grads:
             if pg is not None:
                 pg.settle()
-        for h in self.homes or ():
-            if h is not None:
-                h.settle()
+        for _, h in self.homes:
+            h.settle()
 
     # -- run -------------------------------------------------------------------------------
 
@@ -759,9 +764,9 @@ class _Runner:
             if rng is not None:  # the recompute draws what this microbatch's forward drew,
                 newest = rng.position()  # and the next forward goes on from the newest one
                 rng.seek(at)
-            homes = [h for h in self.homes or () if h is not None]
+            homes = self.homes
             with torch.no_grad():
-                for h in homes:
+                for _, h in homes:
                     h.prepare(h.fills_grad())
             try:
                 if stack._tracing:
@@ -773,7 +778,7 @@ class _Runner:
                     graph.replay()
             except BaseException:
                 with torch.no_grad():
-                    for h in homes:
+                    for _, h in homes:
                         h.abandon()
                 raise
             finally:
@@ -782,9 +787,8 @@ class _Runner:
             out = self._grads_out()
             if homes:
                 with torch.no_grad():
-                    for k, home in enumerate(self.homes or ()):
-                        if home is not None:
-                            out[k] = home.finish()
+                    for k, h in homes:
+                        out[k] = h.finish()
             lent = [pg for pg in self.grads if pg is not None and not pg.copy]
             if lent:
                 stack._lent[self.index] = lent
@@ -844,13 +848,7 @@ class _Runner:
     def _move_out(self, pg: _ParamGrad) -> None:
         """Somebody kept an earlier ``.grad`` that is this buffer: give it a copy of its own
         bytes before the graph overwrites them, and hand this parameter copies from now on."""
-        with warnings.catch_warnings():  # isinstance() wakes deprecated module attributes
-            warnings.simplefilter("ignore")
-            held = [o for o in _tracked_objects() if isinstance(o, torch.Tensor) and o is not pg.buf
-                    and o.device == pg.buf.device and o.data_ptr() == pg.ptr]
-        for o in held:
-            if o.untyped_storage()._cdata == pg.storage:
-                o.data = o.clone()
+        _give_holders_own_bytes(pg.buf, pg.ptr, pg.ptr + 1, (pg.buf,))
         pg.copy = True
 
     def _grads_out(self) -> list[torch.Tensor | None]:

@@ -159,7 +159,7 @@ def test_where_every_layer_offloads_grad_is_one_home_for_good(clean, mode, set_t
             opt.zero_grad(set_to_none=set_to_none)
         assert seen[0] == seen[1] == seen[2] if not set_to_none else \
             [ptr for _, ptr in seen[0]] == [ptr for _, ptr in seen[2]]
-        homes = {h.home.data_ptr() for r in stack._runners for h in r.homes or () if h is not None}
+        homes = {h.home.data_ptr() for r in stack._runners for _, h in r.homes}
         assert {ptr for _, ptr in seen[2]} == homes and len(homes) == len(params)
 
 
