@@ -507,7 +507,7 @@ class _Runner:
         b.wait_event(b.current_stream(), b.record_event(b.new_event(), side))
         b.synchronize()
 
-        if g.offload_enabled:
+        if g.wants_offload:
             # Discovery under capture: kernels may save other tensors when captured than
             # when run eagerly (SDPA's memory-efficient kernel saves its RNG seed and
             # offset as device tensors only under capture), so the slot is laid out from
@@ -538,7 +538,7 @@ class _Runner:
                               "other numbers in its backward than in its forward", stacklevel=2)
         drawing = self._attach_rng(fwd)
         g.begin_capture()
-        if g.offload_enabled:
+        if g.wants_offload:
             def pack(t: torch.Tensor) -> torch.Tensor:
                 return t if is_state(t) else g.save_tensor(t)
 
@@ -1255,7 +1255,7 @@ class GraphedLayers(nn.Module):
                 self._free_boundary(runners[i - 1], r)
         last = runners[-1]
         # (an output that views the layer's input stays: the input is another's buffer)
-        if last.group.offload_enabled and not _shares_storage(last.static_out, last.static_in):
+        if last.group.wants_offload and not _shares_storage(last.static_out, last.static_in):
             # The stack's output buffer is copied for the caller right after its replay;
             # nothing else reads it (a saved output is in the slot): the backward graphs,
             # captured next, may use its bytes.
@@ -1318,7 +1318,7 @@ class GraphedLayers(nn.Module):
         and by nothing after it when both layers offload every saved tensor (a saved input
         is copied into ``b``'s slot): give its bytes back to the pool, so later captures
         reuse them instead of each boundary holding an activation's worth for good."""
-        if not (a.group.offload_enabled and b.group.offload_enabled) or a is self._runners[-1]:
+        if not (a.group.wants_offload and b.group.wants_offload) or a is self._runners[-1]:
             return
         if _shares_storage(b.static_out, b.static_in):  # b hands on a view of its input
             return

@@ -91,13 +91,13 @@ def _watched(b: Any) -> list[tuple[Any, list[str]]]:
     from graphslot.offload import OffloadGroup, KeptOnDevice, ResidentBanks
 
     return [
-        (OffloadEngine, ["before_forward", "after_forward", "prefetch_forward", "_let_held_go",
-                         "restore", "wait_restored", "restore_ahead", "consumed", "ticket",
-                         "_copy_in", "_free_slot"]),
+        (OffloadEngine, ["before_forward", "after_forward", "prefetch_forward",
+                         "_queue_held_copy_out", "restore", "wait_restored", "restore_ahead",
+                         "consumed", "ticket", "_free_slot"]),
         (gt._Runner, ["forward", "_replay_backward", "_grads_out"]),
-        (OffloadGroup, ["_take_stash"]),
+        (OffloadGroup, ["take_stash"]),
         (KeptOnDevice, ["claim"]),
-        (ResidentBanks, ["before_forward", "restore"]),
+        (ResidentBanks, ["before_forward", "restore", "copy_out", "_copy_in"]),
         (Backend, ["copy_async", "record_event", "wait_event", "query_event", "new_event"]),
         (type(b), ["vendor_new_event", "current_stream"]),
     ]

@@ -116,9 +116,9 @@ class Harness:
 
         b.copy_async = copy  # type: ignore[method-assign]  # undone in close()
 
-        # _take_stash: a buffer handed out again must not be read by a copy in still.
+        # take_stash: a buffer handed out again must not be read by a copy in still.
         for g in self.groups:
-            real_take = g._take_stash
+            real_take = g.take_stash
 
             def take(real_take=real_take, g=g):
                 st = real_take()
@@ -129,7 +129,7 @@ class Harness:
                         if n:
                             raise AssertionError(f"{g.name}: stash taken while {n} copies in still read it")
                 return st
-            g._take_stash = take
+            g.take_stash = take
 
     # values ---------------------------------------------------------------------------
     def pattern(self, g, v):

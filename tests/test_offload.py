@@ -192,7 +192,7 @@ def test_kept_activations_move_out_for_another_microbatch_and_back_for_their_bac
     eng = OffloadEngine(b, "resident")
     try:
         g = eng.group("kept", offload=False)
-        assert not g.offload_enabled and not g.offloads
+        assert not g.wants_offload and not g.offloads
         g.allocate()
         g.begin_capture()
         g.finish_capture()
@@ -808,7 +808,7 @@ def test_a_forward_whose_copy_out_fails_gives_its_slot_back_when_abandoned(engin
     eng, groups = _captured_groups(b, 2, mode)
     try:
         g = groups[0]
-        monkeypatch.setattr(g, "_take_stash", lambda: (_ for _ in ()).throw(MemoryError("no pinned memory")))
+        monkeypatch.setattr(g, "take_stash", lambda: (_ for _ in ()).throw(MemoryError("no pinned memory")))
         t = eng.before_forward(g, 1)
         with pytest.raises(MemoryError):  # the copy out is queued at the next call
             eng.after_forward(t)

@@ -1,0 +1,98 @@
+"""Graph-safe activation offload through fixed-VA slots.
+
+One :class:`OffloadGroup` holds the saved activations of one graphed unit (a layer).
+Its life, and the life of each forward pass through it (a *ticket*), follow one state
+enum, :class:`State`, and one transition table, :data:`TRANSITIONS`::
+
+    group:   DISCOVERING --allocate--> ALLOCATED --begin_capture--> CAPTURING --finish_capture--> READY
+    ticket:  READY --offload--> HELD --offload--> RELEASED (remap) | RESIDENT_PENDING (resident)
+             (the newest forward stays HELD until the engine is next asked for more)
+             --restore--> RESTORING --wait_restored--> RESTORED --consumed--> DONE
+             HELD --restore--> RESTORING (its own backward came next: nothing is copied)
+             READY --offload--> KEPT (kept on the device) [--park--> PARKED] --wait_restored--> RESTORED
+             READY --forget--> DONE (a forward that no backward follows)
+
+* Discovery: an eager warm-up records each saved tensor's shape, stride, dtype and device.
+* Allocation (outside capture): the slot's place in a *bank* (a fixed-VA region shared by
+  the groups of its size class, one forward at a time), and reusable host buffers.
+* Capture: each saved tensor is copied device to device into its place in the slot; the
+  backward graph records the slot's address. Count, order, shape, stride, dtype, device and
+  ``data_ptr() == slot VA`` are checked.
+* Sections: a bank's bytes move to and from the host in sections of about
+  :data:`SECTION_BYTES`, each with events of its own. Where the backend's graphs hold
+  events (``Backend.graph_events``), the forward graph itself waits, before it writes a
+  section, for the copy that took the previous occupant's bytes of that section out, and
+  records when it has written a section; the backward graph waits, before it reads a
+  section, for that section's copy back, and records when it is done with one (at the
+  next autograd node). So a copy out starts while the forward still runs, the next
+  layer's forward starts while the copy out still runs, and a layer's restore fills its
+  bank section by section as the backward before it lets go of them: one bank per size
+  class is as fast as two. Elsewhere the same section copies are fenced from the host.
+* Forward offload: after the forward replay, a copy stream copies the slot to a host
+  buffer section by section. No host synchronisation. The newest forward is *held*: its
+  copy is queued by the next forward, a restore of another ticket, the engine's ``settle``
+  or ``close``; when its own backward comes first (the last layer of a pass), the
+  activations never leave the bank and neither copy runs.
+* Resident banks (two per size class, mapped for good) make no driver call in a step.
+  Remap banks (one per size class where sections stream, else two) are mapped while
+  anything is in flight and unmapped and released once nothing is, on a driver worker
+  thread, after the device is done with them.
+* Backward restore: a host to device copy into the bank at the same VA, section by
+  section in the order the backward graph reads them.
+
+Where a group's activations are between forward and backward is a :class:`Residency`:
+:class:`ResidentBanks`, :class:`RemapBanks`, or, for groups that do not offload (mode
+off, or layers left on the device), :class:`KeptOnDevice` (in the graph's own memory,
+moved to a device buffer of their own while another microbatch's graphs run). The engine
+keeps the tickets and decides when; the residency does the copies, fences and pages, and
+is all that differs between the modes.
+
+The modules depend one way (an import-linter contract holds it), each importing only
+those below it:
+
+* :mod:`.engine` - :class:`OffloadEngine`: scheduling only.
+* :mod:`.group` - :class:`OffloadGroup`: discovery, slot layout, capture, host buffers.
+* :mod:`.residency` - banks, fences, the per-section copies, the residencies.
+* :mod:`.tickets` - :class:`Ticket` (one forward pass) and its :class:`Stash`.
+* :mod:`.states` (the transition table), :mod:`.saved` (saved-tensor specs, the rules
+  for what is never offloaded, sections) and :mod:`.worker` (:class:`DriverWorker`), which
+  import nothing of the package.
+
+A lower module sees the ones above through protocols of its own (``EngineHooks``,
+``SlotGroup``, ``GroupHost``), which the engine and the group implement. This package
+imports only the interface modules of graphslot (backend, errors, sizes).
+"""
+
+
+from .engine import OffloadEngine
+from .group import OffloadGroup
+from .residency import Bank, KeptOnDevice, RemapBanks, Residency, ResidentBanks, SlotFences
+from .saved import (SECTION_BYTES, SavedTensorSpec, never_offloaded, recording_saved_tensors,
+                    sections_of, state_storages)
+from .states import TRANSITIONS, Mode, State
+from .tickets import Stash, Ticket
+from .worker import EXIT_WAIT_S, DriverWorker
+
+__all__ = [
+    "Mode",
+    "State",
+    "TRANSITIONS",
+    "Ticket",
+    "Stash",
+    "SavedTensorSpec",
+    "OffloadGroup",
+    "OffloadEngine",
+    "DriverWorker",
+    "EXIT_WAIT_S",
+    "Residency",
+    "KeptOnDevice",
+    "ResidentBanks",
+    "RemapBanks",
+    "Bank",
+    "SlotFences",
+    "SECTION_BYTES",
+    "sections_of",
+    "never_offloaded",
+    "state_storages",
+    "recording_saved_tensors",
+]

@@ -1,0 +1,110 @@
+"""What a forward saves: :class:`SavedTensorSpec`, the rules for what is never
+offloaded, and the section and alignment sizes slots are cut in. Imports nothing of the
+package."""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, Iterator
+
+import torch
+
+from ..backend import align_up
+from ..sizes import view_extent
+
+SLOT_ALIGN = 256  #: byte alignment of each saved tensor inside a slot
+#: a bank's bytes move to and from the host in sections of about this many bytes, each
+#: with events of its own (see the package docstring). A copy's cost is its bytes past a
+#: few MiB; below that the calls and events per section start to count.
+SECTION_BYTES = 32 << 20
+
+
+def sections_of(size: int, section_bytes: int = SECTION_BYTES) -> list[tuple[int, int]]:
+    """``[start, end)`` byte ranges cutting ``size`` bytes into about equal sections of
+    about ``section_bytes`` (as many as ``section_bytes`` asks for, each start 256-byte
+    aligned, so a section may be up to 255 bytes longer; the last may be shorter)."""
+    n = max(1, -(-size // max(section_bytes, SLOT_ALIGN)))
+    step = align_up(-(-size // n), SLOT_ALIGN)
+    return [(a, min(a + step, size)) for a in range(0, size, step)]
+
+@dataclass(frozen=True)
+class SavedTensorSpec:
+    """What discovery saw of one saved tensor, and where it lives in the slot.
+
+    Saved tensors that view one storage (a tensor saved twice, the q/k/v slices of one
+    projection) share one region of the slot laid out like that storage, so their bytes
+    are held and moved once, as the graph's own pool would hold them.
+    """
+
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    dtype: Any
+    device: str
+    nbytes: int
+    offset: int = 0  #: slot byte offset of the first element (set by layout)
+    offload: bool = True  #: False: kept on the device (below the size threshold)
+    storage: int = -1  #: which saved storage it views, in order of first sight; -1: its own region
+    storage_offset: int = 0  #: byte offset of the first element inside that storage
+    extent: int = 0  #: bytes from the first element to just past the last
+
+    @staticmethod
+    def of(t: torch.Tensor, storages: dict[int, int] | None = None) -> SavedTensorSpec:
+        """Describe ``t``; with ``storages`` (data pointer -> index, filled in as seen)
+        it is placed with the other saved views of its storage."""
+        es = t.element_size()
+        shape, stride = tuple(t.shape), tuple(t.stride())
+        extent = view_extent(shape, stride, es)
+        sid = -1
+        overlaps = any(step == 0 and n > 1 for n, step in zip(shape, stride))  # expanded: copy densely
+        if storages is not None and not overlaps and t.numel():
+            sid = storages.setdefault(t.untyped_storage().data_ptr(), len(storages))
+        return SavedTensorSpec(shape, stride, t.dtype, str(t.device), t.numel() * es,
+                               storage=sid, storage_offset=int(t.storage_offset()) * es, extent=extent)
+
+    def describe(self) -> str:
+        return f"{list(self.shape)} stride {list(self.stride)} {self.dtype} on {self.device}"
+
+
+def state_storages(modules: Iterable[Any]) -> set[int]:
+    """Data pointers of the storages of ``modules``' parameters and buffers (a wrapper
+    tensor subclass with no storage of its own to ask is skipped)."""
+    out = set()
+    for m in modules:
+        for t in [*m.parameters(), *m.buffers()]:
+            with contextlib.suppress(Exception):
+                out.add(t.untyped_storage().data_ptr())
+    return out
+
+
+def never_offloaded(t: torch.Tensor, device_type: str, state: set[int]) -> bool:
+    """The one rule for what activation offload leaves where it is: parameters and buffers
+    (and views of them: their storage is in ``state``, see :func:`state_storages`), and
+    tensors that cost the device nothing (empty, or not on a ``device_type`` device, such
+    as the host-side RNG seeds some kernels save)."""
+    return t.device.type != device_type or t.numel() == 0 or t.untyped_storage().data_ptr() in state
+
+
+@contextlib.contextmanager
+def recording_saved_tensors(record: Callable[[torch.Tensor], None]) -> Iterator[None]:
+    """Run a forward that no backward follows, handing each tensor autograd saves to
+    ``record``.
+
+    The tensors are held here until the block ends, so no storage is freed and its address
+    reused meanwhile (saved views are told apart by address), and autograd keeps none of
+    them: a hook that returned a node's own output (SDPA saves its result) would tie the
+    node to itself through C++, where no garbage collection sees it, and the memory would
+    stay allocated for the life of the process.
+    """
+    held: list[torch.Tensor] = []
+
+    def pack(t: torch.Tensor) -> None:
+        record(t)
+        held.append(t)
+
+    def unpack(_packed: None) -> torch.Tensor:
+        raise AssertionError("graphslot: a recording forward is never differentiated")
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+        yield
+    held.clear()
