@@ -75,14 +75,13 @@ from torch import nn
 
 from graphslot.backend import Backend, DeviceGraph, RngStream
 from graphslot.budget import (OFFLOAD, RECOMPUTE, BudgetPlan, StackProfile, banks_bytes,
-                              parse_budget, plan_budget)
+                              fit_budget, parse_budget)
 from graphslot.errors import CaptureMismatchError, StateError, UsageError
 from graphslot.memory import saved_bytes_per_layer, settle
 from graphslot.offload import (SECTION_BYTES, Mode, OffloadEngine, OffloadGroup, never_offloaded,
                                recording_saved_tensors, state_storages)
 from graphslot.profile import copy_bandwidth, held_bytes, profile_units
 from graphslot.selection import get_backend
-from graphslot.sizes import format_bytes
 
 __all__ = ["JOIN_BYTES", "GraphedLayers", "plan_graphs"]
 
@@ -986,9 +985,10 @@ class GraphedLayers(nn.Module):
             holds when the stack is built), a size string (``"12GiB"``), or ``"auto"``
             (save memory only where the planner predicts it costs no time). The stack
             measures its layers (:mod:`graphslot.profile`) and plans each graph's layers
-            kept, offloaded or recomputed (:func:`graphslot.budget.plan_budget`), then
-            checks what its build holds against the budget and plans again when the
-            graphs hold more than predicted. ``plan`` says what was chosen. What the
+            kept, offloaded or recomputed, then checks what its build holds against the
+            budget and plans again where the graphs hold more or less than predicted
+            (:func:`graphslot.budget.fit_budget`); a budget the model calls too small has
+            its least plan built before it is refused. ``plan`` says what was chosen. What the
             step makes outside the stack after the build (the loss, the output's
             gradient) comes on top. Not with ``offload_layers`` or ``recompute_layers``.
         layers_per_graph: how many consecutive layers each device graph covers. ``None``
@@ -1155,17 +1155,22 @@ class GraphedLayers(nn.Module):
 
     def _make_planned(self, budget: int | str, modes: tuple[str, ...], layers_per_graph: int | None,
                       saved: list[int] | None, sample: torch.Tensor, section_bytes: int) -> None:
-        """Profile the stack, plan the budget, build, and check what the build holds: where
-        the graphs hold more than the model said and the budget no longer fits, plan again
-        with the difference counted and build once more."""
+        """Profile the stack, plan the budget and build, checking what each build holds
+        (:func:`~graphslot.budget.fit_budget`: where the graphs hold more or less than the
+        model said, the difference is counted and the plan made again)."""
         b, n = self.backend, len(self.layers)
-        auto = isinstance(budget, str) and budget.strip().lower() == "auto"
-        limit = None if auto else parse_budget(budget)  # (a bad one fails before any work)
+        if not (isinstance(budget, str) and budget.strip().lower() == "auto"):
+            parse_budget(budget)  # (a bad one fails before any work)
         units = plan_graphs(n, set(), layers_per_graph, saved)
         profile = self._profile(units, sample, section_bytes)
         mapped_before = b.ledger.mapped_bytes  # (other stacks' pages, say)
-        for attempt in range(3):
-            plan = plan_budget(profile, "auto" if limit is None else limit, modes=modes)
+        builds = 0
+
+        def build(plan: BudgetPlan) -> int | None:
+            nonlocal builds
+            if builds:
+                self._unmake()
+            builds += 1
             per_layer = tuple(plan.choices[k] for k, ls in enumerate(units) for _ in ls)
             self.plan = replace(plan, choices=per_layer)
             recomputed = set(self.plan.layers(RECOMPUTE))
@@ -1175,24 +1180,17 @@ class GraphedLayers(nn.Module):
             settle(b)
             held = held_bytes(b)
             if held is None:
-                return  # the allocator cannot tell: the model's figure stands
+                return None  # the allocator cannot tell: the model's figure stands
             # What the step adds to what the build holds: the banks it has not mapped now
             # (remap maps them only while a pass runs), and the copy of the output the
             # caller gets, as far as the allocator needs memory for it.
             banks = banks_bytes(profile, plan.choices, plan.mode)
             unmapped = max(0, banks - (b.ledger.mapped_bytes - mapped_before))
-            measured = held + unmapped + self._output_copy_bytes(held)
-            self.plan = replace(self.plan, predicted_peak_bytes=measured)
-            over = measured - plan.predicted_peak_bytes
-            if limit is None or measured <= limit or attempt == 2 or over <= 0:
-                if limit is not None and measured > limit:
-                    warnings.warn(f"GraphedLayers: the plan for memory_budget {budget!r} holds "
-                                  f"{format_bytes(measured)} after its build, over the budget; "
-                                  "the layers' memory differs from what their profile showed")
-                return
-            # The graphs hold more than the profile said: count it as fixed, plan again.
-            profile = replace(profile, fixed_bytes=profile.fixed_bytes + over)
-            self._unmake()
+            return held + unmapped + self._output_copy_bytes(held)
+
+        plan = fit_budget(profile, budget, build, modes=modes)
+        self.plan = replace(plan, choices=tuple(plan.choices[k] for k, ls in enumerate(units)
+                                                for _ in ls))
 
     def _output_copy_bytes(self, held: int) -> int:
         """What the caller's copy of the stack's output adds to ``held`` (what the process

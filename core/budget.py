@@ -34,7 +34,7 @@ from __future__ import annotations
 import functools
 import itertools
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Callable, Iterable, Sequence
 
 from .errors import UsageError
@@ -43,7 +43,7 @@ from .sizes import format_bytes
 
 __all__ = ["KEEP", "OFFLOAD", "RECOMPUTE", "CHOICES", "LayerCost", "StackProfile", "BudgetPlan",
            "predict_step_ms", "predict_peak_bytes", "banks_bytes", "slot_bytes", "bound_ms", "lower_bound_ms", "plan_budget",
-           "smallest_peak", "parse_budget"]
+           "smallest_peak", "parse_budget", "fit_budget"]
 
 KEEP, OFFLOAD, RECOMPUTE = "keep", "offload", "recompute"
 CHOICES = (KEEP, OFFLOAD, RECOMPUTE)
@@ -57,6 +57,8 @@ AUTO_SLACK = 0.01
 EXHAUSTIVE_LAYERS = 8
 #: the local search starts from this many of the best position patterns
 SEARCH_STARTS = 12
+#: :func:`fit_budget` builds at most this many plans (then the one that fitted, again)
+FIT_BUILDS = 4
 
 
 @dataclass(frozen=True)
@@ -197,8 +199,7 @@ class BudgetPlan:
         return d
 
     def __str__(self) -> str:
-        short = "".join({KEEP: "K", OFFLOAD: "O", RECOMPUTE: "R"}[c] for c in self.choices)
-        return (f"{short} ({self.mode}): peak {format_bytes(self.predicted_peak_bytes)}, "
+        return (f"{_short(self.choices)} ({self.mode}): peak {format_bytes(self.predicted_peak_bytes)}, "
                 f"step {self.predicted_step_ms:.1f} ms (lower bound {self.lower_bound_ms:.1f}); "
                 f"{self.reason}")
 
@@ -573,6 +574,87 @@ def plan_budget(profile: StackProfile, budget: int | str | None, *,
         reason = (f"the fastest plan that fits: {best.step / keep_all.step:.2f} x the step "
                   "that keeps everything")
     return _plan(profile, best, limit, reason, exhaustive, modes)
+
+
+def fit_budget(profile: StackProfile, budget: int | str | None,
+               build: Callable[[BudgetPlan], int | None], *, exhaustive: bool | None = None,
+               modes: Sequence[str] = MODES) -> BudgetPlan:
+    """The fastest plan whose peak, as built, fits ``budget``: plan from the model, build,
+    and where what the build holds differs from the model's figure, count the difference
+    in the profile's fixed memory and plan again (the model's figure is an estimate; the
+    build's is what the step will hold). A budget the model calls too small gets its
+    least plan built before it is refused.
+
+    Args:
+        profile, budget, exhaustive, modes: as :func:`plan_budget`.
+        build: builds a plan and returns the peak it will hold, measured (None: it cannot
+            tell, and the model's figure stands). The plan of its last call is the one
+            returned: the caller holds what it built last.
+
+    Returns:
+        The plan, its ``predicted_peak_bytes`` the measured figure where there is one.
+
+    Raises:
+        UsageError: as :func:`plan_budget`; or no plan fits once built (the message
+            names the least that a built plan held).
+    """
+    def built(plan: BudgetPlan) -> tuple[BudgetPlan, int | None]:
+        got = build(plan)
+        return (plan if got is None else replace(plan, predicted_peak_bytes=got)), got
+
+    if budget is None or (isinstance(budget, str) and budget.strip().lower() == "auto"):
+        return built(plan_budget(profile, budget, exhaustive=exhaustive, modes=modes))[0]
+    limit = parse_budget(budget)
+    fitted: BudgetPlan | None = None  # the fastest plan that fitted once built
+    least: BudgetPlan | None = None   # the least a built plan held
+    tried: set[tuple[tuple[str, ...], str]] = set()
+    last: BudgetPlan | None = None
+    for _ in range(FIT_BUILDS):
+        try:
+            plan = plan_budget(profile, limit, exhaustive=exhaustive, modes=modes)
+        except UsageError:
+            if tried:
+                break  # corrected by a build, nothing fits any more
+            # (the least plan the model knows: planned for its own predicted peak)
+            plan = plan_budget(profile, smallest_peak(profile, exhaustive, modes),
+                               exhaustive=exhaustive, modes=modes)
+            plan = replace(plan, budget_bytes=limit, reason="the least plan the model knows: "
+                           "its estimate is over the budget, what it holds built is under")
+        if (plan.choices, plan.mode) in tried:
+            break
+        tried.add((plan.choices, plan.mode))
+        last, got = built(plan)
+        if got is None:
+            if plan.predicted_peak_bytes > limit:  # (the least plan, and no figure says it fits)
+                plan_budget(profile, limit, exhaustive=exhaustive, modes=modes)  # raises
+            return last
+        if least is None or got < least.predicted_peak_bytes:
+            least = last
+        if got <= limit and (fitted is None or last.predicted_step_ms < fitted.predicted_step_ms):
+            fitted = last
+        over = got - plan.predicted_peak_bytes
+        if over == 0 or (over > 0 and got <= limit):
+            break  # the model was right, or low where the plan fits: no faster plan fits
+        profile = replace(profile, fixed_bytes=max(0, profile.fixed_bytes + over))
+    if fitted is None:
+        assert least is not None
+        raise UsageError(
+            f"memory budget {format_bytes(limit)} ({limit} bytes) is below the smallest peak "
+            f"any plan reaches: built, the least plan ({_short(least.choices)}, "
+            f"{least.mode}) holds {format_bytes(least.predicted_peak_bytes)} "
+            f"({least.predicted_peak_bytes} bytes)")
+    if last is not fitted:
+        got = build(fitted)  # (the last one built did not fit: back to the one that did)
+        if got is not None and got > limit:
+            raise UsageError(f"memory budget {format_bytes(limit)}: the plan that fitted "
+                             f"({_short(fitted.choices)}) holds {format_bytes(got)} when built "
+                             "again; the layers' memory moves from one build to the next")
+        fitted = fitted if got is None else replace(fitted, predicted_peak_bytes=got)
+    return fitted
+
+
+def _short(choices: Sequence[str]) -> str:
+    return "".join({KEEP: "K", OFFLOAD: "O", RECOMPUTE: "R"}[c] for c in choices)
 
 
 def _plan(profile: StackProfile, s: _Scored, budget: int | None, reason: str,

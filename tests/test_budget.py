@@ -8,8 +8,8 @@ import random
 
 import pytest
 
-from graphslot.budget import (CHOICES, KEEP, OFFLOAD, RECOMPUTE, LayerCost, StackProfile,
-                              lower_bound_ms, parse_budget, plan_budget, predict_peak_bytes,
+from graphslot.budget import (CHOICES, FIT_BUILDS, KEEP, OFFLOAD, RECOMPUTE, BudgetPlan,
+                              LayerCost, StackProfile, fit_budget, lower_bound_ms, parse_budget, plan_budget, predict_peak_bytes,
                               predict_step_ms, smallest_peak)
 from graphslot.errors import UsageError
 
@@ -228,3 +228,81 @@ def test_bad_profiles_are_refused():
         StackProfile((LayerCost(1, 1, 1),), 0, 1.0)
     with pytest.raises(UsageError, match="choices"):
         predict_step_ms(llama_like(2), (KEEP,), "off")
+
+
+class Builds:
+    """A stand-in for a stack's build: what a plan holds once built is the model's figure
+    for it plus ``error(plan)``; every build is recorded."""
+
+    def __init__(self, p: StackProfile, error) -> None:
+        self.p, self.error, self.built = p, error, []
+
+    def __call__(self, plan: BudgetPlan) -> int:
+        self.built.append((plan.choices, plan.mode))
+        return predict_peak_bytes(self.p, plan.choices, plan.mode) + self.error(plan)
+
+
+def test_a_budget_the_model_refuses_fits_when_the_least_plan_built_holds_less():
+    p = llama_like()
+    least = smallest_peak(p)
+    with pytest.raises(UsageError):
+        plan_budget(p, least - 100 * MiB)
+    build = Builds(p, lambda plan: -200 * MiB)
+    plan = fit_budget(p, least - 100 * MiB, build)
+    assert plan.predicted_peak_bytes <= least - 100 * MiB
+    assert build.built[-1] == (plan.choices, plan.mode)  # what was built last is the plan
+    assert plan.predicted_peak_bytes == build(plan) and plan.budget_bytes == least - 100 * MiB
+
+
+def test_a_budget_no_built_plan_fits_is_refused_naming_what_the_least_held():
+    p = llama_like()
+    least = smallest_peak(p)
+    with pytest.raises(UsageError, match=f"built, the least plan .* holds .*{least - 50 * MiB} bytes"):
+        fit_budget(p, least - 100 * MiB, Builds(p, lambda plan: -50 * MiB))
+
+
+def test_graphs_that_hold_more_than_the_model_said_are_counted_and_planned_again():
+    p = llama_like()
+    mid = (smallest_peak(p) + predict_peak_bytes(p, (KEEP,) * 8, "off")) // 2
+    budget = plan_budget(p, mid).predicted_peak_bytes  # (the first plan fills it)
+    build = Builds(p, lambda plan: 300 * MiB)
+    plan = fit_budget(p, budget, build)
+    assert plan.predicted_peak_bytes <= budget
+    corrected = StackProfile(p.layers, p.d2h_gbps, p.h2d_gbps, fixed_bytes=p.fixed_bytes + 300 * MiB)
+    want = plan_budget(corrected, budget)
+    assert (plan.choices, plan.mode) == (want.choices, want.mode) == build.built[-1]
+    assert len(build.built) == 2  # the first plan held too much; the second is right
+
+
+def test_a_model_that_was_high_lets_a_faster_plan_in():
+    p = llama_like()
+    budget = (smallest_peak(p) + predict_peak_bytes(p, (KEEP,) * 8, "off")) // 2
+    first = plan_budget(p, budget)
+    build = Builds(p, lambda plan: -1 * GiB)
+    plan = fit_budget(p, budget, build)
+    assert plan.predicted_peak_bytes <= budget
+    assert plan.predicted_step_ms < first.predicted_step_ms
+    assert build.built[0] == (first.choices, first.mode) and build.built[-1] == (plan.choices, plan.mode)
+
+
+def test_when_a_faster_plan_does_not_fit_built_the_one_that_did_is_built_again():
+    p = llama_like()
+    least_plan = plan_budget(p, smallest_peak(p))
+    # The model is high for the least plan and low for every other one.
+    build = Builds(p, lambda plan: -300 * MiB if plan.choices == least_plan.choices else 500 * MiB)
+    budget = smallest_peak(p) - 100 * MiB
+    plan = fit_budget(p, budget, build)
+    assert (plan.choices, plan.mode) == (least_plan.choices, least_plan.mode) == build.built[-1]
+    assert len(build.built) > 2 and len(build.built) <= FIT_BUILDS + 1
+    assert plan.predicted_peak_bytes <= budget
+
+
+def test_without_a_measured_figure_the_model_decides():
+    p = llama_like()
+    least = smallest_peak(p)
+    built = []
+    plan = fit_budget(p, least, lambda plan: built.append(plan) or None)
+    assert plan == plan_budget(p, least) and built == [plan]
+    with pytest.raises(UsageError, match=f"{least} bytes"):
+        fit_budget(p, least - 1, lambda plan: None)
+    assert fit_budget(p, "auto", lambda plan: None) == plan_budget(p, "auto")
