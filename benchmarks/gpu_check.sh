@@ -22,9 +22,10 @@
 #   llama   graphslot bench --preset llama --budgets sweep --isolate beside every peer, JSON
 #   launch  graphslot bench --preset launch --isolate --rounds 3, JSON (that preset's step
 #           times move by a third between runs), plus a device timeline of remap
-#   grads [PRESET]  eager and the three modes with zero_grad() and again with .grad kept
-#           (zero_grad(set_to_none=False)) over four accumulated microbatches: what a kept
-#           gradient costs (default preset: default; about four minutes for llama)
+#   grads [PRESET]  eager and the three modes with zero_grad(), each beside its variant
+#           with .grad kept (zero_grad(set_to_none=False)) over four accumulated
+#           microbatches, in one run: what a kept gradient costs (default preset: default;
+#           about four minutes for llama)
 #
 # Logs and results go to $OUT (the device tool brings that folder back, also when a part
 # runs out of time), so nothing is piped through a filter that a timeout would cut off;
@@ -105,13 +106,11 @@ PY
       --quiet --steps 5 --warmup 2 \
       --configs eager,save_on_cpu,checkpoint,torch_graphed,torch_graphed_checkpoint,graph,graph_recompute,graph_auto \
       --plot "$out/llama.png" ;;
-  grads)  # a kept .grad beside zero_grad(), per mode
+  grads)  # a kept .grad over four microbatches beside zero_grad(), per mode, in one run
     preset=${2:-default}
-    for how in "none --accumulate 1" "keep --accumulate 4"; do
-      set -- $how
-      run "grads_${preset}_$1" python3 -m graphslot.cli bench --preset "$preset" --isolate --json \
-        --quiet --steps 3 --warmup 1 --configs eager,graph,graph_resident,graph_remap \
-        --zero-grad "$@"
-    done ;;
+    configs=""
+    for c in eager graph graph_resident graph_remap; do configs+="$c,$c@keep@acc4,"; done
+    run "grads_$preset" python3 -m graphslot.cli bench --preset "$preset" --isolate --json \
+      --quiet --steps 3 --warmup 1 --configs "${configs%,}" ;;
   *) echo "unknown part '$part': choose a, b, c, te, megatron_te, weakrefs, bench, launch, llama or grads" >&2; exit 2 ;;
 esac

@@ -447,6 +447,44 @@ def test_every_step_is_a_training_step(backend, monkeypatch):
     assert c["fwd_ms"] > 0 and c["bwd_ms"] > 0 and c["opt_ms"] > 0
 
 
+def test_a_variant_runs_beside_its_configuration_in_one_run(backend, monkeypatch):
+    """graph_resident@keep@acc3 steps three microbatches and zeroes .grad in place while
+    graph_resident, in the same run, steps one and sets it to None; the variant's report
+    compares it with its configuration (step per microbatch, peak)."""
+    zeroed: list[bool] = []
+    real_zero = torch.optim.SGD.zero_grad
+    monkeypatch.setattr(torch.optim.SGD, "zero_grad",
+                        lambda self, set_to_none=True: zeroed.append(set_to_none) or real_zero(self, set_to_none))
+    r = run_bench(backend, BenchShape.preset("tiny"), steps=2, warmup=1, progress=False,
+                  configs=("graph_resident", "graph_resident@keep@acc3"))
+    base, var = r["configs"]["graph_resident"], r["configs"]["graph_resident@keep@acc3"]
+    assert zeroed == [True] * 5 + [False] * 5  # (warm-up, two timed, timeline, memory)
+    assert (base["accumulate"], base["set_to_none"]) == (1, True)
+    assert (var["accumulate"], var["set_to_none"]) == (3, False)
+    assert r["accumulate"] == 1 and r["set_to_none"] is True  # the run's own, as it was
+    v = var["vs_base"]
+    assert v["config"] == "graph_resident" and "vs_base" not in base
+    assert v["step_per_microbatch"] == pytest.approx(var["step_ms"] / 3 / base["step_ms"])
+    if base["peak_device_bytes"]:  # (the cpu backend's allocator has no figures)
+        assert v["peak"] == pytest.approx(var["peak_device_bytes"] / base["peak_device_bytes"])
+    else:
+        assert "peak" not in v
+    assert "variants beside their configuration" in bench_report.render_table(r)
+
+
+def test_an_isolated_variant_reaches_its_process(backend):
+    r = run_bench(backend, BenchShape.preset("tiny"), steps=1, warmup=0, progress=False,
+                  configs=("eager@acc2",), isolate=True)
+    assert r["configs"]["eager@acc2"]["accumulate"] == 2
+
+
+@pytest.mark.parametrize("name", ["eager@keeps", "graph@acc0", "graph@", "bogus@keep"])
+def test_a_bad_variant_is_refused_naming_it(capsys, nothing_runs, name):
+    rc = cli.main(["bench", "--preset", "tiny", "--quiet", "--configs", name])
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and name.split("@")[0] in err and "Traceback" not in err, err
+
+
 def test_the_checkpoint_peers_run_and_report(backend):
     """checkpoint runs eagerly on every backend; torch's graphed callables over
     checkpointed layers where the backend has them, else it is skipped saying why."""

@@ -40,12 +40,13 @@ from ..errors import GraphslotError, UsageError
 from ..trace import Timeline
 from . import positive_int
 from .bench_configs import (CONFIGS, PEERS, SWEEP_BUDGETS, budget_config, build, check_config,
-                            parse_size, plan_report, saved_on_device, sweep_budgets, unsupported)
+                            parse_size, plan_report, saved_on_device, split_variant, sweep_budgets,
+                            unsupported)
 from ..profile import copy_bandwidth
 from .bench_measure import Inputs, measure, memory_breakdown, prepare, timed_steps
 from .bench_models import BenchShape, transformers_missing
 from .bench_report import (check_output_path, derive, median_of_rounds, peer_ratios, plot,
-                           render_table)
+                           render_table, variant_ratios)
 from .output import Progress, missing
 
 __all__ = ["BenchShape", "CONFIGS", "PEERS", "run_bench", "copy_bandwidth", "memory_breakdown",
@@ -154,6 +155,7 @@ def run_bench(b: Backend, shape: BenchShape, *, steps: int = 10, warmup: int = 3
         plot(out, curves, plot_path)
         out["plot"] = plot_path
     peer_ratios(out["configs"], rounds)
+    variant_ratios(out["configs"])
     return out
 
 
@@ -202,7 +204,7 @@ def _run_one(r: Inputs, name: str, results: dict[str, Any], timings: dict[str, d
         r.bar.skip(r.warmup + r.steps + 2)
         return
     seen: list[str] = []
-    with _recording_warnings(seen):
+    with _recording_warnings(seen), _variant(r, name):
         built = build(r, name)
         if isinstance(built, str):
             results[name] = {"reason": built}
@@ -217,6 +219,9 @@ def _run_one(r: Inputs, name: str, results: dict[str, Any], timings: dict[str, d
                 c["plan"] = plan
         built.tear_down()
     c["warnings"] = seen
+    _, set_to_none, accumulate = split_variant(name)
+    c["accumulate"] = r.accumulate if accumulate is None else accumulate
+    c["set_to_none"] = r.set_to_none if set_to_none is None else set_to_none
     if name == "save_on_cpu" and b.name != "cpu":
         c["d2h_gbps"] = c["h2d_gbps"] = None
         c["copy_note"] = "copies issued by torch inside autograd; not timed"
@@ -245,7 +250,7 @@ def _another_round(r: Inputs, results: dict[str, dict[str, Any]], rnd: int) -> N
         if "reason" in first:
             r.bar.skip(r.warmup + r.steps)
             continue
-        with warnings.catch_warnings():  # round one reported them
+        with warnings.catch_warnings(), _variant(r, name):  # round one reported them
             warnings.simplefilter("ignore")
             built = build(r, name)
             if isinstance(built, str):
@@ -261,6 +266,20 @@ def _another_round(r: Inputs, results: dict[str, dict[str, Any]], rnd: int) -> N
         del built
         gc.collect()
         r.b.empty_cache()
+
+
+@contextlib.contextmanager
+def _variant(r: Inputs, name: str) -> Iterator[None]:
+    """Configuration ``name``'s variant (``@keep``, ``@accN``) in force on ``r`` while it
+    runs; the run's own settings after."""
+    _, set_to_none, accumulate = split_variant(name)
+    before = r.set_to_none, r.accumulate
+    r.set_to_none = before[0] if set_to_none is None else set_to_none
+    r.accumulate = before[1] if accumulate is None else accumulate
+    try:
+        yield
+    finally:
+        r.set_to_none, r.accumulate = before
 
 
 @contextlib.contextmanager
@@ -377,6 +396,7 @@ def _run_isolated(b: Backend, shape: BenchShape, names: list[str], sweep: bool,
         plot(out, curves, plot_path)
         out["plot"] = plot_path
     peer_ratios(out["configs"], o.rounds)
+    variant_ratios(out["configs"])
     return out
 
 
@@ -508,7 +528,9 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--isolate", action="store_true",
                    help="run each configuration in a process of its own")
     p.add_argument("--configs", default=None,
-                   help=f"comma-separated subset of {','.join(CONFIGS)}, or budget:<size>")
+                   help=f"comma-separated subset of {','.join(CONFIGS)}, or budget:<size>; "
+                        "a variant follows a name: @keep (zero_grad(set_to_none=False)), @none, "
+                        "@accN (N microbatches a step), e.g. graph_resident@keep@acc4")
     p.add_argument("--budgets", default=None, metavar="A,B,...|sweep",
                    help="one planned configuration (GraphedLayers(memory_budget=...)) per size "
                         "(10GiB, 9.5G, 12000MiB or bytes); sweep: from the checkpoint peer's "

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import functools
 import math
+import re
 from typing import Any, Sequence
 
 import torch
@@ -33,7 +34,7 @@ from .bench_measure import GiB, Built, Inputs, MiB
 from .bench_models import CheckpointedLayer
 
 __all__ = ["CONFIGS", "PEERS", "BUDGET_PREFIX", "SWEEP_BUDGETS", "parse_size", "budget_bytes",
-           "budget_config", "is_planned", "check_config", "sweep_budgets", "unsupported", "build",
+           "budget_config", "split_variant", "VARIANT_SEP", "is_planned", "check_config", "sweep_budgets", "unsupported", "build",
            "saved_on_device", "plan_report", "forward"]
 
 CONFIGS = ("eager", "save_on_cpu", "checkpoint", "torch_graphed", "torch_graphed_checkpoint",
@@ -44,6 +45,10 @@ CONFIGS = ("eager", "save_on_cpu", "checkpoint", "torch_graphed", "torch_graphed
 PEERS = ("torch_graphed", "eager", "save_on_cpu", "checkpoint", "torch_graphed_checkpoint")
 
 BUDGET_PREFIX = "budget:"
+#: a configuration's variants follow its name: ``graph_resident@keep@acc4`` runs
+#: graph_resident with ``zero_grad(set_to_none=False)`` over four microbatches a step, in
+#: the same run and table as graph_resident itself (its report's ``vs_base`` compares them)
+VARIANT_SEP = "@"
 #: how many budgets ``--budgets sweep`` runs: the checkpoint peer's peak, then this many
 #: less one evenly spaced up to the graph configuration's peak
 SWEEP_BUDGETS = 6
@@ -76,16 +81,42 @@ def budget_config(size: str) -> str:
 
 def budget_bytes(name: str) -> int | None:
     """The budget in bytes of configuration ``name``; None for one that has none."""
+    name = split_variant(name)[0]
     return parse_size(name[len(BUDGET_PREFIX):]) if name.startswith(BUDGET_PREFIX) else None
+
+
+def split_variant(name: str) -> tuple[str, bool | None, int | None]:
+    """``name``'s configuration, and its variant's ``zero_grad`` set_to_none (``@keep``:
+    False, ``@none``: True) and microbatches per step (``@accN``), each None where the
+    variant leaves the run's own.
+
+    Raises:
+        ValueError: a variant that is none of these.
+    """
+    base, *parts = name.split(VARIANT_SEP)
+    set_to_none: bool | None = None
+    accumulate: int | None = None
+    for part in parts:
+        if part in ("keep", "none"):
+            set_to_none = part == "none"
+        elif re.fullmatch(r"acc[1-9][0-9]*", part):
+            accumulate = int(part[3:])
+        else:
+            raise ValueError(f"{name!r}: unknown variant {VARIANT_SEP}{part}; variants are "
+                             f"{VARIANT_SEP}keep, {VARIANT_SEP}none and {VARIANT_SEP}accN "
+                             "(N microbatches a step)")
+    return base, set_to_none, accumulate
 
 
 def is_planned(name: str) -> bool:
     """Whether ``name`` builds its stack from the budget planner."""
+    name = name.split(VARIANT_SEP)[0]
     return name == "graph_auto" or name.startswith(BUDGET_PREFIX)
 
 
 def check_config(name: str) -> None:
     """``ValueError`` naming ``name`` when it is no configuration."""
+    name = split_variant(name)[0]
     if name.startswith(BUDGET_PREFIX):
         try:
             budget_bytes(name)
@@ -132,16 +163,17 @@ def sweep_budgets(configs: dict[str, dict[str, Any]], n: int = SWEEP_BUDGETS) ->
 
 def unsupported(b: Backend, name: str) -> str | None:
     """Why configuration ``name`` cannot run on ``b`` (whatever the shape), or None."""
+    try:
+        check_config(name)
+    except ValueError as e:
+        return str(e)
+    name = split_variant(name)[0]
     if name in ("torch_graphed", "torch_graphed_checkpoint") and not b.has_graphed_callables:
         return (f"torch.cuda.make_graphed_callables needs CUDA; the {b.name} backend's framework "
                 "has no graphed callables to compare with")
     if name == "save_on_cpu" and b.device.type == "cpu":
         return ("save_on_cpu moves device tensors to pinned host memory; on the cpu backend "
                 "they already are on the host")
-    try:
-        check_config(name)
-    except ValueError as e:
-        return str(e)
     return None
 
 
@@ -157,6 +189,7 @@ def saved_on_device(r: Inputs, name: str, stack: Any = None) -> int:
             return r.saved
         return sum(s for i, s in enumerate(r.saved_per_layer)
                    if i not in offloaded and i not in recomputed) + len(recomputed) * inp
+    name = split_variant(name)[0]
     if name in ("eager", "torch_graphed"):
         return r.saved
     if name in ("checkpoint", "torch_graphed_checkpoint"):
@@ -202,6 +235,7 @@ def build(r: Inputs, name: str) -> Built | str:
     from graphslot.adapters.torch import GraphedLayers
 
     b, layers, x, bar = r.b, r.layers, r.x, r.bar
+    label, name = name, split_variant(name)[0]
     if name in ("eager", "save_on_cpu", "checkpoint"):
         mods: Sequence[torch.nn.Module] = layers
         if name == "checkpoint":
@@ -212,7 +246,7 @@ def build(r: Inputs, name: str) -> Built | str:
         # the device's RNG state cannot be read while a graph is captured
         mods = layers if name == "torch_graphed" else [
             CheckpointedLayer(m, preserve_rng_state=False) for m in layers]
-        bar.update(f"{name}: capture", advance=False)
+        bar.update(f"{label}: capture", advance=False)
         _torch_graphed(b, mods, x)
         return Built(None, functools.partial(forward, mods, x), mods,
                      functools.partial(_ungraph, mods))
@@ -225,7 +259,7 @@ def build(r: Inputs, name: str) -> Built | str:
         kw["memory_budget"] = "auto"
     else:
         kw["memory_budget"] = budget_bytes(name)
-    bar.update(f"{name}: capture", advance=False)
+    bar.update(f"{label}: capture", advance=False)
     try:
         stack = GraphedLayers(layers, x, backend=b, warmup_iters=2,
                               layers_per_graph=r.layers_per_graph, **kw)

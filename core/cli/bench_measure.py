@@ -187,7 +187,7 @@ def measure(r: Inputs, name: str, built: Built, timings: dict[str, dict[str, flo
         d2h = n / ms / 1e6 if ms > 0 and n else None
         ms, n = tl.busy("h2d")
         h2d = n / ms / 1e6 if ms > 0 and n else None
-    elif name == "save_on_cpu":
+    elif name.split("@")[0] == "save_on_cpu":
         moved["offloaded_bytes"] = moved["restored_bytes"] = r.saved * r.accumulate
     result = {
         "step_ms": step_ms, **phases,

@@ -13,11 +13,11 @@ from typing import Any
 from ..budget import bound_ms
 from ..errors import UsageError
 from ..sizes import format_bytes
-from .bench_configs import PEERS, budget_bytes, is_planned
+from .bench_configs import PEERS, VARIANT_SEP, budget_bytes, is_planned
 from .bench_measure import GiB
 from .output import table
 
-__all__ = ["derive", "lower_bound_ms", "planned_figures", "peer_ratios", "median_of_rounds",
+__all__ = ["derive", "lower_bound_ms", "planned_figures", "peer_ratios", "variant_ratios", "median_of_rounds",
            "render_table", "curve_positions", "pareto_points", "plot", "check_output_path",
            "PLOT_EXTRA"]
 
@@ -94,8 +94,8 @@ def _ideal(out: dict[str, Any], runs: list[dict[str, float]], base_step: float, 
     if saved:
         saved *= out.get("accumulate", 1)  # per optimizer step, as every figure
     for r in out["configs"].values():
-        if "reason" in r:
-            continue
+        if "reason" in r or r.get("accumulate", out.get("accumulate", 1)) != out.get("accumulate", 1):
+            continue  # (a variant of other microbatches a step: the run's bound is not its)
         off = r["offloaded_bytes"]
         # What this configuration copies each way (resident copies fewer bytes back than
         # out when a bank still holds a layer at its backward)...
@@ -193,6 +193,24 @@ def peer_ratios(results: dict[str, dict[str, Any]], rounds: int) -> None:
             c.setdefault("vs", {})[peer] = v
 
 
+def variant_ratios(results: dict[str, dict[str, Any]]) -> None:
+    """Each variant (``graph_resident@keep@acc4``) beside its configuration as run in the
+    same run (``graph_resident``): ``vs_base`` has their step per microbatch and their
+    peak as ratios."""
+    ran = {n: c for n, c in results.items() if "reason" not in c}
+    for name, c in ran.items():
+        base = ran.get(name.split(VARIANT_SEP)[0])
+        if base is None or base is c or not base["step_ms"] > 0:
+            continue
+        per, per_base = c.get("accumulate", 1), base.get("accumulate", 1)
+        v: dict[str, Any] = {"config": name.split(VARIANT_SEP)[0],
+                             "step_per_microbatch": (c["step_ms"] / per) / (base["step_ms"] / per_base)}
+        if base.get("peak_device_bytes") and c.get("peak_device_bytes") is not None:
+            v["peak"] = c["peak_device_bytes"] / base["peak_device_bytes"]
+            v["peak_more_bytes"] = c["peak_device_bytes"] - base["peak_device_bytes"]
+        c["vs_base"] = v
+
+
 def median_of_rounds(results: dict[str, dict[str, Any]],
                      timings: dict[str, dict[str, float]] | None = None) -> None:
     """Each configuration timed in several rounds takes the median of them as its step (in
@@ -278,6 +296,14 @@ def render_table(r: dict[str, Any]) -> str:
                   table(planned, ("config", "plan", "budget", "peak dev", "predicted", "fits",
                                   "step ms", "predicted", "LB plan", "step/LB", "LB run",
                                   "step/LB run", "step/(LB run+rest)", "peer in budget"), "llrrrlrrrrrrrl")]
+    variants = [[name, v["config"], _f(v["step_per_microbatch"], ".3f"), _f(v.get("peak"), ".3f"),
+                 format_bytes(v.get("peak_more_bytes"))]
+                for name, c in r["configs"].items() if (v := c.get("vs_base"))]
+    if variants:
+        parts += ["", "variants beside their configuration in this run (@keep: zero_grad("
+                      "set_to_none=False); @accN: N microbatches a step)",
+                  table(variants, ("variant", "of", "step/microbatch ratio", "peak ratio",
+                                   "peak more"), "llrrr")]
     warned = [f"{name} warned: {w}" for name, c in r["configs"].items() for w in c.get("warnings", ())]
     return "\n".join([*parts, *skipped, *warned])
 
