@@ -75,7 +75,7 @@ from torch import nn
 
 from graphslot.backend import Backend, DeviceGraph, RngStream
 from graphslot.budget import (OFFLOAD, RECOMPUTE, BudgetPlan, StackProfile, banks_bytes,
-                              fit_budget, parse_budget)
+                              fit_budget, gradient_homes, parse_budget)
 from graphslot.errors import CaptureMismatchError, StateError, UsageError
 from graphslot.memory import saved_bytes_per_layer, settle
 from graphslot.offload import (SECTION_BYTES, Mode, OffloadEngine, OffloadGroup, never_offloaded,
@@ -1124,13 +1124,9 @@ class GraphedLayers(nn.Module):
         self._build(sample)
 
     def _homes_pay(self, mode: Mode, saved: list[int] | None, sample: torch.Tensor) -> bool:
-        """Do gradient homes outside the pool (:class:`_GradHome`) cost ``zero_grad()`` no
-        more than a little? Pool gradient buffers share memory with the activations the
-        layers keep in the pool (A), so with ``.grad`` set to None they save min(A,
-        gradients) over homes; with ``.grad`` kept they cost a whole copy of the gradients
-        more. So homes where no layer keeps activations in the pool (every one offloads or
-        recomputes), or where those kept (``saved``, measured) are at most a sixteenth of
-        the gradients."""
+        """Does this build give gradients homes outside the pool (:class:`_GradHome`)?
+        :func:`graphslot.budget.gradient_homes` says, from what the layers keep in the
+        graphs' pool (``saved``, measured) against the gradients' bytes."""
         gone = self.recompute_layers | (self.offload_layers if mode is not Mode.OFF else set())
         kept = [i for i in range(len(self.layers)) if i not in gone]
         if not kept:
@@ -1140,7 +1136,7 @@ class GraphedLayers(nn.Module):
                                           sample.detach().requires_grad_(sample.requires_grad))
         params = {id(p): p for m in self.layers for p in m.parameters() if p.requires_grad}
         grads = sum(p.numel() * p.element_size() for p in params.values())
-        return 16 * sum(saved[i] for i in kept) <= grads
+        return gradient_homes(sum(saved[i] for i in kept), grads)
 
     def _unmake(self) -> None:
         """Give back what :meth:`_make` built (the graphs, their pool, slots and banks)."""

@@ -43,7 +43,7 @@ from .sizes import format_bytes
 
 __all__ = ["KEEP", "OFFLOAD", "RECOMPUTE", "CHOICES", "LayerCost", "StackProfile", "BudgetPlan",
            "predict_step_ms", "predict_peak_bytes", "banks_bytes", "slot_bytes", "bound_ms", "lower_bound_ms", "plan_budget",
-           "smallest_peak", "parse_budget", "fit_budget"]
+           "smallest_peak", "parse_budget", "fit_budget", "gradient_homes"]
 
 KEEP, OFFLOAD, RECOMPUTE = "keep", "offload", "recompute"
 CHOICES = (KEEP, OFFLOAD, RECOMPUTE)
@@ -175,6 +175,11 @@ class BudgetPlan:
         offloaded_bytes: bytes the plan copies to the host per step.
         recompute_ms: extra backward compute the plan's recomputed layers cost.
         reason: why this plan, in a sentence.
+        model_peak_bytes: the model's own figure for the peak, where a build measured it
+            (``predicted_peak_bytes`` is then the build's): what the profile said, with
+            ``fixed_correction_bytes`` counted.
+        fixed_correction_bytes: what builds of earlier plans showed the model's fixed
+            memory to be off by (added to the profile's ``fixed_bytes``).
     """
 
     choices: tuple[str, ...]
@@ -187,6 +192,8 @@ class BudgetPlan:
     recompute_ms: float
     reason: str
     profile: StackProfile | None = field(default=None, repr=False, compare=False)
+    model_peak_bytes: int | None = None
+    fixed_correction_bytes: int = 0
 
     def layers(self, choice: str) -> list[int]:
         """The indices of the layers with ``choice``."""
@@ -273,19 +280,34 @@ def predict_peak_bytes(profile: StackProfile, choices: Sequence[str], mode: str 
     # boundary buffer (counted with the boundaries).
     # Before them, each forward capture: an offloaded layer's activations are made in the
     # pool beside what the layers before it keep, then copied to its slot.
+    # Where the stack gives the gradients homes of their own (see gradient_homes), they
+    # sit outside the pool for good and the pool holds none.
     layers = profile.layers
+    grads = sum(c.grad_bytes for c in layers)
+    in_pool = [ch == KEEP or (ch == OFFLOAD and mode == "off") for ch in choices]
+    homes = gradient_homes(sum(c.saved_bytes for c, k in zip(layers, in_pool) if k), grads)
     kept_below = 0
-    grads_above = sum(c.grad_bytes for c in layers)
+    grads_above = 0 if homes else grads
     pool = 0
-    for c, ch in zip(layers, choices):
-        kept_below += c.saved_bytes if ch == KEEP else 0
+    for c, ch, kept in zip(layers, choices, in_pool):
+        kept_below += c.saved_bytes if kept else 0
         forward = kept_below + (c.saved_bytes if ch == OFFLOAD else 0)
         backward = (kept_below + grads_above + c.work_bytes
                     + (c.saved_bytes if ch == RECOMPUTE else 0))
         pool = max(pool, forward, backward)
-        grads_above -= c.grad_bytes
-    return (profile.fixed_bytes + pool + banks_bytes(profile, choices, mode)
-            + _boundaries_held(profile, slots))
+        grads_above -= 0 if homes else c.grad_bytes
+    return (profile.fixed_bytes + pool + (grads if homes else 0)
+            + banks_bytes(profile, choices, mode) + _boundaries_held(profile, slots))
+
+
+def gradient_homes(kept_bytes: int, grad_bytes: int) -> bool:
+    """Does a stack give its parameters' gradients homes outside the graphs' pool (one
+    address each for good, the backward graphs adding into them, so a kept or accumulated
+    ``.grad`` is the only copy)? Pool gradient buffers share memory with what the layers
+    keep in the pool (``kept_bytes``), so with ``.grad`` set to None they save up to that
+    much over homes; with ``.grad`` kept they cost a whole copy of the gradients more.
+    Homes, then, where the layers keep at most a sixteenth of the gradients' bytes."""
+    return 16 * kept_bytes <= grad_bytes
 
 
 def _copied(profile: StackProfile, choices: Sequence[str], mode: str
@@ -598,9 +620,14 @@ def fit_budget(profile: StackProfile, budget: int | str | None,
         UsageError: as :func:`plan_budget`; or no plan fits once built (the message
             names the least that a built plan held).
     """
+    fixed = profile.fixed_bytes
+
     def built(plan: BudgetPlan) -> tuple[BudgetPlan, int | None]:
         got = build(plan)
-        return (plan if got is None else replace(plan, predicted_peak_bytes=got)), got
+        if got is None:
+            return plan, None
+        return replace(plan, predicted_peak_bytes=got, model_peak_bytes=plan.predicted_peak_bytes,
+                       fixed_correction_bytes=profile.fixed_bytes - fixed), got
 
     if budget is None or (isinstance(budget, str) and budget.strip().lower() == "auto"):
         return built(plan_budget(profile, budget, exhaustive=exhaustive, modes=modes))[0]

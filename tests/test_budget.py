@@ -9,7 +9,8 @@ import random
 import pytest
 
 from graphslot.budget import (CHOICES, FIT_BUILDS, KEEP, OFFLOAD, RECOMPUTE, BudgetPlan,
-                              LayerCost, StackProfile, fit_budget, lower_bound_ms, parse_budget, plan_budget, predict_peak_bytes,
+                              LayerCost, StackProfile, banks_bytes, fit_budget, gradient_homes,
+                              lower_bound_ms, parse_budget, plan_budget, predict_peak_bytes,
                               predict_step_ms, smallest_peak)
 from graphslot.errors import UsageError
 
@@ -146,6 +147,23 @@ def test_gradients_reuse_what_the_layers_after_kept():
     # beside what the layers before it keep.
     q = StackProfile((layer,) * 2, 50, 50, fixed_bytes=0, granularity=MiB)
     assert predict_peak_bytes(q, (KEEP, OFFLOAD), "remap") == 2 * GiB + GiB  # + its bank
+
+
+def test_gradient_homes_sit_beside_the_pool_where_the_layers_keep_little():
+    """Where the layers keep at most a sixteenth of the gradients' bytes in the pool, the
+    stack gives the gradients homes outside it (gradient_homes): the pool then shares no
+    memory with them, and an offloaded layer's activations, made in the pool as its
+    forward is captured, come on top of the gradients."""
+    layer = LayerCost(1.0, 2.0, saved_bytes=GiB, grad_bytes=256 * MiB, work_bytes=64 * MiB)
+    p = StackProfile((layer,) * 2, 50, 50, fixed_bytes=0, granularity=MiB)
+    assert gradient_homes(0, 1) and gradient_homes(16, 256) and not gradient_homes(17, 256)
+    off = predict_peak_bytes(p, (OFFLOAD, OFFLOAD), "remap")
+    assert off == GiB + 2 * 256 * MiB + banks_bytes(p, (OFFLOAD, OFFLOAD), "remap")
+    rec = predict_peak_bytes(p, (RECOMPUTE, RECOMPUTE), "off")
+    assert rec == (GiB + 64 * MiB) + 2 * 256 * MiB  # (the same sum as pool buffers here)
+    # A kept layer's gigabyte outweighs the gradients: pool buffers, sharing it.
+    mixed = predict_peak_bytes(p, (KEEP, OFFLOAD), "remap")
+    assert mixed == 2 * GiB + banks_bytes(p, (KEEP, OFFLOAD), "remap")
 
 
 def test_offload_costs_its_banks_resident_two_remap_one():

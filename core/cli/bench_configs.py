@@ -20,6 +20,7 @@ recompute, and the stack's ``plan`` says what it chose and expects.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 import re
@@ -282,6 +283,8 @@ def plan_report(stack: Any, accumulate: int) -> dict[str, Any] | None:
         return None
     d = dict(plan.as_dict())
     d["choices"] = list(d["choices"])
+    if plan.profile is not None:  # what the planner decided from (the model's inputs)
+        d["profile"] = dataclasses.asdict(plan.profile)
     d["per_pass"] = {k: d[k] for k in ("predicted_step_ms", "lower_bound_ms", "recompute_ms",
                                        "offloaded_bytes")}
     for k in ("predicted_step_ms", "lower_bound_ms", "recompute_ms", "offloaded_bytes"):

@@ -279,6 +279,7 @@ def render_table(r: dict[str, Any]) -> str:
             best = c.get("fastest_peer_within_budget")
             planned.append([name, _plan_text(plan), format_bytes(c.get("budget_bytes")),
                             format_bytes(c["peak_device_bytes"]), format_bytes(plan.get("predicted_peak_bytes")),
+                            format_bytes(plan.get("model_peak_bytes")),
                             "-" if fits is None else ("yes" if fits else "NO"),
                             _f(c["step_ms"], ".2f"), _f(plan.get("predicted_step_ms"), ".2f"),
                             _f(plan.get("lower_bound_ms"), ".2f"), _f(c.get("step_over_plan_lower_bound"), ".2f"),
@@ -290,12 +291,14 @@ def render_table(r: dict[str, Any]) -> str:
                  "lrrrrrrrrrr")
     parts = [*head, body]
     if planned:
-        parts += ["", "planned (K keep, O offload, R recompute; LB: lower bound of the forward and "
+        parts += ["", "planned (K keep, O offload, R recompute; predicted: the peak its build "
+                      "measured, where it could, model: the model's figure for it; LB: lower "
+                      "bound of the forward and "
                       "backward, the plan's and this run's; +rest: with the rest of graph's step "
                       "added; last column: the fastest peer whose peak fits, and step / its step)",
-                  table(planned, ("config", "plan", "budget", "peak dev", "predicted", "fits",
+                  table(planned, ("config", "plan", "budget", "peak dev", "predicted", "model", "fits",
                                   "step ms", "predicted", "LB plan", "step/LB", "LB run",
-                                  "step/LB run", "step/(LB run+rest)", "peer in budget"), "llrrrlrrrrrrrl")]
+                                  "step/LB run", "step/(LB run+rest)", "peer in budget"), "llrrrrlrrrrrrrl")]
     variants = [[name, v["config"], _f(v["step_per_microbatch"], ".3f"), _f(v.get("peak"), ".3f"),
                  format_bytes(v.get("peak_more_bytes"))]
                 for name, c in r["configs"].items() if (v := c.get("vs_base"))]
