@@ -9,6 +9,8 @@
 #   b       test_cuda_capture, test_reliability, test_adapter_megatron (needs .wheels/)
 #   c       every other test module (test_stateful with GRAPHSLOT_STATEFUL_EXAMPLES,
 #           default 25 per mode here)
+#   abc     a, b and c at once, each in a process of its own on the one device (the
+#           memory figures the tests check are per process), without -x
 #   te      test_adapter_te against real TransformerEngine (.te/base/install.sh installs
 #           the TE wheels you brought; see docs/gpu.md)
 #   megatron_te  with TE importable (carry .te/base and .wheels): the four Megatron training
@@ -31,7 +33,7 @@
 # runs out of time), so nothing is piped through a filter that a timeout would cut off;
 # a bench's JSON is the last line of its log.
 set -uo pipefail
-part=${1:?"which part: a, b, c, te, megatron_te, weakrefs, bench, launch, llama or grads"}
+part=${1:?"which part: abc, a, b, c, te, megatron_te, weakrefs, bench, launch, llama or grads"}
 out=${OUT:-/tmp/graphslot-gpu-check}
 mkdir -p "$out"
 cd "$(dirname "$0")/.."
@@ -63,6 +65,15 @@ run() {  # run NAME COMMAND...: the command's output lands in $OUT/NAME.log as i
 }
 
 case $part in
+  abc)  # a, b and c at once on the one device (about as long as the longest of them)
+    run a python3 -m pytest -q -rs "${a[@]}" > "$out/a.tail" 2>&1 & pa=$!
+    run b python3 -m pytest -q -rs "${b[@]}" > "$out/b.tail" 2>&1 & pb=$!
+    GRAPHSLOT_STATEFUL_EXAMPLES=${GRAPHSLOT_STATEFUL_EXAMPLES:-25} \
+      run c python3 -m pytest -q -rs "${c[@]}" > "$out/c.tail" 2>&1 & pc=$!
+    rc=0
+    for p in $pa $pb $pc; do wait "$p" || rc=1; done
+    cat "$out/a.tail" "$out/b.tail" "$out/c.tail"
+    exit $rc ;;
   a) run a python3 -m pytest -x -q -rs "${a[@]}" ;;
   b) run b python3 -m pytest -x -q -rs "${b[@]}" ;;
   c) GRAPHSLOT_STATEFUL_EXAMPLES=${GRAPHSLOT_STATEFUL_EXAMPLES:-25} run c python3 -m pytest -x -q -rs "${c[@]}" ;;
@@ -112,5 +123,5 @@ PY
     for c in eager graph graph_resident graph_remap; do configs+="$c,$c@keep@acc4,"; done
     run "grads_$preset" python3 -m graphslot.cli bench --preset "$preset" --isolate --json \
       --quiet --steps 3 --warmup 1 --configs "${configs%,}" ;;
-  *) echo "unknown part '$part': choose a, b, c, te, megatron_te, weakrefs, bench, launch, llama or grads" >&2; exit 2 ;;
+  *) echo "unknown part '$part': choose abc, a, b, c, te, megatron_te, weakrefs, bench, launch, llama or grads" >&2; exit 2 ;;
 esac
