@@ -90,6 +90,11 @@ class _Runner:
         self.rng: RngStream | None = None
         self._rng_at: dict[int, Any] = {}  # microbatch -> the stream before its forward
 
+    @property
+    def group(self) -> Any:
+        """Its unit's offload group, for inspection (tests)."""
+        return self.unit.group
+
     # -- build ---------------------------------------------------------------------------
 
     def build_forward(self, static_in: torch.Tensor) -> torch.Tensor:

@@ -14,6 +14,7 @@ import torch
 
 from ..errors import UsageError
 from .engine import OffloadEngine
+from .group import OffloadGroup
 from .saved import SavedTensorSpec, never_offloaded, recording_saved_tensors, state_storages
 from .states import State
 from .tickets import Ticket
@@ -86,6 +87,12 @@ class OffloadUnit:
     @property
     def name(self) -> str:
         return self._group.name
+
+    @property
+    def group(self) -> OffloadGroup:
+        """The engine's group behind this unit, for inspection (tests, reports); adapters
+        drive the unit, never the group."""
+        return self._group
 
     @property
     def wants_offload(self) -> bool:
