@@ -58,8 +58,6 @@ tensor.
 from __future__ import annotations
 
 import contextlib
-import importlib
-import re
 import sys
 import warnings
 from dataclasses import dataclass
@@ -69,183 +67,15 @@ import torch
 
 from graphslot.backend import Backend, align_up
 from graphslot.errors import IncompatibleError, StateError, UsageError
-from graphslot.offload import (Mode, OffloadEngine, OffloadGroup, SavedTensorSpec, State, Ticket,
-                               never_offloaded, state_storages)
+from graphslot.offload import Mode, OffloadEngine, OffloadUnit, SavedTensorSpec, leaves_on_device
 from graphslot.paged import PagedPool
 from graphslot.regions import RegionGraphBackend
 from graphslot.selection import get_backend
 
+from .megatron_checks import (_RUNNER_NEEDS, FP8_RECIPES_SERVED, MIN_VERSION, MegatronInfo,  # noqa: F401
+                              check_config, check_megatron)
+
 __all__ = ["MIN_VERSION", "FP8_RECIPES_SERVED", "MegatronOffload", "check_megatron", "check_config", "enable", "disable", "active"]
-
-#: The first Megatron-Core release with the local-graph record and fine-grained offload this
-#: adapter is written against.
-MIN_VERSION = (0, 16, 0)
-
-_NEEDS: tuple[tuple[str, tuple[str, ...]], ...] = (
-    ("megatron.core.transformer.cuda_graphs",
-     ("_CudagraphGlobalRecord", "_CudaGraphRunner", "CudaGraphManager", "is_graph_capturing",
-      "is_graph_warmup", "delete_cuda_graphs")),
-    ("megatron.core.transformer.transformer_layer", ("TransformerLayer",)),
-)
-_RUNNER_NEEDS = ("func", "create_bwd_graph", "replay_graph_capture")
-
-
-@dataclass(frozen=True)
-class MegatronInfo:
-    """What :func:`check_megatron` found."""
-
-    version: str
-    cuda_graphs: Any  #: the ``megatron.core.transformer.cuda_graphs`` module
-    transformer_layer: type  #: ``TransformerLayer``
-
-
-def _version_tuple(v: str) -> tuple[int, ...]:
-    return tuple(int(x) for x in re.findall(r"\d+", v)[:3])
-
-
-def check_megatron(min_version: tuple[int, ...] = MIN_VERSION) -> MegatronInfo:
-    """Import Megatron-Core and check that it has what the adapter hooks into.
-
-    Args:
-        min_version: the oldest Megatron-Core version accepted.
-
-    Returns:
-        What was found (:class:`MegatronInfo`: version and the hooked symbols).
-
-    Raises:
-        IncompatibleError: naming the missing package, the version found, or each
-            missing symbol.
-    """
-    need = ".".join(map(str, min_version))
-    try:
-        core = importlib.import_module("megatron.core")
-    except ImportError as e:
-        raise IncompatibleError(f"Megatron-Core is not importable ({e}); install megatron-core>={need}") from e
-    version = str(getattr(core, "__version__", "") or "unknown")
-    if version == "unknown" or _version_tuple(version) < tuple(min_version):
-        raise IncompatibleError(f"Megatron-Core {version} is too old: graphslot needs {need} or newer "
-                                "(the local CUDA graph record and fine-grained offload it hooks into)")
-    missing: list[str] = []
-    mods: dict[str, Any] = {}
-    for mod_name, names in _NEEDS:
-        try:
-            mods[mod_name] = mod = importlib.import_module(mod_name)
-        except ImportError as e:
-            missing.append(f"{mod_name} ({e})")
-            continue
-        missing += [f"{mod_name}.{n}" for n in names if not hasattr(mod, n)]
-    if not missing:
-        cg = mods["megatron.core.transformer.cuda_graphs"]
-        rec = cg._CudagraphGlobalRecord
-        for n in ("cudagraph_record", "cudagraph_created", "create_cudagraphs"):
-            if not hasattr(rec, n):
-                missing.append(f"_CudagraphGlobalRecord.{n}")
-        if not isinstance(rec.__dict__.get("create_cudagraphs"), classmethod):
-            missing.append("_CudagraphGlobalRecord.create_cudagraphs as a classmethod")
-        missing += [f"_CudaGraphRunner.{n}" for n in ("create_bwd_graph", "replay_graph_capture")
-                    if not hasattr(cg._CudaGraphRunner, n)]
-    if missing:
-        raise IncompatibleError(f"Megatron-Core {version} lacks what graphslot hooks into: " + ", ".join(missing))
-    return MegatronInfo(version, mods["megatron.core.transformer.cuda_graphs"],
-                        mods["megatron.core.transformer.transformer_layer"].TransformerLayer)
-
-
-def _names(v: Any) -> set[str]:
-    vals = v if isinstance(v, (list, tuple, set)) else [v]
-    return {str(getattr(x, "name", x)) for x in vals if x not in (None, "")}
-
-
-#: fp8 recipes (``TransformerConfig.fp8_recipe``) served with ``fp8`` set; see
-#: :func:`_low_precision_problems` for why fp8 can be served and what is refused.
-FP8_RECIPES_SERVED: tuple[str, ...] = ("delayed", "tensorwise")
-
-
-def _low_precision_problems(config: Any) -> list[str]:
-    """What of ``fp8``/``fp4`` graphslot refuses, and why.
-
-    TransformerEngine (2.x) saves a quantized GEMM input for backward through
-    ``prepare_for_saving``: a ``*TensorStorage`` is taken apart into plain tensors (the fp8
-    bytes, a transpose, a per-tensor ``scale_inv``) that go through ``save_for_backward``, so
-    through graphslot's pack hook, into a slot, like any activation. The scaling state
-    (quantizers' ``scale``/``amax``, ``fp8_meta``'s amax history) lives in the modules and is
-    reached from ``ctx`` by reference, outside the saved activations; offload never moves it.
-    The cached fp8 weight (Megatron caches it across microbatches) is a ``Float8Tensor`` that
-    ``Linear`` dedups out of its saved tensors and ``LayerNormLinear`` saves by reference; a
-    saved tensor subclass stays on the device (:meth:`_Layer.keeps`), so it is never copied.
-    So fp8 compute with high-precision parameters is served. Refused, as not verified (no run
-    has checked them with graphslot):
-
-    * fp8 recipes outside :data:`FP8_RECIPES_SERVED`, and ``fp4`` (mxfp8 and NVFP4 need
-      Blackwell; this project's runs are on Hopper);
-    * ``fp8_param``/``fp4_param``: parameters are then TE quantized tensors;
-    * ``fp8_dot_product_attention``/``fp8_multi_head_attention``: fused attention then saves
-      its fp8 q/k/v/output as ``Float8Tensor`` objects, which would stay on the device, so
-      attention would not be offloaded.
-    """
-    problems: list[str] = []
-    fp8, fp4 = getattr(config, "fp8", None), getattr(config, "fp4", None)
-    served = ", ".join(repr(r) for r in FP8_RECIPES_SERVED) or "none"
-    if fp8:
-        recipe = getattr(config, "fp8_recipe", None) or "delayed"
-        recipe = str(getattr(recipe, "value", recipe))
-        if recipe not in FP8_RECIPES_SERVED:
-            problems.append(f"fp8_recipe is {recipe!r}: not verified with graphslot slots (its saved "
-                            f"tensors should be plain like the others', but no run has checked it); "
-                            f"served fp8 recipes: {served}")
-    for name in ("fp8_param", "fp4_param"):
-        if getattr(config, name, False):
-            problems.append(f"{name} is True: not verified with graphslot (parameters are then "
-                            "TransformerEngine quantized tensors, and no run has checked them); keep "
-                            "parameters in bf16/fp16/fp32 (fp8 compute is served)")
-    for name in ("fp8_dot_product_attention", "fp8_multi_head_attention"):
-        if getattr(config, name, False):
-            problems.append(f"{name} is True: not verified with graphslot (TransformerEngine's fp8 "
-                            "attention saves its q/k/v and output as Float8Tensor objects, which "
-                            "would stay on the device, not offloaded, and no run has checked it); "
-                            "set it False")
-    if fp4:
-        problems.append(f"fp4 is set: NVFP4 needs Blackwell GPUs and has not been run with graphslot "
-                        f"slots; train in fp8 (recipes {served}) or bf16/fp16/fp32")
-    return problems
-
-
-def check_config(config: Any) -> None:
-    """Check a ``TransformerConfig`` against what the adapter serves.
-
-    Args:
-        config: the model's ``TransformerConfig``.
-
-    Raises:
-        IncompatibleError: listing every problem and what to set instead.
-    """
-    problems: list[str] = []
-    impl = getattr(config, "cuda_graph_impl", None)
-    if impl != "local":
-        problems.append(f"cuda_graph_impl is {impl!r}: graphslot serves Megatron's local CUDA graphs; "
-                        "set cuda_graph_impl='local'")
-    partial = _names(getattr(config, "cuda_graph_scope", None)) - {"full"}
-    partial |= _names(getattr(config, "cuda_graph_modules", None))
-    if partial:
-        problems.append(f"CUDA graphs capture part of a layer ({', '.join(sorted(partial))}): graphslot "
-                        "offloads whole graphed layers; leave cuda_graph_scope (cuda_graph_modules) empty")
-    if getattr(config, "fine_grained_activation_offloading", False):
-        problems.append("fine_grained_activation_offloading is True: Megatron's own offload would run "
-                        "beside graphslot's; set it False and choose layers with enable(layers=...)")
-    if getattr(config, "cpu_offloading", False):
-        problems.append("cpu_offloading is True: set it False (graphslot does the offload)")
-    if getattr(config, "recompute_granularity", None) is not None:
-        problems.append(f"recompute_granularity is {config.recompute_granularity!r}: recomputation "
-                        "inside graphed layers is not supported with offload; set it None")
-    problems += _low_precision_problems(config)
-    if getattr(config, "delay_wgrad_compute", False):
-        problems.append("delay_wgrad_compute is True: TransformerEngine then computes weight "
-                        "gradients after the backward graph (backward_dw), from saved inputs that "
-                        "graphslot has already handed to the next layer's slot; set it False")
-    if int(getattr(config, "gtp_weight_remat_size", 1) or 1) > 1:
-        problems.append("gtp_weight_remat_size > 1: runners on their own streams are not supported")
-    if problems:
-        raise IncompatibleError("this Megatron-Core configuration is not supported by graphslot:\n  - "
-                                + "\n  - ".join(problems))
 
 
 # --------------------------------------------------------------------------- per layer
@@ -261,7 +91,7 @@ class _Layer:
         self.specs: list[SavedTensorSpec] | None = None
         self._seen: list[SavedTensorSpec] = []
         self._ctx: Any = None
-        self._state: set[int] = set()
+        self._is_state = leaves_on_device([], device_type)
         self._storages: dict[int, int] = {}
         self._kept: dict[str, int] = {}
         self._recording = False
@@ -272,7 +102,7 @@ class _Layer:
     def is_state(self, t: torch.Tensor) -> bool:
         # Parameters and buffers (and views of them) are never offloaded; neither are
         # host-side or empty tensors, which cost the device nothing.
-        return never_offloaded(t, self.device_type, self._state)
+        return self._is_state(t)
 
     def keeps(self, t: torch.Tensor) -> bool:
         """True when the saved tensor ``t`` stays where it is; False when it goes into the slot.
@@ -296,7 +126,7 @@ class _Layer:
         return t
 
     def begin(self) -> None:
-        self._state = state_storages([self.module])
+        self._is_state = leaves_on_device([self.module], self.device_type)
         self._seen = []
         self._storages = {}
         self._kept = {}
@@ -337,10 +167,10 @@ class _Runner:
 
     runner: Any
     layer: _Layer
-    group: OffloadGroup
+    unit: OffloadUnit
     bank: int
-    count: int = 0
-    ticket: Ticket | None = None
+    count: int = 0  #: its forwards so far: each one's microbatch key
+    in_flight: int | None = None  #: the key of its forward awaiting its backward
 
 
 @dataclass(eq=False)
@@ -686,11 +516,11 @@ class MegatronOffload:
         placed: dict[int, _Runner] = {}
         for i in order:
             runner, L, k, specs = chosen[i]
-            g = self.engine.group(f"layer{L.number}.graph{k}")
-            g.adopt(specs)
+            unit = OffloadUnit(self.engine, f"layer{L.number}.graph{k}")
+            unit.adopt(specs)
             bank = i % 2  # ping-pong in backward order
-            g.allocate(bank_index=bank)
-            placed[i] = _Runner(runner, L, g, bank)
+            unit.allocate(bank)
+            placed[i] = _Runner(runner, L, unit, bank)
         for i in range(len(chosen)):
             r, runner = placed[i], chosen[i][0]
             self.runners.append(r)
@@ -698,28 +528,20 @@ class MegatronOffload:
             self._patches.append(_Patch.set(runner, "create_bwd_graph", self._finishing(r, runner.create_bwd_graph)))
 
     def _capturing(self, r: _Runner, func: Callable[..., Any]) -> Callable[..., Any]:
-        g, L, b = r.group, r.layer, self.backend
-
-        def pack(t: torch.Tensor) -> torch.Tensor:
-            return t if L.keeps(t) else g.save_tensor(t)
+        unit, L, b = r.unit, r.layer, self.backend
 
         def run(*args: Any, **kwargs: Any) -> Any:
             if not b.is_capturing():  # Megatron's warm-up before the capture
                 return func(*args, **kwargs)
-            g.begin_capture()
-            try:
-                # (the unpack hook teaches the backward graph the slot's sections)
-                with torch.autograd.graph.saved_tensors_hooks(pack, g.load_tensor):
-                    return func(*args, **kwargs)
-            finally:
-                g.forward_captured()
+            with unit.capture_forward(L.keeps):
+                return func(*args, **kwargs)
         return run
 
     @staticmethod
     def _finishing(r: _Runner, create_bwd: Callable[[], Any]) -> Callable[[], Any]:
         def run() -> Any:
             out = create_bwd()
-            r.group.finish_capture()
+            r.unit.finish_capture()
             return out
         return run
 
@@ -733,8 +555,8 @@ class MegatronOffload:
                 keep.append(p)
         self._patches = keep
         for r in self.runners:
-            if r.group.state is not State.READY:
-                raise StateError(f"{r.group.name}: Megatron captured no backward graph for it")
+            if not r.unit.ready:
+                raise StateError(f"{r.unit.name}: Megatron captured no backward graph for it")
             self._patches.append(_Patch.set(r.runner, "replay_graph_capture",
                                             self._forward(r, r.runner.replay_graph_capture)))
             self._patches.append(_Patch.set(r.runner, "bwd_graph", _BackwardGraph(self, r, r.runner.bwd_graph)))
@@ -742,31 +564,23 @@ class MegatronOffload:
     # -- replay ----------------------------------------------------------------------------
 
     def _forward(self, r: _Runner, replay: Callable[..., Any]) -> Callable[..., Any]:
-        eng = self.engine
-
         def run(*args: Any, **kwargs: Any) -> Any:
-            if r.ticket is not None:
-                raise StateError(f"{r.group.name}: forward replayed again before its backward")
+            if r.in_flight is not None:
+                raise StateError(f"{r.unit.name}: forward replayed again before its backward")
             grad = torch.is_grad_enabled()
             r.count += 1
-            t = eng.before_forward(r.group, r.count)
-            if grad:
-                self._saw_forward(r)
-            try:
+            # (a replay that fails gives the slot back: no backward follows it)
+            with r.unit.forward(r.count, training=grad, release_on_error=True,
+                                prefetch=(lambda: self._saw_forward(r)) if grad else None):
                 out = replay(*args, **kwargs)
-            except BaseException:
-                eng.forget(t)  # no backward follows a replay that failed: the slot goes back
-                raise
             if grad:
-                eng.after_forward(t)
-                r.ticket = t
-            else:
-                eng.forget(t)  # evaluation: no backward will read the slot
+                r.in_flight = r.count
             return out
         return run
 
-    def _saw_forward(self, r: _Runner) -> None:
-        # Learn the schedule from the step before: which offloaded runner ran next.
+    def _saw_forward(self, r: _Runner) -> OffloadUnit | None:
+        """Learn the schedule from the step before: which offloaded runner ran next; its
+        unit, to make its slot writable ahead (remap: map it)."""
         if self._last_bwd is not None:
             self._next_bwd[id(self._last_bwd)] = None  # a forward came between: no look-ahead
             self._last_bwd = None
@@ -774,24 +588,20 @@ class MegatronOffload:
             self._next_fwd[id(self._last_fwd)] = r
         self._last_fwd = r
         nxt = self._next_fwd.get(id(r))
-        if nxt is not None:
-            self.engine.prefetch_forward(nxt.group)  # remap: map its slot ahead
+        return None if nxt is None else nxt.unit
 
     def _backward(self, r: _Runner, graph: Any) -> None:
-        eng = self.engine
-        t = r.ticket
-        if t is None:
-            raise StateError(f"{r.group.name}: backward graph replayed with no forward pending")
-        eng.wait_restored(t)
-        graph.replay()  # (the pool is mapped: no release while a runner awaits its backward)
-        eng.consumed(t)
+        if r.in_flight is None:
+            raise StateError(f"{r.unit.name}: backward graph replayed with no forward pending")
+        with r.unit.backward(r.in_flight):
+            graph.replay()  # (the pool is mapped: no release while a runner awaits its backward)
         self._queue_pool_release(self.backend.current_stream())
-        r.ticket = None
+        r.in_flight = None
         nxt = self._next_bwd.get(id(r))
-        if nxt is not None and nxt.ticket is not None:
+        if nxt is not None and nxt.in_flight is not None:
             # Look-ahead: its copy runs under this backward graph, queued after the replay
             # (its copies wait for the sections this graph records it is done with).
-            eng.restore_ahead(nxt.ticket)
+            nxt.unit.restore_ahead(nxt.in_flight)
         if self._last_fwd is not None:
             self._next_fwd[id(self._last_fwd)] = None
             self._last_fwd = None
@@ -815,9 +625,9 @@ class MegatronOffload:
             "mode": self.mode.value,
             "layers": sorted(L.number for L in self.layers.values()),
             "graphs_created": self._created,
-            "runners": [{"group": r.group.name, "layer": r.layer.number, "bank": r.bank,
-                         "saved_tensors": len(r.group.specs), "slot_bytes": r.group.slot_bytes,
-                         "offloaded_bytes": r.group.host_bytes,
+            "runners": [{"group": r.unit.name, "layer": r.layer.number, "bank": r.bank,
+                         "saved_tensors": r.unit.saved_tensors, "slot_bytes": r.unit.slot_bytes,
+                         "offloaded_bytes": r.unit.offloaded_bytes,
                          "kept_subclass_tensors": dict(r.layer.kept)} for r in self.runners],
             "mapped_bytes": self.backend.ledger.mapped_bytes,
             "peak_mapped_bytes": self.backend.ledger.peak_mapped_bytes,
@@ -851,7 +661,7 @@ class MegatronOffload:
         global _ACTIVE
         if self._closed:
             return
-        busy = [r.group.name for r in self.runners if r.ticket is not None]
+        busy = [r.unit.name for r in self.runners if r.in_flight is not None]
         if busy:
             raise StateError(f"cannot disable with microbatches in flight (forward without backward: {busy})")
         self._undo()

@@ -88,13 +88,14 @@ def primitives(b: Any, n: int) -> dict[str, float]:
 def _watched(b: Any) -> list[tuple[Any, list[str]]]:
     """The calls timed per layer pass: the runner's, the engine's, and what they call."""
     from graphslot.backend import Backend
-    from graphslot.offload import OffloadGroup, KeptOnDevice, ResidentBanks
+    from graphslot.offload.group import OffloadGroup
+    from graphslot.offload.residency import KeptOnDevice, ResidentBanks
 
     return [
         (OffloadEngine, ["before_forward", "after_forward", "prefetch_forward",
                          "_queue_held_copy_out", "restore", "wait_restored", "restore_ahead",
                          "consumed", "ticket", "_free_slot"]),
-        (gt._Runner, ["forward", "_replay_backward", "_grads_out"]),
+        (gt.runner._Runner, ["forward", "_replay_backward", "_grads_out"]),
         (OffloadGroup, ["take_stash"]),
         (KeptOnDevice, ["claim"]),
         (ResidentBanks, ["before_forward", "restore", "copy_out", "_copy_in"]),

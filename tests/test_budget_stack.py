@@ -21,8 +21,8 @@ GiB, MiB = 1 << 30, 1 << 20
 def fake_profile(monkeypatch: pytest.MonkeyPatch, costs: list[gb.LayerCost], gbps: float = 10.0) -> None:
     """Plan from ``costs`` instead of what the layers measure (the cpu backend's timings
     say nothing of a device), the stack's fixed memory as measured."""
-    monkeypatch.setattr(gt, "profile_units", lambda b, mods, sample: list(costs)[:len(mods)])
-    monkeypatch.setattr(gt, "copy_bandwidth", lambda b, n, reps=3: {
+    monkeypatch.setattr(gt.stack, "profile_units", lambda b, mods, sample: list(costs)[:len(mods)])
+    monkeypatch.setattr(gt.stack, "copy_bandwidth", lambda b, n, reps=3: {
         "d2h_gbps": gbps, "h2d_gbps": gbps, "both_total_gbps": gbps})
 
 
@@ -168,7 +168,7 @@ def test_a_bad_budget_fails_before_the_stack_measures_anything(clean, monkeypatc
     def no_profile(*a, **k):
         raise AssertionError("profiled a stack whose budget is not a size")
 
-    monkeypatch.setattr(gt, "profile_units", no_profile)
+    monkeypatch.setattr(gt.stack, "profile_units", no_profile)
     model = small_gpt(clean, 2)
     with pytest.raises(UsageError, match="not a size"):
         graphed(model, clean, None, memory_budget="plenty")

@@ -23,7 +23,8 @@ import pytest
 import torch
 
 from graphslot.errors import StateError
-from graphslot.offload import OffloadEngine, State
+from graphslot.offload import OffloadEngine
+from graphslot.offload.states import State
 from devices import selected_backend, spin
 
 b, _unavailable = selected_backend()

@@ -70,7 +70,7 @@ def test_small_layers_share_a_graph_by_default_and_large_ones_do_not(clean, monk
         for s, g in zip(saved, apart.engine.groups):
             assert 0 < s <= g.nbytes <= s + 2 * 256 * len(g.specs)
     # A bound between one and two layers' bytes: one graph per layer.
-    monkeypatch.setattr(gt, "JOIN_BYTES", max(saved) + min(saved) - 1)
+    monkeypatch.setattr(gt.plan, "JOIN_BYTES", max(saved) + min(saved) - 1)
     with GraphedLayers(list(model.blocks), sample, mode="resident", backend=b) as stack:
         assert stack.graph_layers == ((0,), (1,), (2,), (3,))
 

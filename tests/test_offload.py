@@ -14,7 +14,8 @@ from torch import nn
 import graphslot
 from graphslot.adapters.torch import GraphedLayers
 from graphslot.errors import CaptureMismatchError, InjectedFault, StateError, UsageError
-from graphslot.offload import TRANSITIONS, Mode, OffloadEngine, State
+from graphslot.offload import Mode, OffloadEngine
+from graphslot.offload.states import TRANSITIONS, State
 from graphslot.cli.toy import GPTConfig, TinyGPT
 from devices import spin
 from stacks import graphed

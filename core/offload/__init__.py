@@ -47,9 +47,17 @@ moved to a device buffer of their own while another microbatch's graphs run). Th
 keeps the tickets and decides when; the residency does the copies, fences and pages, and
 is all that differs between the modes.
 
+Adapters use :class:`OffloadUnit` (:mod:`.unit`), one per graphed unit with its policy
+(keep, offload, recompute), and nothing below it but the engine's construction, ``settle``
+and ``close``: the unit holds the order of engine calls around a unit's capture, its
+forward replay (offload, prefetch of the next unit) and its backward replay (restore, look
+ahead to the next unit, free). Tickets, states, residencies and groups are the package's
+own (an import-linter contract keeps the rest of graphslot off them).
+
 The modules depend one way (an import-linter contract holds it), each importing only
 those below it:
 
+* :mod:`.unit` - :class:`OffloadUnit`: the adapters' face.
 * :mod:`.engine` - :class:`OffloadEngine`: scheduling only.
 * :mod:`.group` - :class:`OffloadGroup`: discovery, slot layout, capture, host buffers.
 * :mod:`.residency` - banks, fences, the per-section copies, the residencies.
@@ -65,33 +73,27 @@ imports only the interface modules of graphslot (backend, errors, sizes).
 
 
 from .engine import OffloadEngine
-from .group import OffloadGroup
-from .residency import Bank, KeptOnDevice, RemapBanks, Residency, ResidentBanks, SlotFences
 from .saved import (SECTION_BYTES, SavedTensorSpec, never_offloaded, recording_saved_tensors,
                     sections_of, state_storages)
-from .states import TRANSITIONS, Mode, State
-from .tickets import Stash, Ticket
+from .states import Mode
+from .unit import KEEP, OFFLOAD, POLICIES, RECOMPUTE, OffloadUnit, leaves_on_device
 from .worker import EXIT_WAIT_S, DriverWorker
 
 __all__ = [
-    "Mode",
-    "State",
-    "TRANSITIONS",
-    "Ticket",
-    "Stash",
-    "SavedTensorSpec",
-    "OffloadGroup",
+    "OffloadUnit",
+    "leaves_on_device",
+    "KEEP",
+    "OFFLOAD",
+    "RECOMPUTE",
+    "POLICIES",
     "OffloadEngine",
-    "DriverWorker",
-    "EXIT_WAIT_S",
-    "Residency",
-    "KeptOnDevice",
-    "ResidentBanks",
-    "RemapBanks",
-    "Bank",
-    "SlotFences",
+    "Mode",
+    "SavedTensorSpec",
     "SECTION_BYTES",
     "sections_of",
+    "DriverWorker",
+    "EXIT_WAIT_S",
+    # for graphslot.memory's measurements (the same rule the units apply)
     "never_offloaded",
     "state_storages",
     "recording_saved_tensors",

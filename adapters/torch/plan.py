@@ -1,0 +1,122 @@
+"""Which layers each device graph covers (:func:`plan_graphs`), and the checks of
+:class:`~graphslot.adapters.torch.GraphedLayers`' arguments. Imports nothing of the package."""
+
+from __future__ import annotations
+
+from typing import AbstractSet, Any, Iterable, Sequence
+
+import torch
+from torch import nn
+
+from graphslot.backend import Backend
+from graphslot.errors import UsageError
+
+#: ``layers_per_graph=None`` joins consecutive layers while what their forwards save
+#: stays within this together. A graph replay and an offload copy cost the host about as
+#: much for a small layer as for a large one; past a few tens of MiB the copies, not the
+#: calls, set an offloading step's time, and a larger graph only coarsens them.
+JOIN_BYTES = 32 << 20
+
+
+def plan_graphs(n: int, offloaded: AbstractSet[int], layers_per_graph: int | None,
+                saved_bytes: Sequence[int] | None, join_bytes: int | None = None,
+                recomputed: AbstractSet[int] = frozenset()) -> tuple[tuple[int, ...], ...]:
+    """Which of ``n`` layers each device graph covers: consecutive runs, never mixing
+    layers in and outside ``offloaded`` (or ``recomputed``); ``layers_per_graph`` at a
+    time, or, when it is None, as many as keep ``saved_bytes`` (per layer) within
+    ``join_bytes`` together (default :data:`JOIN_BYTES`)."""
+    if layers_per_graph is None and (saved_bytes is None or len(saved_bytes) != n):
+        raise UsageError("plan_graphs: joining by size needs every layer's saved bytes")
+    join_bytes = JOIN_BYTES if join_bytes is None else join_bytes
+
+    def kind(i: int) -> tuple[bool, bool]:
+        return (i in offloaded, i in recomputed)
+
+    plan: list[tuple[int, ...]] = []
+    run: list[int] = []
+    total = 0
+    for i in range(n):
+        size = 0 if saved_bytes is None else saved_bytes[i]
+        if run and (kind(run[0]) != kind(i)
+                    or (layers_per_graph is not None and len(run) >= layers_per_graph)
+                    or (layers_per_graph is None and total + size > join_bytes)):
+            plan.append(tuple(run))
+            run, total = [], 0
+        run.append(i)
+        total += size
+    plan.append(tuple(run))
+    return tuple(plan)
+
+
+def _layer_set(name: str, layers: Iterable[int], n: int) -> set[int]:
+    """``layers`` as a set of layer indices; a UsageError naming what is not one."""
+    chosen = list(layers)
+    bad = [i for i in chosen if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < n]
+    if bad:
+        raise UsageError(f"{name} {bad} are not layer indices (integers 0..{n - 1})")
+    return set(chosen)
+
+
+def _check_layers(layers: Any) -> None:
+    """``layers`` is a non-empty sequence of modules."""
+    if isinstance(layers, nn.Module) and not isinstance(layers, (nn.Sequential, nn.ModuleList)):
+        raise UsageError(f"layers must be a sequence of torch.nn.Module (a list, nn.Sequential "
+                         f"or nn.ModuleList), got one {type(layers).__name__}: wrap it in a list")
+    try:
+        items = list(layers)
+    except TypeError:
+        raise UsageError(f"layers must be a sequence of torch.nn.Module, got "
+                         f"{type(layers).__name__}") from None
+    if not items:
+        raise UsageError("GraphedLayers needs at least one layer")
+    bad = [f"layers[{i}] is {type(m).__name__}" for i, m in enumerate(items)
+           if not isinstance(m, nn.Module)]
+    if bad:
+        raise UsageError(f"layers must be torch.nn.Module instances: {', '.join(bad[:3])}")
+
+
+def _param_name(layers: Iterable[nn.Module], p: torch.Tensor) -> str:
+    """``layers[i].name`` of parameter ``p`` (its first place), for messages."""
+    for i, m in enumerate(layers):
+        for n, q in m.named_parameters():
+            if q is p:
+                return f"layers[{i}].{n}"
+    return "a parameter"
+
+
+def _check_main_grads(layers: Iterable[nn.Module]) -> None:
+    """With ``main_grad=True``: every trainable parameter has a ``main_grad`` the backward
+    graph can add its gradient into, and no tensor hook the graph would skip."""
+    for i, m in enumerate(layers):
+        for n, p in m.named_parameters():
+            if not p.requires_grad:
+                continue
+            name = f"layers[{i}].{n}"
+            mg = getattr(p, "main_grad", None)
+            if not isinstance(mg, torch.Tensor):
+                raise UsageError(
+                    f"main_grad=True, but parameter {name} has "
+                    + ("no main_grad attribute" if mg is None else f"main_grad of type {type(mg).__name__}")
+                    + f"; give every trainable parameter a main_grad (e.g. torch.zeros_like(p, "
+                    "dtype=torch.float32)) or build the stack without main_grad")
+            if mg.shape != p.shape or mg.device != p.device or not mg.is_floating_point():
+                raise UsageError(
+                    f"main_grad=True, but parameter {name}'s main_grad is {list(mg.shape)} "
+                    f"{mg.dtype} on {mg.device}; it must be a floating-point tensor of the "
+                    f"parameter's shape {list(p.shape)} on {p.device}")
+            if p._backward_hooks:
+                raise UsageError(
+                    f"main_grad=True, but parameter {name} has tensor hooks (register_hook): "
+                    "the backward graph adds its gradient into main_grad itself, so they "
+                    "would never run; use a post-accumulate-grad hook or build without main_grad")
+
+
+def _check_sample(sample: Any, backend: Backend) -> None:
+    """A sample input is one tensor on the backend's device type."""
+    if not isinstance(sample, torch.Tensor):
+        raise UsageError(f"sample_input must be a torch.Tensor of the shape, dtype and device "
+                         f"the stack will see, got {type(sample).__name__}")
+    if sample.device.type != backend.device.type:
+        raise UsageError(f"sample_input is on {sample.device}, but the {backend.name} "
+                         f"backend runs on {backend.device}")
+

@@ -1,0 +1,481 @@
+"""One device graph's consecutive layers (:class:`_Runner`): warm-up, discovery, the
+capture of its forward and backward graphs, and their replays, with its saved activations
+in an :class:`~graphslot.offload.OffloadUnit`; and the autograd function each replay runs
+under (:class:`_LayerFunction`). Imports :mod:`.grads` and :mod:`.plan`."""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+import weakref
+from typing import TYPE_CHECKING, Any, Callable, ContextManager, Iterator
+
+import torch
+import torch.utils.checkpoint
+from torch import nn
+
+from graphslot.backend import DeviceGraph, RngStream
+from graphslot.errors import CaptureMismatchError, StateError, UsageError
+from graphslot.offload import KEEP, OFFLOAD, RECOMPUTE, OffloadUnit, leaves_on_device
+
+from .grads import _backward_into, _GradHome, _ParamGrad, _give_holders_own_bytes, _use_count
+from .plan import _param_name
+
+if TYPE_CHECKING:
+    from .stack import GraphedLayers
+
+
+@contextlib.contextmanager
+def _parameters_as(module: nn.Module, alias_of: dict[int, torch.Tensor]) -> Iterator[None]:
+    """Run ``module`` with each parameter ``p`` replaced by ``alias_of[id(p)]`` wherever it
+    is registered (a tied parameter in all its places), and put the very same parameter
+    objects back after. (``torch.func.functional_call`` puts new objects in place of
+    tied parameters, so optimizers and the model would no longer share them.)"""
+    swapped: list[tuple[dict[str, Any], str, Any]] = []
+    try:
+        for m in module.modules():
+            params: dict[str, Any] = m._parameters  # (plain tensors go in for a while)
+            for name, p in params.items():
+                if p is not None and id(p) in alias_of:
+                    swapped.append((params, name, p))
+                    params[name] = alias_of[id(p)]
+        yield
+    finally:
+        for params, name, p in reversed(swapped):
+            params[name] = p
+
+
+class _Runner:
+    """One graph's consecutive layers (one, or several small ones): its graphs, static
+    tensors and its offload unit (kept on the device when its layers do not offload)."""
+
+    def __init__(self, stack: GraphedLayers, index: int, layers: tuple[int, ...]) -> None:
+        self.stack = stack
+        self.index = index  # position among the stack's graphs
+        self.layers = layers
+        mods = [stack.layers[i] for i in layers]
+        # Not a submodule of the stack: its state_dict and parameters stay the layers' own.
+        self.module: nn.Module = mods[0] if len(mods) == 1 else nn.Sequential(*mods)
+        a, z = layers[0], layers[-1]
+        self.name = f"layer{a}" if a == z else f"layers{a}-{z}"
+        self.label = f"layer {a}" if a == z else f"layers {a}-{z}"
+        self.params = [p for p in self.module.parameters() if p.requires_grad]
+        #: with ``main_grad=True``: each parameter's main_grad, which the backward graph adds into
+        self.main_grads: list[torch.Tensor] | None = (
+            [getattr(p, "main_grad") for p in self.params] if stack.main_grad else None)
+        #: where no layer keeps activations in the pool: (position among ``params``, its
+        #: gradient home the backward graph adds into) for each parameter that has one
+        self.homes: list[tuple[int, _GradHome]] = []
+        # Warm-up and capture differentiate with respect to aliases of the parameters (same
+        # memory, so the graphs read the very same addresses): the parameters' own tensor
+        # hooks must run at each real backward, not once baked into a graph, and their
+        # gradient accumulators must come from the training stream, not the capture's.
+        self.unit: OffloadUnit
+        self.pending: set[int] = set()  # microbatches whose backward has not run
+        self.static_in: torch.Tensor
+        self.wants_grad_in = False
+        self.static_out: torch.Tensor
+        self.static_grad_out: torch.Tensor
+        self.grad_in: torch.Tensor | None = None
+        self.grads: list[_ParamGrad | None] = []
+        self.fwd: DeviceGraph
+        self.bwd: DeviceGraph | None = None
+        # The stack's first layer copies its input in and hands its input gradient out as a
+        # copy; the others read and write their neighbours' buffers themselves.
+        self.first = index == 0
+        #: its forward saves only its input, and its backward graph runs the forward again
+        self.recompute = layers[0] in stack.recompute_layers
+        # A recomputed layer's graphs draw from a random stream of their own, rewound to
+        # where each microbatch's forward drew before its backward graph draws it again.
+        self.rng: RngStream | None = None
+        self._rng_at: dict[int, Any] = {}  # microbatch -> the stream before its forward
+
+    @property
+    def group(self) -> Any:
+        """Its unit's offload group, for inspection (tests)."""
+        return self.unit.group
+
+    # -- build ---------------------------------------------------------------------------
+
+    def build_forward(self, static_in: torch.Tensor) -> torch.Tensor:
+        """Warm up, discover what the capture saves, allocate the slot, capture the forward."""
+        stack, b, eng = self.stack, self.stack.backend, self.stack.engine
+        is_state = leaves_on_device([self.module], b.device.type)
+        self.static_in = static_in
+        self.wants_grad_in = static_in.requires_grad
+        aliases = [p.detach().requires_grad_() for p in self.params]
+        inputs = ([static_in] if static_in.requires_grad else []) + aliases
+        alias_of = {id(p): a for p, a in zip(self.params, aliases)}
+
+        def run(x: torch.Tensor) -> Any:
+            with _parameters_as(self.module, alias_of):
+                return self.module(x)
+
+        def call() -> Any:
+            if self.recompute:
+                # The recompute runs inside the backward graph's capture, so ``run`` swaps
+                # the aliases in again there. Its random numbers come from the runner's
+                # own stream (``self.rng``), not from state calls that would run in capture.
+                return torch.utils.checkpoint.checkpoint(run, static_in, use_reentrant=False,
+                                                         preserve_rng_state=False)
+            return run(static_in)
+
+        offload = self.layers[0] in stack.offload_layers
+        policy = RECOMPUTE if self.recompute else OFFLOAD if offload else KEEP
+        unit = self.unit = OffloadUnit(eng, self.name, policy,
+                                       offload_input=self.recompute and offload)
+
+        # Warm-up: eager iterations on a side stream (libraries initialise, autotuners
+        # settle); autograd is untouched. Not on the current stream: if that is the legacy
+        # default stream, an accumulator node the warm-up leaves alive would tie it to the
+        # capture, which CUDA refuses. Every capture runs on that same stream: per-stream
+        # library state (cuBLAS's workspace for each stream and thread) then exists from
+        # the warm-up, in the ordinary pool, and no capture allocates another in a pool.
+        side = stack._warmup_stream
+        b.wait_event(side, b.record_event(b.new_event()))
+        with b.stream(side):
+            for _ in range(stack.warmup_iters):
+                out = call()
+                if not isinstance(out, torch.Tensor):
+                    raise UsageError(f"{self.label} returned {type(out).__name__}; "
+                                     "graphed layers must return one tensor")
+                if inputs and out.requires_grad:
+                    torch.autograd.grad(out, inputs, torch.ones_like(out), allow_unused=True)
+                del out
+        b.wait_event(b.current_stream(), b.record_event(b.new_event(), side))
+        b.synchronize()
+
+        if unit.wants_offload:
+            # Discovery under capture: kernels may save other tensors when captured than
+            # when run eagerly (SDPA's memory-efficient kernel saves its RNG seed and
+            # offset as device tensors only under capture), so the slot is laid out from
+            # a capture, which is then thrown away.
+            probe_graph = b.new_graph()  # a pool of its own, gone with it
+            with probe_graph.capture(side):
+                with unit.discovering(is_state):
+                    out = call()
+            del out, probe_graph
+            b.synchronize()
+            b.empty_cache()
+            unit.allocate(bank=stack.bank_index(self.layers[0]))
+        else:
+            unit.allocate()  # kept on the device: nothing to lay out
+
+        fwd = stack._new_graph()
+        if self.recompute:
+            self.rng = b.new_rng_stream()
+            if self.rng is None:
+                warnings.warn(f"GraphedLayers: the {b.name} backend's graphs have no random stream "
+                              "of their own: random ops (dropout) in a recomputed layer draw "
+                              "other numbers in its backward than in its forward", stacklevel=2)
+        drawing = self._attach_rng(fwd)
+        with fwd.capture(side), drawing(), unit.capture_forward(is_state):
+            out = call()
+        self.fwd = fwd
+        self._out = out  # the captured autograd graph, until the backward graphs exist
+        self._inputs = inputs
+        self.static_out = out.detach()
+        return self.static_out
+
+    def build_backward(self, static_grad_out: torch.Tensor | None, shared: set[int]) -> None:
+        """Capture the backward graph (after every forward, in reverse layer order)."""
+        b, out, inputs = self.stack.backend, self._out, self._inputs
+        wants_grad_in = self.wants_grad_in
+        differentiable = bool(inputs) and out.requires_grad
+        own = static_grad_out is None or static_grad_out.shape != out.shape
+        if own and not differentiable:
+            static_grad_out = torch.zeros_like(out)
+        targets: list[torch.Tensor | None] | None = list(self.main_grads or []) or None
+        if targets is None and self.stack._grad_homes and differentiable:
+            # Shared parameters (eager adds their parts first, then into .grad) and hooked
+            # ones (the hook sees each gradient) keep a pool buffer.
+            self.homes = [(k, _GradHome(p)) for k, p in enumerate(self.params)
+                          if id(p) not in shared and not p._backward_hooks]
+            if self.homes:
+                by_param = dict(self.homes)
+                targets = [by_param[k].home if k in by_param else None
+                           for k in range(len(self.params))]
+        try:
+            if differentiable:
+                bwd = self.stack._new_graph()
+                # A backend whose capture runs the work (cpu) would add the capture's gradient
+                # (from whatever the static buffers hold) into the targets: put them back after.
+                before = ([None if t is None else t.clone() for t in targets] if targets is not None
+                          and getattr(bwd, "executes_during_capture", False) else None)
+                drawing = self._attach_rng(bwd)
+                with bwd.capture(self.stack._warmup_stream), drawing():
+                    if own:
+                        # The stack's last gradient buffer, from the graphs' pool: the caller's
+                        # gradient is copied in right before each replay and only this graph
+                        # reads it, so once captured its bytes go back to the pool (below).
+                        static_grad_out = torch.empty_like(out)
+                    grads: tuple[torch.Tensor | None, ...]
+                    if targets is None:
+                        grads = torch.autograd.grad(out, inputs, static_grad_out, allow_unused=True)
+                    else:
+                        grads = _backward_into(targets, out, inputs, static_grad_out)
+                if before is not None:
+                    with torch.no_grad():
+                        for target, was in zip(targets or [], before):
+                            if target is not None and was is not None:
+                                target.copy_(was)
+                    del before
+                del targets
+                if own:
+                    assert static_grad_out is not None  # (allocated in the capture)
+                    view = b.return_to_pool(static_grad_out)
+                    if view is not None:
+                        static_grad_out = view
+                self.bwd = bwd
+                grad_list = list(grads)
+                self.grad_in = grad_list.pop(0) if wants_grad_in else None
+                # (None where the graph adds into main_grad or a gradient home itself)
+                self.grads = [None if gbuf is None else _ParamGrad(p, gbuf, id(p) in shared or bool(p._backward_hooks))
+                              for p, gbuf in zip(self.params, grad_list)]
+                del grads, grad_list
+        except Exception as e:
+            raise StateError(
+                f"{self.label}: capturing the backward graph failed ({type(e).__name__}: "
+                f"{str(e).splitlines()[0]}). A common cause is an autograd graph from earlier "
+                "eager work that is still alive (a kept loss, or a saved-tensor hook that "
+                "returned its argument without a backward): its parameter accumulators "
+                "then belong to the default stream. Build GraphedLayers before such work "
+                "or drop those references.") from e
+        assert static_grad_out is not None
+        self.static_grad_out = static_grad_out
+        self.unit.finish_capture()  # (a unit that keeps its activations learns where they are)
+        # Drop the captured autograd graph: its accumulator nodes were made on the capture
+        # stream, and training must make its own on the training stream.
+        del self._out, self._inputs
+
+    def _attach_rng(self, graph: DeviceGraph) -> Callable[[], ContextManager[None]]:
+        """Before ``graph``'s capture: what to enter inside it so that its random ops draw
+        from the runner's stream (nothing without one)."""
+        if self.rng is None:
+            return contextlib.nullcontext
+        self.rng.attach(graph)
+        return self.rng.drawing
+
+    def count_own_refs(self) -> None:
+        """After the build: count the references graphslot itself holds to each buffer."""
+        for pg in self.grads:
+            if pg is not None:
+                pg.count_own_refs()
+        for _, h in self.homes:
+            h.count_own_refs()
+
+    # -- run -------------------------------------------------------------------------------
+
+    def check_input(self, x: Any) -> None:
+        """``x`` is what the capture fixed: one tensor of its shape, dtype and device, and
+        no input that wants a gradient where the graphs were captured computing none."""
+        si = self.static_in
+        if not isinstance(x, torch.Tensor):
+            raise CaptureMismatchError(f"{self.label} was captured for one tensor input, got "
+                                       f"{type(x).__name__}")
+        if x.shape != si.shape or x.dtype != si.dtype or x.device != si.device:
+            raise CaptureMismatchError(
+                f"{self.label} was captured for input {list(si.shape)} {si.dtype} on "
+                f"{si.device}, got {list(x.shape)} {x.dtype} on {x.device}")
+        if x.requires_grad and not self.wants_grad_in and torch.is_grad_enabled():
+            # (its backward graph computes no input gradient: x.grad would stay None)
+            raise CaptureMismatchError(
+                f"{self.label} was captured for an input without requires_grad (the "
+                "sample_input's), got one that requires grad; build the stack with a sample "
+                "input that requires grad (sample.requires_grad_()) to get its gradient")
+
+    def forward(self, x: torch.Tensor, mb: int, training: bool) -> torch.Tensor:
+        stack = self.stack  # (GraphedLayers.forward checked the stack's input)
+        if mb in self.pending:
+            raise StateError(f"{self.label}: microbatch {mb} ran forward again before its backward")
+        if stack._lent:
+            stack._give_back(None)
+        unit = self.unit
+        # An offloaded unit makes the next offloaded one's slot writable ahead.
+        nxt = stack._next_forward(self.index) if unit.offloads else None
+        # (moves out what another microbatch keeps in the graphs' memory, if one does)
+        with unit.forward(mb, training=training, prefetch=None if nxt is None else nxt.unit):
+            if x.data_ptr() != self.static_in.data_ptr():
+                with torch.no_grad():
+                    self.static_in.copy_(x)
+            if self.rng is not None and training:
+                self._rng_at[mb] = self.rng.position()
+            if stack._tracing:
+                with stack._span(f"fwd {self.name}"):
+                    self.fwd.replay()
+                if stack.probe is not None:
+                    stack.probe(f"F{self.layers[-1]}")
+            else:
+                self.fwd.replay()
+        if training:
+            self.pending.add(mb)
+        return self.static_out
+
+    def backward(self, grad: torch.Tensor, mb: int, input_ref: weakref.ref[torch.Tensor] | None = None
+                 ) -> tuple[torch.Tensor | None, ...]:
+        """Replay microbatch ``mb``'s backward; ``input_ref``: the stack's input (the first
+        layer's), whose gradient the returned input gradient becomes."""
+        stack = self.stack
+        if stack._closed:
+            raise StateError(f"{self.label}: backward of microbatch {mb} after close(); "
+                             "close() abandoned the forward it belonged to")
+        stack._enter()
+        try:
+            return self._backward(grad, mb, input_ref)
+        finally:
+            stack._leave()
+
+    def _backward(self, grad: torch.Tensor, mb: int, input_ref: weakref.ref[torch.Tensor] | None
+                  ) -> tuple[torch.Tensor | None, ...]:
+        stack = self.stack
+        # A backward pass is one unit for close(): from its first layer to the stack's first.
+        stack._in_backward.add(mb)
+        try:
+            out = self._replay_backward(grad, mb, input_ref)
+        except BaseException:
+            stack._in_backward.discard(mb)
+            raise
+        if self.index == 0:
+            stack._in_backward.discard(mb)
+        return out
+
+    def _replay_backward(self, grad: torch.Tensor, mb: int, input_ref: weakref.ref[torch.Tensor] | None
+                         ) -> tuple[torch.Tensor | None, ...]:
+        stack = self.stack
+        if mb not in self.pending:
+            raise StateError(
+                f"{self.label}: microbatch {mb} has no forward waiting for this backward: "
+                "it ran backward already (a second backward through graphed layers, e.g. "
+                "retain_graph=True, is not supported) or close() abandoned it")
+        if self.main_grads is not None:
+            self._main_grads_in_place()
+        if stack._lent:  # before anything below writes pool memory a lent buffer may share
+            stack._give_back(self.index)
+        # Look-ahead: the next offloaded layer's reload runs under this backward graph
+        # (and under every graph up to it, when offloaded layers are spread out); if its
+        # slot still holds another restore, that layer's backward waits for it.
+        prev = stack._next_backward(self.index)
+        # (brings back this microbatch's activations if another's graphs ran since)
+        with self.unit.backward(mb, ahead=None if prev is None else prev.unit):
+            out: list[torch.Tensor | None] = [None] * len(self.params)
+            at = self._rng_at.pop(mb, None)  # (a runner without a backward graph draws nothing back)
+            if self.bwd is not None:
+                if grad.data_ptr() != self.static_grad_out.data_ptr():
+                    with torch.no_grad():
+                        self.static_grad_out.copy_(grad)
+                graph = self.bwd
+                rng = self.rng if at is not None else None
+                if rng is not None:  # the recompute draws what this microbatch's forward drew,
+                    newest = rng.position()  # and the next forward goes on from the newest one
+                    rng.seek(at)
+                homes = self.homes
+                with torch.no_grad():
+                    for _, h in homes:
+                        h.prepare(h.fills_grad())
+                try:
+                    if stack._tracing:
+                        with stack._span(f"bwd {self.name}"):
+                            graph.replay()
+                        if stack.probe is not None:
+                            stack.probe(f"B{self.layers[0]}")
+                    else:
+                        graph.replay()
+                except BaseException:
+                    with torch.no_grad():
+                        for _, h in homes:
+                            h.abandon()
+                    raise
+                finally:
+                    if rng is not None:
+                        rng.seek(newest)
+                out = self._grads_out()
+                if homes:
+                    with torch.no_grad():
+                        for k, h in homes:
+                            out[k] = h.finish()
+                lent = [pg for pg in self.grads if pg is not None and not pg.copy]
+                if lent:
+                    stack._lent[self.index] = lent
+            self.pending.discard(mb)
+        gin = self.grad_in
+        if gin is not None:
+            if self.first:
+                gin = stack._lend_input_grad(gin, input_ref)
+            elif len(stack._runners[self.index - 1].pending) > 1:
+                gin = gin.clone()  # another microbatch of the layer below may run in between
+            else:
+                gin = gin.detach()  # the layer below reads this buffer straight away
+        return (gin, *out)
+
+    def _main_grads_in_place(self) -> None:
+        """The graph adds into the ``main_grad`` tensors it was captured with: refuse to
+        replay once one was replaced (the sum would go to the old memory) or got a tensor
+        hook (it would not run)."""
+        assert self.main_grads is not None
+        for p, mg in zip(self.params, self.main_grads):
+            now = getattr(p, "main_grad", None)
+            if now is not mg and not (isinstance(now, torch.Tensor) and now.data_ptr() == mg.data_ptr()
+                                      and now.dtype == mg.dtype and now.shape == mg.shape
+                                      and now.stride() == mg.stride()):
+                raise StateError(
+                    f"{self.label}: parameter {_param_name(self.stack.layers, p)}'s main_grad is no "
+                    f"longer the tensor its backward graph adds into (at 0x{mg.data_ptr():x}); zero "
+                    "main_grad in place instead of replacing it, or build the stack again")
+            if p._backward_hooks:
+                raise StateError(
+                    f"{self.label}: parameter {_param_name(self.stack.layers, p)} got a tensor hook "
+                    "after the build; with main_grad=True the backward graph adds its gradient "
+                    "into main_grad itself, so the hook would never run")
+
+    def give_back(self, pg: _ParamGrad) -> None:
+        """``pg``'s buffer is about to be overwritten: whoever holds it as a gradient (its
+        ``.grad`` under accumulation, or a kept reference) gets bytes of its own first."""
+        if _use_count is not None and _use_count(pg.storage) <= pg.base_refs:
+            return  # nobody kept it: the usual case after zero_grad(set_to_none=True)
+        g = pg.grad()
+        if g is not None and g.data_ptr() == pg.ptr:
+            # The same tensor object keeps its identity (references to it stay good) and
+            # gets its own bytes; autograd then adds the next gradient into it, as eagerly.
+            g.data = g.clone()
+        if pg.others_hold():
+            self._move_out(pg)
+
+    def _move_out(self, pg: _ParamGrad) -> None:
+        """Somebody kept an earlier ``.grad`` that is this buffer: give it a copy of its own
+        bytes before the graph overwrites them, and hand this parameter copies from now on."""
+        _give_holders_own_bytes(pg.buf, pg.ptr, pg.ptr + 1, (pg.buf,))
+        pg.copy = True
+
+    def _grads_out(self) -> list[torch.Tensor | None]:
+        out: list[torch.Tensor | None] = []
+        for pg in self.grads:
+            if pg is None:
+                out.append(None)
+            elif pg.copy:
+                out.append(pg.buf.clone())
+            else:
+                # With .grad unset, autograd takes this tensor as .grad without a copy;
+                # with .grad set, it adds this into it.
+                out.append(pg.buf.detach())
+        return out
+
+
+class _LayerFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, runner: _Runner, mb: int, x: torch.Tensor, *params: torch.Tensor) -> torch.Tensor:
+        ctx.runner, ctx.mb = runner, mb
+        out = runner.forward(x, mb, True)
+        if runner.index == 0:
+            # The first layer's node outlives the others: when it dies without a backward
+            # (the output was dropped), the stack gives back what the microbatch holds.
+            weakref.finalize(ctx, runner.stack._abandoned.append, mb).atexit = False
+            ctx.input = weakref.ref(x) if x.requires_grad else None
+        # The last layer's output goes to the caller, who may keep it across the next
+        # forward; inside the stack the next layer reads the buffer itself.
+        return out.clone() if runner.stack._runners[-1] is runner else out.detach()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> Any:
+        grads = ctx.runner.backward(grad, ctx.mb, getattr(ctx, "input", None))
+        return (None, None, *grads)
+

@@ -1,0 +1,616 @@
+"""Plain PyTorch: a stack of layers as graphed callables with activation offload.
+
+    from graphslot.adapters.torch import GraphedLayers
+
+    stack = GraphedLayers(blocks, sample_input, mode="resident")   # or "remap", "off"
+    for batch in data:
+        loss = head(stack(embed(batch))).mean()
+        loss.backward()
+        opt.step(); opt.zero_grad()
+
+Each layer, or each run of consecutive small layers (``layers_per_graph``), gets a
+forward and a backward device graph, in the spirit of ``torch.cuda.make_graphed_callables``
+(which graphs each callable alone). Saved activations go through graphslot slots:
+the backward graph reads them at a fixed address, and between forward and backward
+they wait on the host (``resident``: two banks per size class, mapped for good, no driver
+calls; ``remap``: one bank where slots stream in sections, its pages released whenever
+nothing is in flight). ``off`` graphs without offload.
+
+What the graphs hold, and why it is no more than torch's own graphed callables:
+
+* Layer boundaries are chained: layer ``i + 1`` is captured reading layer ``i``'s static
+  output, and layer ``i``'s backward reading layer ``i + 1``'s static input gradient, so
+  no activation or gradient is copied or cloned between layers. Only the stack's own
+  input, output and their gradients are copied, once per step.
+* Parameter gradients are the backward graphs' static buffers: after a backward with
+  ``.grad`` unset, ``.grad`` *is* that buffer (no second copy). A backward that finds
+  ``.grad`` still being that buffer (gradient accumulation, ``zero_grad(set_to_none=False)``)
+  first gives ``.grad`` bytes of its own (the same tensor object) and lets autograd add
+  into it, as eagerly; the result is bitwise eager's. A parameter shared by several
+  layers, or one with tensor hooks, gets its gradient as a copy, so autograd sums and
+  hooks run as in eager. A ``.grad`` someone still holds after
+  ``zero_grad(set_to_none=True)`` is moved out of the buffer before the next backward
+  overwrites it, and that parameter is copied from then on.
+* ``main_grad=True`` (Megatron and TransformerEngine style): the backward graph adds each
+  parameter's gradient into its ``main_grad``, in the graph, as each arrives, and frees it
+  at once; ``.grad`` is left as it is. ``main_grad`` is then the only gradient storage, and
+  a kept or accumulated gradient costs no copy (``p.grad = p.main_grad`` makes ``.grad``
+  that storage). Without it, a ``.grad`` kept across a forward costs one copy of the
+  gradients: the buffers' pool memory is what the next forward writes.
+* Capture-time autograd graphs are dropped once the backward graphs exist, so training
+  builds its own gradient accumulators on the training stream.
+
+Parameters and buffers are never offloaded. Several microbatches may be in flight before
+their backward on every layer: offloaded layers keep each microbatch in the engine's
+host buffers; layers whose activations stay on the device keep the newest microbatch in
+the graph's own memory and move older ones to device buffers of their own only when
+another microbatch's graphs are about to run (the engine's ``KeptOnDevice`` residency:
+every layer has an offload group, kept on the device or offloaded). Gradient
+accumulation, ``loss.backward()``
+and any optimizer work as usual. A forward under ``torch.no_grad()`` offloads nothing.
+
+Limits, as for device graphs in general: each layer takes one tensor and returns one
+tensor of fixed shape, dtype and device; no host synchronisation or data-dependent
+shapes inside a layer. Random ops (dropout) draw fresh numbers at every replay; a
+recomputed layer draws, in its backward, the very numbers its forward drew for that
+microbatch (a random stream of its own, where the backend has one:
+:meth:`~graphslot.backend.Backend.new_rng_stream`).
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import gc
+import threading
+import warnings
+import weakref
+from dataclasses import replace
+from typing import Any, Callable, Iterable, Sequence
+
+import torch
+from torch import nn
+
+from graphslot.backend import Backend, DeviceGraph
+from graphslot.budget import (OFFLOAD, RECOMPUTE, BudgetPlan, StackProfile, banks_bytes,
+                              fit_budget, gradient_homes, parse_budget)
+from graphslot.errors import StateError, UsageError
+from graphslot.memory import saved_bytes_per_layer, settle
+from graphslot.offload import SECTION_BYTES, Mode, OffloadEngine
+from graphslot.profile import copy_bandwidth, held_bytes, profile_units
+from graphslot.selection import get_backend
+
+from .grads import _ParamGrad, _shares_storage
+from .plan import _check_layers, _check_main_grads, _check_sample, _layer_set, _param_name, plan_graphs
+from .runner import _LayerFunction, _Runner
+
+__all__ = ["GraphedLayers"]
+
+
+class GraphedLayers(nn.Module):
+    """Run ``layers`` in sequence as graphed callables with slot-based activation offload.
+
+    Args:
+        layers: the modules, applied in order; each maps one tensor to one tensor.
+        sample_input: an input of the exact shape, dtype and device the stack will see
+            (``requires_grad`` as at run time).
+        mode: ``"resident"`` (the default without a budget: two banks per size class of
+            slots, mapped for good, zero driver calls per step), ``"remap"`` (least memory:
+            one bank per size class where slots stream in sections, mapped only while a
+            pass is in flight) or ``"off"``. With ``memory_budget``, the planner picks it
+            unless it is given (``"off"``: keep or recompute, never offload).
+        min_offload_bytes: saved tensors smaller than this stay on the device.
+        section_bytes: slots move to and from the host in sections of at most this many
+            bytes (:data:`graphslot.offload.SECTION_BYTES`), each fenced on its own inside
+            the graphs where the backend allows.
+        offload_layers: indices of the layers whose activations are offloaded
+            (default: every layer not in ``recompute_layers``); the others keep theirs on
+            the device.
+        recompute_layers: indices of the layers recomputed in the backward: the forward
+            graph saves only the layer's input, and the backward graph runs the forward
+            again (``torch.utils.checkpoint`` captured inside the graphs). A layer also in
+            ``offload_layers`` sends that input to the host.
+        memory_budget: bytes the training step may hold at its peak (the framework
+            allocator's reserved bytes plus graphslot's pages, counting what the device
+            holds when the stack is built), a size string (``"12GiB"``), or ``"auto"``
+            (save memory only where the planner predicts it costs no time). The stack
+            measures its layers (:mod:`graphslot.profile`) and plans each graph's layers
+            kept, offloaded or recomputed, then checks what its build holds against the
+            budget and plans again where the graphs hold more or less than predicted
+            (:func:`graphslot.budget.fit_budget`); a budget the model calls too small has
+            its least plan built before it is refused. ``plan`` says what was chosen. What the
+            step makes outside the stack after the build (the loss, the output's
+            gradient) comes on top. Not with ``offload_layers`` or ``recompute_layers``.
+        layers_per_graph: how many consecutive layers each device graph covers. ``None``
+            (the default) joins consecutive layers while what their forwards save for
+            backward stays within :data:`JOIN_BYTES` together, so a stack of small layers
+            replays a few graphs, each with one offload copy each way, instead of one
+            graph and copy per layer; a layer that saves more gets a graph of its own. An
+            integer takes that many at a time. Layers of different choices (kept,
+            offloaded, recomputed) never share a graph. ``graph_layers`` says what was
+            chosen.
+        warmup_iters: eager iterations before capture.
+        backend: the graphslot backend (default: :func:`graphslot.get_backend`).
+        debug_checksums: verify a checksum of every restored activation (slow).
+        main_grad: accumulate each parameter's gradient into its ``main_grad`` attribute,
+            inside the backward graph (``main_grad.add_(grad)``, as Megatron-Core and
+            TransformerEngine do, e.g. bf16 gradients into fp32 ``main_grad``); ``.grad``
+            stays as it is (None, as Megatron keeps it), so ``main_grad`` is the only
+            gradient storage and the graphs' pool keeps no gradient buffers. Every
+            trainable parameter must carry a ``main_grad`` of its shape on its device,
+            kept in place for the stack's life (zero it in place), and belong to one
+            graph; post-accumulate-grad hooks still run once per backward, tensor hooks
+            (``register_hook``) cannot. The parameters' gradients do not reach autograd
+            (``torch.autograd.grad`` gets none), and a parameter also used outside the
+            stack gets only the stack's part in ``main_grad``.
+
+    Raises:
+        UsageError: no layers, a sample that is not a tensor on the backend's device, a
+            bad layer index or mode, a budget below the least any plan reaches (the
+            message names that least budget), a budget beside explicit layer lists, or
+            with ``main_grad=True`` a parameter without a fitting ``main_grad``, with
+            tensor hooks, or in several graphs.
+
+    ``close()`` releases its slots, banks and host buffers; as a context manager
+    (``with GraphedLayers(...) as stack:``) it closes on exit.
+    """
+
+    def __init__(self, layers: Sequence[nn.Module], sample_input: torch.Tensor, *,
+                 mode: Mode | str | None = None, min_offload_bytes: int = 0,
+                 section_bytes: int = SECTION_BYTES,
+                 offload_layers: Iterable[int] | None = None,
+                 recompute_layers: Iterable[int] | None = None,
+                 memory_budget: int | str | None = None,
+                 layers_per_graph: int | None = None, warmup_iters: int = 2,
+                 backend: Backend | None = None, debug_checksums: bool = False,
+                 main_grad: bool = False) -> None:
+        super().__init__()
+        _check_layers(layers)
+        self.layers = nn.ModuleList(layers)
+        self.backend = backend or get_backend()
+        _check_sample(sample_input, self.backend)
+        #: the backward graphs add into the parameters' ``main_grad`` (see ``main_grad``)
+        self.main_grad = bool(main_grad)
+        self._grad_homes = False  # (decided per build, in _make)
+        if self.main_grad:
+            _check_main_grads(self.layers)
+        n = len(self.layers)
+        if memory_budget is not None and (offload_layers is not None or recompute_layers is not None):
+            raise UsageError("memory_budget plans which layers to offload and recompute: give "
+                             "it, or offload_layers / recompute_layers, not both")
+        recompute = _layer_set("recompute_layers", [] if recompute_layers is None else recompute_layers, n)
+        offload = _layer_set("offload_layers", (set(range(n)) - recompute) if offload_layers is None
+                             else offload_layers, n)
+        if layers_per_graph is not None and (isinstance(layers_per_graph, bool)
+                                             or not isinstance(layers_per_graph, int)
+                                             or layers_per_graph < 1):
+            raise UsageError(f"layers_per_graph must be a positive integer or None (join small "
+                             f"layers), got {layers_per_graph!r}")
+        modes = tuple(m.value for m in Mode) if mode is None else (Mode(mode).value,)
+        self._engine_args: dict[str, Any] = dict(
+            min_bytes=min_offload_bytes, section_bytes=section_bytes, debug_checksums=debug_checksums)
+        self.warmup_iters = max(1, int(warmup_iters))
+        self._microbatch = 0
+        #: the layers each device graph covers, in order (see ``layers_per_graph``)
+        self.graph_layers: tuple[tuple[int, ...], ...] = ()
+        #: what ``memory_budget`` chose (:class:`graphslot.budget.BudgetPlan`, choices per
+        #: layer); None without a budget
+        self.plan: BudgetPlan | None = None
+        self._runners: list[_Runner] = []
+        #: called with a label after each layer's forward and backward replay (for probes)
+        self.probe: Callable[[str], None] | None = None
+        # One private pool for every graph, captured in replay order (all forwards, then
+        # the backwards in reverse), as torch.cuda.make_graphed_callables does: memory a
+        # graph frees at capture is reused only by graphs that replay after it.
+        self._pool_owner: DeviceGraph | None = None
+        # The backend's one side stream for every warm-up of every stack: libraries keep
+        # per-stream state for the process's life (cuBLAS a workspace of tens of MiB for
+        # each stream and thread), so a stream of the stack's own would leave that behind
+        # with each stack built.
+        self._warmup_stream = self.backend.side_stream()
+        #: gradient buffers handed out as .grad since the last replay that could overwrite them
+        self._lent: dict[int, list[_ParamGrad]] = {}  # by layer
+        #: the first layer's input gradient buffer, lent as the stack's input gradient
+        self._input_grad: _ParamGrad | None = None
+        self._lock = threading.Condition()
+        self._users = 0  # forwards and backwards under way (close() waits for them)
+        self._in_backward: set[int] = set()  # microbatches whose backward pass has begun
+        self._closed = False
+        #: microbatches whose autograd graph died without a backward (appended by finalizers)
+        self._abandoned: collections.deque[int] = collections.deque()
+        try:
+            saved = None if layers_per_graph is not None else saved_bytes_per_layer(
+                list(self.layers), sample_input.detach().requires_grad_(sample_input.requires_grad))
+            if memory_budget is None:
+                self._make(Mode(modes[0]) if mode is not None else Mode.RESIDENT, offload,
+                           recompute, layers_per_graph, saved, sample_input)
+            else:
+                self._make_planned(memory_budget, modes, layers_per_graph, saved, sample_input,
+                                   section_bytes)
+        except BaseException:
+            self._unmake()  # what the failed build made goes before the error does
+            self._warmup_stream = None
+            raise
+        # Dropped without close(): the pages, host buffers and threads go with the stack.
+        self._finalizer = weakref.finalize(self, OffloadEngine.close, self.engine)
+        self._finalizer.atexit = False
+        # Each layer's look-ahead targets, once: a pass asks for them at every layer.
+        offloaded = [r for r in self._runners if r.unit.offloads]
+        n = len(self._runners)
+        self._ahead: list[_Runner | None] = [
+            next((r for r in offloaded if r.index > i), None) for i in range(n)]
+        self._behind: list[_Runner | None] = [
+            next((r for r in reversed(offloaded) if r.index < i), None) for i in range(n)]
+
+    def _make(self, mode: Mode, offload: set[int], recompute: set[int],
+              layers_per_graph: int | None, saved: list[int] | None, sample: torch.Tensor) -> None:
+        """Build the engine, the graphs' plan and every graph."""
+        self.offload_layers, self.recompute_layers = set(offload), set(recompute)
+        self._grad_homes = not self.main_grad and self._homes_pay(mode, saved, sample)
+        self.engine = OffloadEngine(self.backend, mode, **self._engine_args)
+        self.graph_layers = plan_graphs(len(self.layers), self.offload_layers, layers_per_graph,
+                                        saved, recomputed=self.recompute_layers)
+        self._runners = [_Runner(self, k, ls) for k, ls in enumerate(self.graph_layers)]
+        self._build(sample)
+
+    def _homes_pay(self, mode: Mode, saved: list[int] | None, sample: torch.Tensor) -> bool:
+        """Does this build give gradients homes outside the pool (:class:`_GradHome`)?
+        :func:`graphslot.budget.gradient_homes` says, from what the layers keep in the
+        graphs' pool (``saved``, measured) against the gradients' bytes."""
+        gone = self.recompute_layers | (self.offload_layers if mode is not Mode.OFF else set())
+        kept = [i for i in range(len(self.layers)) if i not in gone]
+        if not kept:
+            return True
+        if saved is None:  # (layers_per_graph given: not measured for joining layers)
+            saved = saved_bytes_per_layer(list(self.layers),
+                                          sample.detach().requires_grad_(sample.requires_grad))
+        params = {id(p): p for m in self.layers for p in m.parameters() if p.requires_grad}
+        grads = sum(p.numel() * p.element_size() for p in params.values())
+        return gradient_homes(sum(saved[i] for i in kept), grads)
+
+    def _unmake(self) -> None:
+        """Give back what :meth:`_make` built (the graphs, their pool, slots and banks)."""
+        engine = getattr(self, "engine", None)
+        if engine is not None:
+            engine.close()
+        self._runners = []
+        self._pool_owner = None
+        self._lent.clear()
+        self._input_grad = None
+        settle(self.backend)
+
+    def _make_planned(self, budget: int | str, modes: tuple[str, ...], layers_per_graph: int | None,
+                      saved: list[int] | None, sample: torch.Tensor, section_bytes: int) -> None:
+        """Profile the stack, plan the budget and build, checking what each build holds
+        (:func:`~graphslot.budget.fit_budget`: where the graphs hold more or less than the
+        model said, the difference is counted and the plan made again)."""
+        b, n = self.backend, len(self.layers)
+        if not (isinstance(budget, str) and budget.strip().lower() == "auto"):
+            parse_budget(budget)  # (a bad one fails before any work)
+        units = plan_graphs(n, set(), layers_per_graph, saved)
+        profile = self._profile(units, sample, section_bytes)
+        mapped_before = b.ledger.mapped_bytes  # (other stacks' pages, say)
+        builds = 0
+
+        def build(plan: BudgetPlan) -> int | None:
+            nonlocal builds
+            if builds:
+                self._unmake()
+            builds += 1
+            per_layer = tuple(plan.choices[k] for k, ls in enumerate(units) for _ in ls)
+            self.plan = replace(plan, choices=per_layer)
+            recomputed = set(self.plan.layers(RECOMPUTE))
+            # (in a mode that offloads, a recomputed layer's input goes to the host too)
+            offloaded = set(self.plan.layers(OFFLOAD)) | (recomputed if plan.mode != "off" else set())
+            self._make(Mode(plan.mode), offloaded, recomputed, layers_per_graph, saved, sample)
+            settle(b)
+            held = held_bytes(b)
+            if held is None:
+                return None  # the allocator cannot tell: the model's figure stands
+            # What the step adds to what the build holds: the banks it has not mapped now
+            # (remap maps them only while a pass runs), and the copy of the output the
+            # caller gets, as far as the allocator needs memory for it.
+            banks = banks_bytes(profile, plan.choices, plan.mode)
+            unmapped = max(0, banks - (b.ledger.mapped_bytes - mapped_before))
+            return held + unmapped + self._output_copy_bytes(held)
+
+        plan = fit_budget(profile, budget, build, modes=modes)
+        self.plan = replace(plan, choices=tuple(plan.choices[k] for k, ls in enumerate(units)
+                                                for _ in ls))
+
+    def _output_copy_bytes(self, held: int) -> int:
+        """What the caller's copy of the stack's output adds to ``held`` (what the process
+        holds after the build): allocated once here and measured, since it often fits in
+        memory the allocator holds already. The output's gradient and the loss are the
+        caller's, made as the caller makes them (a preallocated gradient is in ``held``)."""
+        probe = torch.empty_like(self._runners[-1].static_out)
+        grown = held_bytes(self.backend)
+        del probe
+        return 0 if grown is None else max(0, grown - held)
+
+    def _profile(self, units: tuple[tuple[int, ...], ...], sample: torch.Tensor,
+                 section_bytes: int) -> StackProfile:
+        """What each graph's layers cost, measured eagerly (:mod:`graphslot.profile`)."""
+        b = self.backend
+        mods = [self.layers[u[0]] if len(u) == 1 else nn.Sequential(*(self.layers[i] for i in u))
+                for u in units]
+        costs = profile_units(b, mods, sample)
+        probe = min(max(c.saved_bytes for c in costs), 256 << 20) or (1 << 20)
+        bw = copy_bandwidth(b, probe, reps=3)
+        settle(b)
+        # What the step holds whatever the plan: what the process holds now, and the
+        # step's tensors outside the graphs (the output the caller gets and the stack's
+        # input gradient; the output's gradient is the caller's, as its loss is); the
+        # gradients, boundary buffers and the graphs' pool depend on the plan.
+        held = held_bytes(b)
+        if held is None:  # no allocator figures: what the process holds, where it can tell
+            held = b.footprint_bytes() or 0
+        fixed = held + 2 * costs[-1].input_bytes
+        return StackProfile(tuple(costs), bw["d2h_gbps"], bw["h2d_gbps"], fixed_bytes=fixed,
+                            granularity=b.granularity, section_bytes=section_bytes,
+                            d2d_gbps=bw.get("d2d_gbps"))
+
+    def _new_graph(self) -> DeviceGraph:
+        g = self.backend.new_graph(share_pool_with=self._pool_owner)
+        self._pool_owner = self._pool_owner or g
+        return g
+
+    def _build(self, sample: torch.Tensor) -> None:
+        runners = self._runners
+        # The first layer reads the stack's input from a buffer of its own. When that layer
+        # offloads what it saves (a saved input goes to its slot), the buffer is read by
+        # its forward graph alone: it comes from the graphs' pool and goes back to it once
+        # that graph is captured, the caller's input copied in right before each replay.
+        pooled = self.engine.offloads and runners[0].layers[0] in self.offload_layers
+        x = (self._pool_buffer(sample) if pooled else sample.detach().clone()
+             ).requires_grad_(sample.requires_grad)
+        shared = self._shared_params()
+        if self.main_grad:
+            self._check_main_grads_graphs()
+        for i, r in enumerate(runners):
+            out = r.build_forward(x)
+            # The next layer is captured reading this layer's output buffer itself.
+            x = out.detach().requires_grad_(x.requires_grad or bool(r.params))
+            if i == 0 and pooled and not _shares_storage(r.static_out, r.static_in):
+                view = self.backend.return_to_pool(r.static_in)
+                if view is not None:
+                    r.static_in = view
+            if i >= 1:
+                self._free_boundary(runners[i - 1], r)
+        last = runners[-1]
+        # (an output that views the layer's input stays: the input is another's buffer)
+        if last.unit.wants_offload and not _shares_storage(last.static_out, last.static_in):
+            # The stack's output buffer is copied for the caller right after its replay;
+            # nothing else reads it (a saved output is in the slot): the backward graphs,
+            # captured next, may use its bytes.
+            view = self.backend.return_to_pool(last.static_out)
+            if view is not None:
+                last.static_out = view
+        grad_out: torch.Tensor | None = None
+        for i in reversed(range(len(runners))):
+            r = runners[i]
+            r.build_backward(grad_out, shared)
+            if i + 1 < len(runners) and runners[i + 1].grad_in is r.static_grad_out:
+                # Layer i+1's input gradient is read by layer i's backward graph alone.
+                view = self.backend.return_to_pool(r.static_grad_out)
+                if view is not None:
+                    r.static_grad_out = runners[i + 1].grad_in = view
+            grad_out = r.grad_in
+        first = runners[0]
+        if first.grad_in is not None:
+            # Handed out as the stack's input gradient (see _lend_input_grad).
+            self._input_grad = _ParamGrad(None, first.grad_in, False)
+        self.backend.synchronize()
+        gc.collect()
+        for r in self._runners:
+            r.count_own_refs()
+        if self._input_grad is not None:
+            self._input_grad.count_own_refs()
+
+    def _pool_buffer(self, like: torch.Tensor) -> torch.Tensor:
+        """A copy of ``like`` in memory of the graphs' shared pool (an allocation captured
+        into an otherwise empty graph, which stays the pool's first owner)."""
+        g = self._new_graph()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # torch warns that the captured graph is empty
+            with g.capture(self._warmup_stream):
+                buf = torch.empty_like(like)
+        with torch.no_grad():
+            buf.copy_(like.detach())
+        return buf
+
+    def _lend_input_grad(self, buf: torch.Tensor, input_ref: weakref.ref[torch.Tensor] | None
+                         ) -> torch.Tensor:
+        """The stack's input gradient: the first layer's gradient buffer itself, lent as
+        parameter gradients are (no copy). Before any replay that could overwrite the
+        buffer, whoever still holds it gets bytes of its own (see :meth:`_give_back`): a
+        leaf input keeps it as ``.grad`` (``pg.holder``); an input with hooks, which may
+        keep it where nobody finds it again, gets a copy."""
+        pg = self._input_grad
+        x = input_ref() if input_ref is not None else None
+        if pg is None or pg.copy or (x is not None and x._backward_hooks):
+            return buf.clone()
+        # (given back before every replay, so it is lent to one input at a time)
+        pg.holder = input_ref if x is not None and x.is_leaf else None
+        lent = self._lent.setdefault(0, [])
+        if pg not in lent:
+            lent.append(pg)
+        return buf.detach()
+
+    def _free_boundary(self, a: _Runner, b: _Runner) -> None:
+        """Layer ``a``'s output buffer is layer ``b``'s input, read by ``b``'s forward graph
+        and by nothing after it when both layers offload every saved tensor (a saved input
+        is copied into ``b``'s slot): give its bytes back to the pool, so later captures
+        reuse them instead of each boundary holding an activation's worth for good."""
+        if not (a.unit.wants_offload and b.unit.wants_offload) or a is self._runners[-1]:
+            return
+        if _shares_storage(b.static_out, b.static_in):  # b hands on a view of its input
+            return
+        view = self.backend.return_to_pool(a.static_out)
+        if view is not None:
+            a.static_out = b.static_in = view
+
+    def _check_main_grads_graphs(self) -> None:
+        """With ``main_grad=True``, a parameter in several graphs would get each graph's part
+        added into ``main_grad`` in turn, where eager adds their sum: refuse it."""
+        seen: set[int] = set()
+        for r in self._runners:
+            for p in r.params:
+                if id(p) in seen:
+                    raise UsageError(
+                        f"main_grad=True, but parameter {_param_name(self.layers, p)} is in "
+                        f"several graphs ({self.graph_layers}); give the layers that share it one "
+                        "graph (layers_per_graph) or build without main_grad")
+            seen.update(id(p) for p in r.params)
+
+    def _shared_params(self) -> set[int]:
+        seen: dict[int, int] = {}
+        for m in self.layers:
+            for p in {id(p): p for p in m.parameters()}.values():
+                seen[id(p)] = seen.get(id(p), 0) + 1
+        return {k for k, v in seen.items() if v > 1}
+
+    @property
+    def mode(self) -> Mode:
+        return self.engine.mode
+
+    def bank_index(self, layer: int) -> int:
+        """Ping-pong bank of ``layer``'s graph: the graphs that offload alternate, in
+        backward order."""
+        k = next(k for k, ls in enumerate(self.graph_layers) if layer in ls)
+        return sum(1 for ls in self.graph_layers[k + 1:] if ls[0] in self.offload_layers) % 2
+
+    @property
+    def timeline(self) -> Any:
+        """A :class:`graphslot.trace.Timeline` recording compute and copy spans, or None."""
+        return self.engine.timeline
+
+    @timeline.setter
+    def timeline(self, tl: Any) -> None:
+        self.engine.timeline = tl
+
+    @property
+    def _tracing(self) -> bool:
+        return self.engine.timeline is not None or self.probe is not None
+
+    @property
+    def gradient_buffers(self) -> list[torch.Tensor]:
+        """The backward graphs' parameter-gradient buffers in their pool (what ``.grad`` may
+        alias; not the gradient homes outside it)."""
+        return [pg.buf for r in self._runners for pg in r.grads if pg is not None]
+
+    @property
+    def pool_bytes(self) -> int | None:
+        """Bytes of the graphs' shared private pool, where the backend can tell."""
+        return None if self._pool_owner is None else self._pool_owner.pool_bytes
+
+    def _span(self, name: str) -> Any:
+        tl = self.engine.timeline
+        return contextlib.nullcontext() if tl is None else tl.span("compute", name)
+
+    def _next_forward(self, i: int) -> _Runner | None:
+        """The next layer in forward order whose activations are offloaded."""
+        return self._ahead[i]
+
+    def _next_backward(self, i: int) -> _Runner | None:
+        """The next layer in backward order whose activations are offloaded (look-ahead)."""
+        return self._behind[i]
+
+    def _give_back(self, layer: int | None) -> None:
+        """Before a replay: gradient buffers it may overwrite stop being anyone's gradient.
+
+        A backward graph's gradient buffers share pool memory with what forward graphs
+        write (as in torch's graphed callables, which is why they cost no extra memory),
+        and with what backward graphs of later layers wrote before them. So before any
+        forward replay every lent buffer is given back, and before layer ``j``'s backward
+        replay those of layer ``j`` and below; in an ordinary backward pass nothing is lent
+        below, and after ``zero_grad(set_to_none=True)`` nothing is held, so no copy is made.
+        """
+        # By layer, so a backward pass, which lends from layers above the one it replays
+        # next, looks at a few keys rather than at every buffer lent so far.
+        for i in [i for i in self._lent if layer is None or i <= layer]:
+            runner = self._runners[i]
+            for pg in self._lent.pop(i):
+                runner.give_back(pg)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self._closed:
+            raise StateError("GraphedLayers: forward after close(); its slots and graphs are "
+                             "released, build a new stack")
+        self._runners[0].check_input(x)  # (before anything runs: a mismatch loses nothing)
+        if self._abandoned:
+            self._reap()
+        self._microbatch += 1
+        mb = self._microbatch
+        runners = self._runners
+        self._enter()
+        try:
+            try:
+                if torch.is_grad_enabled() and (x.requires_grad or any(r.params for r in runners)):
+                    for r in runners:
+                        x = _LayerFunction.apply(r, mb, x, *r.params)
+                    return x
+                # No backward can follow: nothing is offloaded or kept for one.
+                for r in runners:
+                    x = r.forward(x, mb, False)
+                return x.clone()
+            except BaseException:
+                self._abandon(mb)  # nobody holds this forward's output: no backward can come
+                raise
+        finally:
+            self._leave()
+
+    def _enter(self) -> None:
+        with self._lock:
+            if self._closed:
+                raise StateError("GraphedLayers: used after close()")
+            self._users += 1
+
+    def _leave(self) -> None:
+        with self._lock:
+            self._users -= 1
+            self._lock.notify_all()
+
+    def _abandon(self, mb: int) -> None:
+        """Microbatch ``mb``'s backward will never run: give back what it holds."""
+        for r in self._runners:
+            r.pending.discard(mb)
+            r._rng_at.pop(mb, None)
+            r.unit.abandon(mb)  # (nothing once the engine is closed)
+        self._in_backward.discard(mb)
+
+    def _reap(self) -> None:
+        """Abandon the microbatches whose autograd graphs died without a backward."""
+        while self._abandoned:  # one whose backward ran meanwhile holds nothing: a no-op
+            self._abandon(self._abandoned.popleft())
+
+    def close(self, timeout: float = 30.0) -> None:
+        """Release the slots, banks and buffers (the graphs cannot replay afterwards).
+
+        Safe to call again and from another thread: it waits up to ``timeout`` seconds for
+        a forward or backward under way to finish, then refuses with a StateError. A
+        microbatch whose backward has not run is abandoned; its backward then raises.
+        """
+        with self._lock:
+            if self._closed:
+                return
+            def idle() -> bool:  # no replay, and no backward pass begun that can still go on
+                return self._users == 0 and not any(
+                    m in r.pending for m in self._in_backward for r in self._runners)
+
+            if not self._lock.wait_for(idle, timeout):
+                raise StateError(f"GraphedLayers.close(): another thread is still replaying "
+                                 f"after {timeout:g} s; close() once it is done")
+            self._closed = True
+        self._finalizer.detach()
+        self.engine.close()
+        self._warmup_stream = None
+        for r in self._runners:
+            r._rng_at.clear()
+
+    def __enter__(self) -> GraphedLayers:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
