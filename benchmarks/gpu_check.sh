@@ -10,7 +10,8 @@
 #   c       every other test module (test_stateful with GRAPHSLOT_STATEFUL_EXAMPLES,
 #           default 25 per mode here)
 #   abc     a, b and c at once, each in a process of its own on the one device (the
-#           memory figures the tests check are per process), without -x
+#           memory figures those tests check are per process), without -x; then the
+#           Megatron tests alone (they check device-wide memory)
 #   te      test_adapter_te against real TransformerEngine (.te/base/install.sh installs
 #           the TE wheels you brought; see docs/gpu.md)
 #   megatron_te  with TE importable (carry .te/base and .wheels): the four Megatron training
@@ -65,14 +66,16 @@ run() {  # run NAME COMMAND...: the command's output lands in $OUT/NAME.log as i
 }
 
 case $part in
-  abc)  # a, b and c at once on the one device (about as long as the longest of them)
+  abc)  # a, b and c at once on the one device (about as long as the longest of them); the
+        # Megatron tests after, alone: they check device-wide (driver-level) memory
     run a python3 -m pytest -q -rs "${a[@]}" > "$out/a.tail" 2>&1 & pa=$!
-    run b python3 -m pytest -q -rs "${b[@]}" > "$out/b.tail" 2>&1 & pb=$!
+    run b python3 -m pytest -q -rs "${b[@]:0:2}" > "$out/b.tail" 2>&1 & pb=$!
     GRAPHSLOT_STATEFUL_EXAMPLES=${GRAPHSLOT_STATEFUL_EXAMPLES:-25} \
       run c python3 -m pytest -q -rs "${c[@]}" > "$out/c.tail" 2>&1 & pc=$!
     rc=0
     for p in $pa $pb $pc; do wait "$p" || rc=1; done
-    cat "$out/a.tail" "$out/b.tail" "$out/c.tail"
+    run megatron python3 -m pytest -q -rs tests/test_adapter_megatron.py > "$out/m.tail" 2>&1 || rc=1
+    cat "$out/a.tail" "$out/b.tail" "$out/c.tail" "$out/m.tail"
     exit $rc ;;
   a) run a python3 -m pytest -x -q -rs "${a[@]}" ;;
   b) run b python3 -m pytest -x -q -rs "${b[@]}" ;;

@@ -20,8 +20,11 @@ GiB, MiB = 1 << 30, 1 << 20
 
 def fake_profile(monkeypatch: pytest.MonkeyPatch, costs: list[gb.LayerCost], gbps: float = 10.0) -> None:
     """Plan from ``costs`` instead of what the layers measure (the cpu backend's timings
-    say nothing of a device), the stack's fixed memory as measured."""
+    say nothing of a device), the stack's fixed memory as the backend reports it. The
+    builds measure nothing (as on the cpu backend): on a device, fit_budget would correct
+    the made-up costs by what the small layers really hold and plan something else."""
     monkeypatch.setattr(gt.stack, "profile_units", lambda b, mods, sample: list(costs)[:len(mods)])
+    monkeypatch.setattr(gt.stack, "held_bytes", lambda b: None)
     monkeypatch.setattr(gt.stack, "copy_bandwidth", lambda b, n, reps=3: {
         "d2h_gbps": gbps, "h2d_gbps": gbps, "both_total_gbps": gbps})
 
@@ -110,6 +113,18 @@ def test_a_budget_below_any_plan_is_refused_at_build_naming_the_least(clean, mon
     fake_profile(monkeypatch, [gb.LayerCost(1.0, 2.0, 8 * MiB)] * 3)
     model = small_gpt(b, 3)
     with pytest.raises(UsageError, match=r"smallest peak any plan reaches, .* \(\d+ bytes\)"):
+        graphed(model, b, None, memory_budget=1)
+
+
+def test_a_budget_below_what_the_least_plan_holds_built_is_refused_naming_that(clean, monkeypatch):
+    """Where the backend measures what a build holds, the least plan is built before the
+    budget is refused, and the message names what it held."""
+    b = clean
+    if gt.stack.held_bytes(b) is None:
+        pytest.skip(f"the {b.name} backend's allocator keeps no figure to measure a build by")
+    model = small_gpt(b, 3)
+    with pytest.raises(UsageError, match=r"below the smallest peak any plan reaches: built, the "
+                                         r"least plan \([KOR]{3}, \w+\) holds .* \(\d+ bytes\)"):
         graphed(model, b, None, memory_budget=1)
 
 
