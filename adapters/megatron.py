@@ -403,7 +403,7 @@ class MegatronOffload:
                     module.graph = grows
                 out = create(runner, *args, **kwargs)
             if not self._cg._CudagraphGlobalRecord.cudagraph_record:
-                pool.settle()  # a graph created outside create_cudagraphs
+                pool.split_free()  # a graph created outside create_cudagraphs
             return out
         return run
 
@@ -485,7 +485,7 @@ class MegatronOffload:
         result = create(rec)
         self._after_capture()
         if self.pool is not None:
-            self.pool.settle()
+            self.pool.split_free()
         return result
 
     def _prepare(self, record: list[tuple[Any, ...]]) -> None:

@@ -37,7 +37,7 @@ import torch.nn.functional as F
 import graphslot
 from graphslot.arena import (IOArena, IOTensor, Step, VariantGraphs, ordinary_capture_kwargs,
                              warm_first_capture)
-from graphslot.memory import measure, settle, used_bytes
+from graphslot.memory import measure, release_unused, used_bytes
 
 MiB = 1 << 20
 PRESETS = {
@@ -111,7 +111,7 @@ def variants(b: graphslot.Backend, hidden: int, seqs: tuple[int, ...], dtype: to
     stats = vg.stats()
     vg.close()
     del vg
-    settle(b)
+    release_unused(b)
 
     before = used_bytes(b)
     graphs, outs = {}, {}
@@ -128,7 +128,7 @@ def variants(b: graphslot.Backend, hidden: int, seqs: tuple[int, ...], dtype: to
         sep_ms[p] = replay_ms(b, graphs[p].replay, reps)
     separate_pools = {p: graphs[p].pool_bytes for p in PATHS}
     del graphs, outs
-    settle(b)
+    release_unused(b)
     return {
         "hidden": hidden, "seqs": dict(zip(PATHS, seqs)), "dtype": str(dtype).replace("torch.", ""),
         "pool_bytes": stats["pool_bytes"],
@@ -179,7 +179,7 @@ def partial_io(b: graphslot.Backend, hidden: int, seq: int, dtype: torch.dtype, 
     kw = ordinary_capture_kwargs(b)
     buf = seq * hidden * torch.empty((), dtype=dtype).element_size()
 
-    settle(b)
+    release_unused(b)
     before = used_bytes(b)
     with measure(b) as m_plan:
         io = IOArena(b, tensors, steps)
@@ -203,7 +203,7 @@ def partial_io(b: graphslot.Backend, hidden: int, seq: int, dtype: torch.dtype, 
     rep = io.report()
     del graphs, g, first
     io.close()
-    settle(b)
+    release_unused(b)
 
     before = used_bytes(b)
     with measure(b) as m_naive:
@@ -223,7 +223,7 @@ def partial_io(b: graphslot.Backend, hidden: int, seq: int, dtype: torch.dtype, 
     naive_diff = max_diff(outs[-1], want)
     naive_io = sum(t.nbytes for t in static_in) + sum(t.nbytes for t in outs)
     del ng, g, outs, static_in
-    settle(b)
+    release_unused(b)
     return {
         "layers": layers, "seq": seq, "hidden": hidden, "buffer_bytes": buf,
         "static_tensors": rep["tensors"],

@@ -73,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
             opt.step()
             opt.zero_grad(set_to_none=True)
             if step % a.every == 0 or step == a.steps:
-                stack.engine.settle()
+                stack.engine.wait_idle()
                 r = memory.report(b, samples=1)
                 print(json.dumps({
                     "step": step, "seconds": round(time.perf_counter() - t0, 1),

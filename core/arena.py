@@ -708,11 +708,11 @@ def warm_first_capture(backend: Backend) -> None:
     """
     import torch
 
-    from .memory import settle
+    from .memory import release_unused
 
     g = backend.new_graph()
     x = torch.ones(4, device=backend.device)
     with g.capture(**ordinary_capture_kwargs(backend)):
         x * 2
     del g
-    settle(backend)
+    release_unused(backend)

@@ -37,7 +37,7 @@ from .backend import Backend
 from .errors import UsageError
 from .offload import SavedTensorSpec, never_offloaded, recording_saved_tensors, state_storages
 
-__all__ = ["MemoryReport", "report", "measure", "settle", "used_bytes", "saved_activation_bytes",
+__all__ = ["MemoryReport", "report", "measure", "release_unused", "settle", "used_bytes", "saved_activation_bytes",
            "run_counting_saved",
            "saved_bytes_per_layer"]
 
@@ -104,7 +104,7 @@ def report(backend: Backend, samples: int = 3) -> MemoryReport:
     )
 
 
-def settle(backend: Backend) -> None:
+def release_unused(backend: Backend) -> None:
     """Free what is garbage and hand cached memory back, so usage figures show live memory.
 
     Args:
@@ -118,8 +118,11 @@ def settle(backend: Backend) -> None:
     backend.empty_cache()
 
 
+settle = release_unused  #: its name before 2026-12-03
+
+
 def used_bytes(backend: Backend) -> int:
-    """Memory really in use after :func:`settle`.
+    """Memory really in use after :func:`release_unused`.
 
     Args:
         backend: the backend to measure.
@@ -128,7 +131,7 @@ def used_bytes(backend: Backend) -> int:
         This process's footprint in bytes where the backend can tell it (cpu), else the
         driver's used figure (median of three reads).
     """
-    settle(backend)
+    release_unused(backend)
     own = backend.footprint_bytes()
     return own if own is not None else report(backend).driver_used_bytes
 

@@ -11,7 +11,7 @@ The pool's bytes are kept in *chunks*, each one physical allocation mapped at on
 
 * :meth:`grow` maps a new chunk behind the region's high-water mark, before anything
   runs on the bytes a capture or an allocation added;
-* :meth:`settle` (after captures) asks the pool which blocks are still handed out and
+* :meth:`split_free` (after captures) asks the pool which blocks are still handed out and
   splits every chunk that holds both such *live* blocks and free bytes, copying the live
   bytes across, so that from then on each chunk is wholly live or wholly free;
 * :meth:`release` unmaps and releases the free chunks once the given events completed
@@ -172,7 +172,7 @@ class PagedPool:
 
     @property
     def live_bytes(self) -> int:
-        """Bytes of the chunks that hold live blocks (as of the last :meth:`settle`)."""
+        """Bytes of the chunks that hold live blocks (as of the last :meth:`split_free`)."""
         return sum(c.size for c in self._chunks if c.live)
 
     @property
@@ -251,11 +251,11 @@ class PagedPool:
                 self._worker.submit(lambda: self._backend.unmap_release(res, end)).result()
             self.grow()
 
-    def settle(self) -> None:
+    def split_free(self) -> None:
         """Split every chunk that holds live blocks and free bytes (copying the live bytes
         over), so each chunk is wholly live or wholly free. Waits for the device; call it
         after captures, with the pool mapped."""
-        self._check_mapped("settle()")
+        self._check_mapped("split_free()")
         self.grow()
         live = _runs(self.graph.live_ranges(), self._granule, self.capacity)
         chunks: list[_Chunk] = []
@@ -271,6 +271,8 @@ class PagedPool:
                 chunks.extend(self._split(c, parts))
         self._chunks = chunks
 
+
+    settle = split_free  #: its name before 2026-12-03
     def _split(self, c: _Chunk, parts: list[tuple[int, int]]) -> list[_Chunk]:
         b, res = self._backend, self.reservation
         b.synchronize()

@@ -151,7 +151,7 @@ def main() -> None:
               for ch in chunks(model, rank, schedule)]
     losses, perf = timed(model, stacks)
     for st in stacks:
-        st.engine.settle()
+        st.engine.wait_idle()
     mem = report(b).as_dict()
     banks = {(f"chunk{v}." if len(stacks) > 1 else "") + g.name: g.bank.index if g.bank is not None else None
              for v, st in enumerate(stacks) for g in st.engine.groups}

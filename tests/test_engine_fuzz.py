@@ -260,7 +260,7 @@ class Harness:
         elif r < 0.96:
             self.log.append("S")
             try:
-                eng.settle()
+                eng.wait_idle()
             except Injected as e:
                 self.log.append(f"  failed: {e}")
         else:
@@ -280,7 +280,7 @@ class Harness:
             self.log.append(f"A {t.group.name} mb{t.microbatch} (end)")
             eng.abandon(t)
             del self.tickets[(t.group.index, t.microbatch)]
-        eng.settle()
+        eng.wait_idle()
         assert not eng.in_flight()
         self.invariants()
 

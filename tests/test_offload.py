@@ -303,7 +303,7 @@ def test_without_the_graphs_section_waits_slowed_copies_corrupt_activations(engi
     with graphed(model, b, mode, section_bytes=16384) as stack:
         slow_copies(monkeypatch, stack.engine, 0.1)
         got = train(model, b, 2)
-        stack.engine.settle()
+        stack.engine.wait_idle()
         assert not all(torch.equal(x, y) for x, y in zip(got, want))
 
 
@@ -339,14 +339,14 @@ def test_remap_mode_releases_memory_and_runs_driver_calls_off_the_training_threa
         syncs = b.counters["host_sync"]
         tokens, targets = model.batch(0, b.device)
         loss = model(tokens, targets)
-        stack.engine.settle()
+        stack.engine.wait_idle()
         # In flight: the bank, one slot's worth where slots stream in sections.
         assert b.ledger.mapped_bytes == sum(bank.size for bank in banks)
         loss.backward()
-        stack.engine.settle()
+        stack.engine.wait_idle()
         assert b.ledger.mapped_bytes == 0 and b.ledger.allocated_bytes == 0
         assert threads and set(threads) == {"graphslot-driver"}
-        assert b.counters["host_sync"] - syncs == 2  # only the two settle() calls above
+        assert b.counters["host_sync"] - syncs == 2  # only the two wait_idle() calls above
     finally:
         stack.close()
 
@@ -365,12 +365,12 @@ def test_remap_maps_each_bank_once_a_step_and_holds_none_while_idle(engine_clean
             model(*model.batch(0, b.device)).backward()
 
         step()
-        stack.engine.settle()
+        stack.engine.wait_idle()
         before = dict(b.counters)
         steps = 3
         for _ in range(steps):
             step()
-            stack.engine.settle()  # the device runs dry: the banks go
+            stack.engine.wait_idle()  # the device runs dry: the banks go
             assert b.ledger.mapped_bytes == 0 and b.ledger.allocated_bytes == 0
         calls = {op: b.counters[op] - before.get(op, 0) for op in ops}
         assert calls == {op: steps * len(banks) for op in ops}, calls
@@ -378,7 +378,7 @@ def test_remap_maps_each_bank_once_a_step_and_holds_none_while_idle(engine_clean
         before = dict(b.counters)
         with torch.no_grad():
             model(*model.batch(0, b.device))
-        stack.engine.settle()
+        stack.engine.wait_idle()
         assert b.ledger.mapped_bytes == 0
         assert b.counters["map"] - before.get("map", 0) == len(banks)
         # Steps queued back to back: a pass that comes before the release started takes
@@ -393,7 +393,7 @@ def test_remap_maps_each_bank_once_a_step_and_holds_none_while_idle(engine_clean
         stack.engine.worker.drain()
         assert all(b.counters[op] == before.get(op, 0) for op in ops[:3]), "the banks were mapped again"
         assert b.counters["unmap"] - before.get("unmap", 0) == len(banks)  # the second step's release
-        stack.engine.settle()
+        stack.engine.wait_idle()
         assert b.ledger.mapped_bytes == 0 and b.ledger.allocated_bytes == 0
     finally:
         stack.close()
@@ -413,7 +413,7 @@ def test_remap_holds_one_bank_where_slots_stream_and_trains_like_resident(engine
                 b.ledger.reset_peak()
                 loss = model(*model.batch(step, b.device))
                 loss.backward()
-                eng.settle()
+                eng.wait_idle()
                 peak = max(peak, b.ledger.peak_mapped_bytes)
             assert peak == sum(bank.size for bank in banks)
             if mode == "remap":
@@ -435,7 +435,7 @@ def test_restore_ahead_starts_only_a_restore_the_slot_can_take(engine_clean):
     with graphed(model, b, "resident") as stack:
         eng = stack.engine
         loss = model(*model.batch(0, b.device))
-        eng.settle()
+        eng.wait_idle()
         g0, g1, g2 = (r.group for r in stack._runners)
         assert g0.bank is g2.bank and g1.bank is not g0.bank
         mb = stack._microbatch
@@ -671,7 +671,7 @@ def test_empty_groups_cost_nothing(engine_clean):
         assert b.driver_calls() == calls
         x = torch.ones(8, device=b.device).requires_grad_()
         stack(x).sum().backward()
-        stack.engine.settle()
+        stack.engine.wait_idle()
         assert torch.all(x.grad == 4.0) and b.driver_calls() == calls
 
 
@@ -727,7 +727,7 @@ def test_the_newest_forward_stays_in_its_bank_until_something_else_comes(engine_
         t2 = _forward(eng, g0, 2, 3.0)
         assert t2.state is State.HELD
         eng.abandon(t2)
-        eng.settle()
+        eng.wait_idle()
         assert not eng.in_flight() and eng.stats["offloaded_bytes"] == g0.host_bytes
         # A held ticket is the engine's newest: another one cannot be restored in place.
         t3 = _forward(eng, g0, 3, 4.0)
@@ -736,7 +736,7 @@ def test_the_newest_forward_stays_in_its_bank_until_something_else_comes(engine_
             eng.restore(t3)
         eng.abandon(t4)
         eng.abandon(t3)
-        eng.settle()
+        eng.wait_idle()
         assert not eng.in_flight()
         if mode == "remap":  # nothing in flight: the banks went
             assert b.ledger.mapped_bytes == 0 and b.ledger.allocated_bytes == 0
@@ -776,7 +776,7 @@ def test_resident_restores_in_place_only_what_nothing_rewrote(engine_clean):
         assert st in g0._host_pool and st.free_after is t4.d2h_done
         assert not b.query_event(st.free_after)  # still copying: not taken for the next forward
         eng.abandon(t5)
-        eng.settle()
+        eng.wait_idle()
         assert torch.all(st.host.view(torch.float32)[:64] == 5.0)
         assert not eng.in_flight()
     finally:
@@ -790,7 +790,7 @@ def test_a_restore_waits_for_a_later_forwards_copy_out_of_the_same_slot(engine_c
     try:
         t1 = _forward(eng, g0, 1, 1.0)
         _forward(eng, g1, 1, 1.0)
-        eng.settle()
+        eng.wait_idle()
         spin(b, 0.3, eng.d2h_stream)  # the next copy out starts late
         t2 = _forward(eng, g0, 2, 2.0)  # (remap: g0 is not its unit's last member, so it stays mapped)
         eng.restore(t1)  # microbatch 1's bytes go back into g0's slot...
@@ -813,11 +813,11 @@ def test_a_forward_whose_copy_out_fails_gives_its_slot_back_when_abandoned(engin
         t = eng.before_forward(g, 1)
         with pytest.raises(MemoryError):  # the copy out is queued at the next call
             eng.after_forward(t)
-            eng.settle()
+            eng.wait_idle()
         assert t.state is State.HELD  # nothing moved: it never left the device
         monkeypatch.undo()
         eng.abandon(t)
-        eng.settle()
+        eng.wait_idle()
         assert not eng.in_flight()
         if mode == "remap":  # nothing in flight: its banks went
             assert b.ledger.mapped_bytes == 0 and b.ledger.allocated_bytes == 0
@@ -832,9 +832,9 @@ def test_a_forward_whose_copy_out_fails_gives_its_slot_back_when_abandoned(engin
         monkeypatch.setattr(b, "copy_async", real_copy)
         eng.abandon(t)
         assert t.stash is None and len(g._host_pool) == 1
-        eng.settle()  # its free-after event is done: the next copy out takes it
+        eng.wait_idle()  # its free-after event is done: the next copy out takes it
         _forward(eng, g, 3, 1.0)  # and is used again
-        eng.settle()
+        eng.wait_idle()
         assert eng.stats["host_buffers_allocated"] == 1
     finally:
         eng.close()
@@ -845,7 +845,7 @@ def test_a_restore_whose_copy_fails_leaves_its_bank_usable(engine_clean, monkeyp
     eng, (g,) = _captured_groups(b, 1)
     try:
         t = _forward(eng, g, 1, 3.0)
-        eng.settle()  # on the host
+        eng.wait_idle()  # on the host
         eng.forget(eng.before_forward(g, 99))  # an evaluation forward rewrites the bank
         real = b.copy_async
 
@@ -862,7 +862,7 @@ def test_a_restore_whose_copy_fails_leaves_its_bank_usable(engine_clean, monkeyp
         b.synchronize()
         assert torch.all(g.views[0] == 3.0)
         eng.consumed(t)
-        eng.settle()
+        eng.wait_idle()
         assert b.ledger.mapped_bytes == 0
     finally:
         eng.close()
@@ -920,7 +920,7 @@ def test_a_copy_in_that_fails_part_way_holds_back_the_next_writer_of_the_bank(en
         for v in ga.views:
             v.fill_(1.0)
         eng.after_forward(ta)
-        eng.settle()  # on the host
+        eng.wait_idle()  # on the host
         e = eng.before_forward(g0, 99)  # an evaluation forward rewrites bank 0
         eng.forget(e)
         spin(b, 0.3, eng.h2d_stream)  # the copy in starts late
@@ -934,7 +934,7 @@ def test_a_copy_in_that_fails_part_way_holds_back_the_next_writer_of_the_bank(en
         for v in g0.views:
             v.fill_(2.0)  # (on the cpu backend this runs on the host at once)
         eng.after_forward(t0)
-        eng.settle()
+        eng.wait_idle()
         eng.wait_restored(t0)
         assert t0.in_place
         b.synchronize()
@@ -976,18 +976,18 @@ def test_remap_unmaps_a_slot_only_after_a_copy_that_failed_part_way(engine_clean
         stream = eng.d2h_stream if way == "out" else eng.h2d_stream
         eng.after_forward(t)  # held in its bank
         if way == "in":
-            eng.settle()  # on the host
+            eng.wait_idle()  # on the host
             eng.forget(eng.before_forward(g, 99))  # an evaluation forward rewrites the bank
         spin(b, 0.3, stream)
         _second_copy_fails(monkeypatch, b, stream)
         with pytest.raises(RuntimeError, match="copy refused"):
             if way == "out":
-                eng.settle()  # queues the held ticket's copy out
+                eng.wait_idle()  # queues the held ticket's copy out
             else:
                 eng.wait_restored(t)
         monkeypatch.undo()
         eng.abandon(t)
-        eng.settle()  # (unmapped under the copy: a fault here)
+        eng.wait_idle()  # (unmapped under the copy: a fault here)
         assert not eng.in_flight() and b.ledger.mapped_bytes == 0
     finally:
         eng.close()
@@ -998,7 +998,7 @@ def test_abandoning_a_restore_under_way_lets_the_slot_go_only_after_its_copy(eng
     eng, (g,) = _captured_groups(b, 1)
     try:
         t = _forward(eng, g, 1, 3.0)
-        eng.settle()  # on the host
+        eng.wait_idle()  # on the host
         eng.forget(eng.before_forward(g, 99))  # an evaluation forward rewrites the bank
         done_at_unmap: list[bool] = []
         real = b.unmap
@@ -1011,7 +1011,7 @@ def test_abandoning_a_restore_under_way_lets_the_slot_go_only_after_its_copy(eng
         spin(b, 0.3, eng.h2d_stream)  # the copy in starts late
         eng.restore(t)
         eng.abandon(t)
-        eng.settle()
+        eng.wait_idle()
         assert done_at_unmap == [True]
     finally:
         eng.close()
@@ -1036,7 +1036,7 @@ def test_a_restore_the_slot_cannot_take_leaves_the_ticket_as_it_was(engine_clean
         eng.close()
 
 
-def test_an_unmap_that_fails_on_the_worker_surfaces_at_settle_and_close_still_releases(engine_clean):
+def test_an_unmap_that_fails_on_the_worker_surfaces_at_wait_idle_and_close_still_releases(engine_clean):
     b = engine_clean
     eng, (g,) = _captured_groups(b, 1)
     try:
@@ -1045,8 +1045,8 @@ def test_an_unmap_that_fails_on_the_worker_surfaces_at_settle_and_close_still_re
         eng.wait_restored(t)
         eng.consumed(t)  # nothing in flight: the bank's release is queued, and its unmap fails
         with pytest.raises(InjectedFault):
-            eng.settle()
-        eng.settle()  # reported once
+            eng.wait_idle()
+        eng.wait_idle()  # reported once
         assert b.ledger.mapped_bytes > 0  # still mapped, and known to be
     finally:
         eng.close()  # releases what is still mapped: engine_clean finds nothing left
@@ -1059,7 +1059,7 @@ def test_abandoning_the_last_pass_drops_the_map_it_queued_for_its_next_layer(eng
         t = eng.before_forward(g0, 1)
         eng.prefetch_forward(g1)  # the pass is interrupted before g1's forward
         eng.abandon(t)
-        eng.settle()
+        eng.wait_idle()
         assert b.ledger.mapped_bytes == 0 and b.ledger.allocated_bytes == 0
     finally:
         eng.close()
@@ -1085,13 +1085,13 @@ def test_a_failed_map_refuses_the_forward_and_a_retry_succeeds(engine_clean):
         for i, v in enumerate((3.0, 4.0)):
             g.views[i].fill_(v)  # what the forward replay writes
         eng.after_forward(t)
-        eng.settle()
+        eng.wait_idle()
         eng.forget(eng.before_forward(g, 99))  # an evaluation forward rewrites the bank
         eng.wait_restored(t)
         b.synchronize()
         assert torch.all(g.views[0] == 3.0) and torch.all(g.views[1] == 4.0)
         eng.consumed(t)
-        eng.settle()
+        eng.wait_idle()
         assert b.ledger.mapped_bytes == 0
     finally:
         eng.close()
@@ -1192,7 +1192,7 @@ def test_adopted_layout_serves_a_second_graph_and_forget_frees_the_slot(engine_c
         assert eng.in_flight() == []
         with pytest.raises(StateError, match="cannot forget in state"):
             eng.forget(t)
-        eng.settle()
+        eng.wait_idle()
         if mode == "remap":
             assert b.ledger.mapped_bytes == 0  # both slots released between uses
         t = eng.before_forward(first, 100)  # the slot is usable again
@@ -1609,7 +1609,7 @@ def test_a_pass_waiting_for_a_queued_map_calls_off_the_release_queued_behind_it(
         assert g1.bank.reservation.mapping_at(0) is not None and g1.bank.pages == "mapped"
         g1.views[0].fill_(2.0)  # (the replay would fault on an unmapped bank)
         eng.abandon(t1)
-        eng.settle()
+        eng.wait_idle()
         assert b.ledger.mapped_bytes == 0
     finally:
         gate.set()
@@ -1639,6 +1639,6 @@ def test_a_pass_after_a_release_whose_unmap_failed_finds_its_bank_mapped(engine_
         assert g.bank.pages == "mapped"
         eng.abandon(t2)
         with pytest.raises(InjectedFault):
-            eng.settle()  # the failed release is reported
+            eng.wait_idle()  # the failed release is reported
     finally:
         eng.close()

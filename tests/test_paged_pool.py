@@ -88,7 +88,7 @@ def test_free_pages_go_back_and_live_bytes_stay(pooled):
     want = _expected(x)
     kept.copy_(want)
     g, out = _capture(b, pool, x)
-    pool.settle()
+    pool.split_free()
     assert pool.live_bytes > 0 and pool.free_bytes > 0
     mapped = pool.mapped_bytes
     ledger_mapped = b.ledger.mapped_bytes
@@ -124,7 +124,7 @@ def test_a_chunk_with_live_and_free_bytes_is_split_keeping_the_live_bytes(pooled
     pattern = torch.arange(kept.numel(), dtype=kept.dtype).to(b.device)
     kept.copy_(pattern)
     chunks = pool.report()["chunks"]
-    pool.settle()
+    pool.split_free()
     assert pool.counters["split_chunks"] >= 1 and pool.report()["chunks"] > chunks
     assert torch.equal(kept, pattern)
     # every chunk is now wholly live or wholly free: the live one holds the output
@@ -140,7 +140,7 @@ def test_an_acquire_calls_off_a_release_that_still_waits(pooled):
     pool = make()
     x = _input(b)
     g, out = _capture(b, pool, x)
-    pool.settle()
+    pool.split_free()
     mapped, maps_before = pool.mapped_bytes, b.ledger.snapshot()
     s = b.new_stream()
     spin(b, 0.3, s)  # the release's event completes only after this
@@ -169,10 +169,10 @@ def test_misuse_is_named_and_nothing_is_lost(pooled):
     pool = make()
     x = _input(b)
     g, out = _capture(b, pool, x)
-    pool.settle()
+    pool.split_free()
     pool.release()
     pool._pending.result()
-    for call in (pool.grow, pool.settle):
+    for call in (pool.grow, pool.split_free):
         with pytest.raises(StateError, match="acquire"):
             call()
     with pytest.raises(StateError, match="acquire"):
@@ -198,7 +198,7 @@ def test_a_release_that_fails_leaves_the_pool_mapped_and_says_so(pooled):
     x = _input(b)
     kept = _kept_output(b, pool, x)
     kept.zero_()
-    pool.settle()
+    pool.split_free()
     mapped = pool.mapped_bytes
     b.faults.fail("unmap")
     pool.release()
@@ -218,7 +218,7 @@ def test_concurrent_releases_and_acquires_keep_the_pool_consistent(pooled):
     pool = make()
     x = _input(b)
     g, out = _capture(b, pool, x)
-    pool.settle()
+    pool.split_free()
     mapped = pool.mapped_bytes
     for k in range(40):
         if k % 3 == 0:

@@ -55,7 +55,7 @@ def test_forwards_without_a_backward_hold_nothing_after_them(clean, mode):
         eng = stack.engine
         for i in range(3):  # settle: host buffers for the training forwards exist
             model(*model.batch(i, b.device)).backward()
-        eng.settle()
+        eng.wait_idle()
         host0, pending0 = eng.host_bytes, len(eng.in_flight())
         pinned0, rss0 = memory.report(b).host_pinned_bytes, _rss()
         for i in range(1000 if mode == "resident" else 300):
@@ -69,7 +69,7 @@ def test_forwards_without_a_backward_hold_nothing_after_them(clean, mode):
             else:
                 model(tokens, targets).backward()
         model(*model.batch(0, b.device)).backward()  # a forward reaps what was dropped
-        eng.settle()
+        eng.wait_idle()
         assert len(eng.in_flight()) == pending0 == 0
         assert eng.host_bytes <= host0 * 2, (eng.host_bytes, host0)
         assert all(not r.pending for r in stack._runners)
@@ -158,7 +158,7 @@ def test_stacks_built_one_after_another_leave_no_device_memory_behind(clean, mod
             model(*model.batch(0, b.device)).backward()
         model.stack = nn.Sequential(*model.blocks)
         model.zero_grad(set_to_none=True)
-        memory.settle(b)
+        memory.release_unused(b)
         return b.allocator_stats()["reserved_bytes"]
 
     build_train_close()  # what the first capture of the process sets up once

@@ -75,7 +75,7 @@ from graphslot.backend import Backend, DeviceGraph
 from graphslot.budget import (OFFLOAD, RECOMPUTE, BudgetPlan, StackProfile, banks_bytes,
                               fit_budget, gradient_homes, parse_budget)
 from graphslot.errors import StateError, UsageError
-from graphslot.memory import saved_bytes_per_layer, settle
+from graphslot.memory import release_unused, saved_bytes_per_layer
 from graphslot.offload import SECTION_BYTES, Mode, OffloadEngine
 from graphslot.profile import copy_bandwidth, held_bytes, profile_units
 from graphslot.selection import get_backend
@@ -277,7 +277,7 @@ class GraphedLayers(nn.Module):
         self._pool_owner = None
         self._lent.clear()
         self._input_grad = None
-        settle(self.backend)
+        release_unused(self.backend)
 
     def _make_planned(self, budget: int | str, modes: tuple[str, ...], layers_per_graph: int | None,
                       saved: list[int] | None, sample: torch.Tensor, section_bytes: int) -> None:
@@ -303,7 +303,7 @@ class GraphedLayers(nn.Module):
             # (in a mode that offloads, a recomputed layer's input goes to the host too)
             offloaded = set(self.plan.layers(OFFLOAD)) | (recomputed if plan.mode != "off" else set())
             self._make(Mode(plan.mode), offloaded, recomputed, layers_per_graph, saved, sample)
-            settle(b)
+            release_unused(b)
             held = held_bytes(b)
             if held is None:
                 return None  # the allocator cannot tell: the model's figure stands
@@ -337,7 +337,7 @@ class GraphedLayers(nn.Module):
         costs = profile_units(b, mods, sample)
         probe = min(max(c.saved_bytes for c in costs), 256 << 20) or (1 << 20)
         bw = copy_bandwidth(b, probe, reps=3)
-        settle(b)
+        release_unused(b)
         # What the step holds whatever the plan: what the process holds now, and the
         # step's tensors outside the graphs (the output the caller gets and the stack's
         # input gradient; the output's gradient is the caller's, as its loss is); the

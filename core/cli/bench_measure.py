@@ -152,7 +152,7 @@ def _timeline_step(r: Inputs, built: Built) -> tuple[Timeline, dict[str, float]]
         r.zero_grads()
     b.synchronize()
     if stack is not None:
-        stack.engine.settle()
+        stack.engine.wait_idle()
         stack.timeline = None
     spans = [s for s in tl.spans() if s.track == "phase"]
     phases = {f"{k}_ms": sum(s.dur_ms for s in spans if s.name == n)
@@ -263,14 +263,14 @@ def _memory_step(r: Inputs, built: Built, saved_on_device: int, curve: list[tupl
             if k == 0:
                 b.synchronize()
                 if stack is not None and stack.mode.value != "off":
-                    stack.engine.settle()
+                    stack.engine.wait_idle()
                     boundary += stack.engine.resident_device_bytes
             y.backward(r.gy)
             del y
             unhook()  # the curve follows the first microbatch
         b.synchronize()
         if stack is not None:
-            stack.engine.settle()
+            stack.engine.wait_idle()
         curve.append(("end", in_use()))
         breakdown.update(memory_breakdown(b, r.layers, stack))
         r.opt.step()

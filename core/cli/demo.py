@@ -68,7 +68,7 @@ def _boundary_bytes(b: Backend, model: TinyGPT, stack: Any) -> int:
     """Device bytes graphslot holds for activations after a forward, before its backward."""
     tokens, targets = model.batch(10_000, b.device)
     loss = model(tokens, targets)
-    stack.engine.settle()
+    stack.engine.wait_idle()
     held = stack.engine.resident_device_bytes
     loss.backward()
     model.zero_grad(set_to_none=True)

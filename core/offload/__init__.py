@@ -30,7 +30,7 @@ enum, :class:`State`, and one transition table, :data:`TRANSITIONS`::
   class is as fast as two. Elsewhere the same section copies are fenced from the host.
 * Forward offload: after the forward replay, a copy stream copies the slot to a host
   buffer section by section. No host synchronisation. The newest forward is *held*: its
-  copy is queued by the next forward, a restore of another ticket, the engine's ``settle``
+  copy is queued by the next forward, a restore of another ticket, the engine's ``wait_idle``
   or ``close``; when its own backward comes first (the last layer of a pass), the
   activations never leave the bank and neither copy runs.
 * Resident banks (two per size class, mapped for good) make no driver call in a step.
@@ -48,7 +48,7 @@ keeps the tickets and decides when; the residency does the copies, fences and pa
 is all that differs between the modes.
 
 Adapters use :class:`OffloadUnit` (:mod:`.unit`), one per graphed unit with its policy
-(keep, offload, recompute), and nothing below it but the engine's construction, ``settle``
+(keep, offload, recompute), and nothing below it but the engine's construction, ``wait_idle``
 and ``close``: the unit holds the order of engine calls around a unit's capture, its
 forward replay (offload, prefetch of the next unit) and its backward replay (restore, look
 ahead to the next unit, free). Tickets, states, residencies and groups are the package's

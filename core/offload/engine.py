@@ -145,7 +145,7 @@ class OffloadEngine:
 
     def after_forward(self, t: Ticket[OffloadGroup]) -> None:
         """After the forward replay: the newest forward is held in its bank. Its copy out is
-        queued by the next forward, a restore of another ticket, :meth:`settle` or
+        queued by the next forward, a restore of another ticket, :meth:`wait_idle` or
         :meth:`close`, and not at all when its own restore comes first (the bank is mapped
         for the pass anyway): the last layer of a training pass never leaves the device.
         """
@@ -318,11 +318,11 @@ class OffloadEngine:
     def in_flight(self) -> list[Ticket[OffloadGroup]]:
         return list(self._pending.values())
 
-    def settle(self) -> None:
+    def wait_idle(self) -> None:
         """Wait for queued driver work (remap) and copies; for tests and teardown.
 
         Raises:
-            DriverError: an unmap on the driver worker failed since the last settle.
+            DriverError: an unmap on the driver worker failed since the last wait_idle.
         """
         try:
             if not self.closed:
@@ -331,6 +331,8 @@ class OffloadEngine:
         finally:
             self.backend.synchronize()
 
+
+    settle = wait_idle  #: its name before 2026-12-03
     def abandon(self, t: Ticket[OffloadGroup]) -> None:
         """``t``'s backward will never run: give back its host buffer and slot, in any state.
 
@@ -378,14 +380,14 @@ class OffloadEngine:
                              "gone, build a new engine (or GraphedLayers)")
 
     def close(self) -> None:
-        """Release every slot, bank and buffer this engine made (after :meth:`settle`).
+        """Release every slot, bank and buffer this engine made (after :meth:`wait_idle`).
 
         Safe to call again; any use afterwards is a StateError naming close().
         """
         if self.closed:
             return
         try:
-            self.settle()
+            self.wait_idle()
         except Exception as e:  # a failed unmap: close() still releases what the ledger holds
             failed: Exception | None = e
         else:

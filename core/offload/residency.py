@@ -254,7 +254,7 @@ class Residency:
         """Wait for the driver work this residency queued; raise what failed unseen."""
 
     def close(self) -> None:
-        """Release what this residency made (the engine has settled)."""
+        """Release what this residency made (the engine is idle)."""
 
 
 class KeptOnDevice(Residency):
