@@ -581,6 +581,25 @@ def test_lower_bound_is_compute_or_copies_each_phase():
     assert bench_report.lower_bound_ms(100.0, 150.0, 0.0, 0, None, None) == 250.0
 
 
+def test_the_run_bound_takes_graphs_passes_no_longer_than_its_step():
+    """A timeline step that ran long (its passes add up to more than the timed step) is
+    scaled to the step before the run's bound takes it; one that fits is taken as it is."""
+    plan = {"choices": ["keep"], "mode": "off", "recompute_ms": 0.0, "lower_bound_ms": 150.0}
+    def report():
+        return {"copy": {"d2h_gbps": 50.0, "h2d_gbps": 50.0},
+                "configs": {"budget:1GiB": {"step_ms": 200.0, "plan": dict(plan),
+                                            "offloaded_bytes": 0, "peak_device_bytes": GiB // 2}}}
+    out = report()
+    bench_report.planned_figures(out, {"fwd_ms": 60.0, "bwd_ms": 144.0, "step_ms": 190.0})
+    c = out["configs"]["budget:1GiB"]
+    assert c["run_lower_bound_ms"] == pytest.approx(190.0) and c["rest_of_step_ms"] == 0.0
+    assert out["graph_passes_ms"]["fwd_ms"] == pytest.approx(60.0 * 190.0 / 204.0)
+    out = report()
+    bench_report.planned_figures(out, {"fwd_ms": 60.0, "bwd_ms": 120.0, "step_ms": 190.0})
+    c = out["configs"]["budget:1GiB"]
+    assert c["run_lower_bound_ms"] == pytest.approx(180.0) and c["rest_of_step_ms"] == pytest.approx(10.0)
+
+
 @pytest.mark.parametrize("text,n", [("10GiB", 10 * GiB), ("9.5G", int(9.5 * GiB)), ("12000MiB", 12000 * MiB),
                                     ("123", 123), ("8e9", 8 * 10**9), ("2 GB", 2 * 10**9), ("1k", 1024)])
 def test_sizes(text, n):

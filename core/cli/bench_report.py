@@ -108,6 +108,20 @@ def _ideal(out: dict[str, Any], runs: list[dict[str, float]], base_step: float, 
         r["exposed_copy_ms"] = max(0.0, r["step_ms"] - base_step) if off else 0.0
 
 
+def _graph_passes(graph: dict[str, float] | None) -> tuple[float, float] | None:
+    """The graph configuration's forward and backward, as the run's bounds take them: from
+    its one timeline step, scaled down where they add up to more than its timed step (that
+    step's spans and a synchronisation per phase can make it run long; the passes cannot
+    take longer than the step that holds them)."""
+    if graph is None:
+        return None
+    fwd, bwd = graph["fwd_ms"], graph["bwd_ms"]
+    step = graph.get("step_ms")
+    if step and fwd + bwd > step:
+        fwd, bwd = fwd * step / (fwd + bwd), bwd * step / (fwd + bwd)
+    return fwd, bwd
+
+
 def planned_figures(out: dict[str, Any], graph: dict[str, float] | None) -> None:
     """For each planned configuration that ran and has a plan: whether its measured peak
     fits its budget (``fits_budget``), its step over the plan's lower bound, the lower
@@ -120,12 +134,16 @@ def planned_figures(out: dict[str, Any], graph: dict[str, float] | None) -> None
 
     Args:
         out: the report.
-        graph: the graph configuration's ``fwd_ms``, ``bwd_ms`` (from its timed step) and
-            ``step_ms`` (the median step; None: it did not run).
+        graph: the graph configuration's ``fwd_ms``, ``bwd_ms`` (from its timeline step)
+            and ``step_ms`` (the median step; None: it did not run); the report's
+            ``graph_passes_ms`` says what the bounds took of them.
     """
     copy = out.get("copy") or {}
     configs = out["configs"]
     peers = {n: c for n, c in configs.items() if n in PEERS and "reason" not in c}
+    passes = _graph_passes(graph)
+    if passes is not None:
+        out["graph_passes_ms"] = {"fwd_ms": passes[0], "bwd_ms": passes[1]}
     for name, c in configs.items():
         plan = c.get("plan")
         if "reason" in c or not is_planned(name) or not plan:
@@ -137,15 +155,15 @@ def planned_figures(out: dict[str, Any], graph: dict[str, float] | None) -> None
         plan_lb = plan.get("lower_bound_ms")
         c["step_over_plan_lower_bound"] = step / plan_lb if plan_lb else None
         run_lb = None
-        if graph is not None and copy:
-            run_lb = lower_bound_ms(graph["fwd_ms"], graph["bwd_ms"], plan.get("recompute_ms") or 0.0,
+        if passes is not None and copy:
+            run_lb = lower_bound_ms(passes[0], passes[1], plan.get("recompute_ms") or 0.0,
                                     c["offloaded_bytes"], copy.get("d2h_gbps"), copy.get("h2d_gbps"))
         c["run_lower_bound_ms"] = run_lb
         c["step_over_run_lower_bound"] = step / run_lb if run_lb else None
         # The bounds cover the forward and backward; a step also runs what no plan changes
         # (the optimizer step, zero_grad(), the input's copy), as graph's step shows it.
-        rest = None if graph is None or "step_ms" not in graph else max(
-            0.0, graph["step_ms"] - graph["fwd_ms"] - graph["bwd_ms"])
+        rest = None if passes is None or graph is None or "step_ms" not in graph else max(
+            0.0, graph["step_ms"] - passes[0] - passes[1])
         c["rest_of_step_ms"] = rest
         c["step_over_run_step_bound"] = step / (run_lb + rest) if run_lb and rest is not None else None
         c["step_over_plan_step_bound"] = (step / (plan_lb + rest) if plan_lb and rest is not None
