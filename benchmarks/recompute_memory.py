@@ -1,7 +1,7 @@
 """Where recompute under graphs holds more than eager activation checkpointing (cuda only).
 
     GRAPHSLOT_BACKEND=cuda python benchmarks/recompute_memory.py [--preset llama] \
-        [--runs checkpoint recompute keep_top3] [--layers N] [--seq N]
+        [--runs checkpoint recompute recompute_remap keep_top3] [--layers N] [--seq N]
 
 Each run (one process each) builds the bench preset's layers, runs two training steps
 (forward, backward, SGD step, ``zero_grad()``), empties the cache, and measures a third
@@ -9,7 +9,10 @@ with the allocator's history on: the peak reserved and allocated bytes, what was
 the allocated peak (by pool and allocating frame), and what each pool reserves at the end
 with the free bytes inside its segments. Runs: ``checkpoint`` (eager,
 ``torch.utils.checkpoint`` on every layer), ``recompute`` (GraphedLayers, every layer
-recomputed), ``keep_topK`` (GraphedLayers, the top K layers kept, the rest recomputed).
+recomputed), ``recompute_remap`` (every layer recomputed, its input sent to the host in
+remap: the budget planner's least plan), ``keep_topK`` (GraphedLayers, the top K layers
+kept, the rest recomputed). GraphedLayers runs also report graphslot's peak mapped pages
+and whether the gradients had homes outside the pool.
 Not a test: it asserts nothing.
 """
 
@@ -57,13 +60,16 @@ def child(run: str, preset: str, layers_n: int | None, seq: int | None) -> dict[
                 h = torch.utils.checkpoint.checkpoint(m, h, use_reentrant=False)
             return h
     else:
+        mode, offload = "off", ()
         if run == "recompute":
             rec = range(n)
+        elif run == "recompute_remap":  # the budget's least plan: inputs to the host too
+            rec, mode, offload = range(n), "remap", range(n)
         elif run.startswith("keep_top"):
             rec = range(n - int(run[len("keep_top"):]))
         else:
             raise SystemExit(f"unknown run {run!r}")
-        stack = GraphedLayers(layers, x, mode="off", recompute_layers=rec)
+        stack = GraphedLayers(layers, x, mode=mode, recompute_layers=rec, offload_layers=offload)
 
         def fwd() -> torch.Tensor:
             return stack(x)
@@ -85,6 +91,7 @@ def child(run: str, preset: str, layers_n: int | None, seq: int | None) -> dict[
                 live[blk["address"]] = (blk["size"], f"{pool} before step")
     t0 = max((e.get("time_us", 0) for e in (snap0.get("device_traces") or [[]])[0]), default=0)
     torch.cuda.reset_peak_memory_stats()
+    b.ledger.reset_peak()
     reserved0 = torch.cuda.memory_reserved()
     fwd().backward(gy)
     opt.step()
@@ -131,6 +138,8 @@ def child(run: str, preset: str, layers_n: int | None, seq: int | None) -> dict[
                           for p, d in pools.items()},
         "graph_segment_sizes_mib": dict(sorted(sizes.items())),
         "weights_mib": round(sum(p.numel() * p.element_size() for p in params) / MiB, 1),
+        "graphslot_peak_mapped_mib": round(b.ledger.peak_mapped_bytes / MiB, 1),
+        "gradient_homes": bool(getattr(stack, "_grad_homes", False)) if run != "checkpoint" else None,
     }
 
 
