@@ -521,9 +521,11 @@ def test_a_budget_configuration_runs_and_reports_its_plan(backend):
         assert k in plan, k
     assert plan["predicted_peak_bytes"] <= GiB
     assert c["fits_budget"] is (None if c["peak_device_bytes"] is None else c["peak_device_bytes"] <= GiB)
-    g = cf["graph"]
-    want = bench_report.lower_bound_ms(g["fwd_ms"], g["bwd_ms"], plan["recompute_ms"], c["offloaded_bytes"],
-                                       r["copy"]["d2h_gbps"], r["copy"]["h2d_gbps"])
+    g, passes = cf["graph"], r["graph_passes_ms"]  # (graph's passes, no longer than its step)
+    scale = min(1.0, g["step_ms"] / (g["fwd_ms"] + g["bwd_ms"]))
+    assert passes == pytest.approx({"fwd_ms": g["fwd_ms"] * scale, "bwd_ms": g["bwd_ms"] * scale})
+    want = bench_report.lower_bound_ms(passes["fwd_ms"], passes["bwd_ms"], plan["recompute_ms"],
+                                       c["offloaded_bytes"], r["copy"]["d2h_gbps"], r["copy"]["h2d_gbps"])
     assert c["run_lower_bound_ms"] == pytest.approx(want)
     assert c["step_over_run_lower_bound"] == pytest.approx(c["step_ms"] / want)
     assert c["step_over_plan_lower_bound"] == pytest.approx(c["step_ms"] / plan["lower_bound_ms"])
