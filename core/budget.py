@@ -599,8 +599,8 @@ def plan_budget(profile: StackProfile, budget: int | str | None, *,
 
 
 def fit_budget(profile: StackProfile, budget: int | str | None,
-               build: Callable[[BudgetPlan], int | None], *, exhaustive: bool | None = None,
-               modes: Sequence[str] = MODES) -> BudgetPlan:
+               build: Callable[[BudgetPlan], int | None], *, measured: bool = True,
+               exhaustive: bool | None = None, modes: Sequence[str] = MODES) -> BudgetPlan:
     """The fastest plan whose peak, as built, fits ``budget``: plan from the model, build,
     and where what the build holds differs from the model's figure, count the difference
     in the profile's fixed memory and plan again (the model's figure is an estimate; the
@@ -612,6 +612,8 @@ def fit_budget(profile: StackProfile, budget: int | str | None,
         build: builds a plan and returns the peak it will hold, measured (None: it cannot
             tell, and the model's figure stands). The plan of its last call is the one
             returned: the caller holds what it built last.
+        measured: whether ``build`` can measure (False: the model decides, and a budget it
+            calls too small is refused without building anything).
 
     Returns:
         The plan, its ``predicted_peak_bytes`` the measured figure where there is one.
@@ -629,9 +631,11 @@ def fit_budget(profile: StackProfile, budget: int | str | None,
         return replace(plan, predicted_peak_bytes=got, model_peak_bytes=plan.predicted_peak_bytes,
                        fixed_correction_bytes=profile.fixed_bytes - fixed), got
 
-    if budget is None or (isinstance(budget, str) and budget.strip().lower() == "auto"):
+    if (not measured or budget is None
+            or (isinstance(budget, str) and budget.strip().lower() == "auto")):
         return built(plan_budget(profile, budget, exhaustive=exhaustive, modes=modes))[0]
     limit = parse_budget(budget)
+    refusal: UsageError | None = None  # the model's, where it called the budget too small
     fitted: BudgetPlan | None = None  # the fastest plan that fitted once built
     least: BudgetPlan | None = None   # the least a built plan held
     tried: set[tuple[tuple[str, ...], str]] = set()
@@ -639,9 +643,10 @@ def fit_budget(profile: StackProfile, budget: int | str | None,
     for _ in range(FIT_BUILDS):
         try:
             plan = plan_budget(profile, limit, exhaustive=exhaustive, modes=modes)
-        except UsageError:
+        except UsageError as e:
             if tried:
                 break  # corrected by a build, nothing fits any more
+            refusal = e
             # (the least plan the model knows: planned for its own predicted peak)
             plan = plan_budget(profile, smallest_peak(profile, exhaustive, modes),
                                exhaustive=exhaustive, modes=modes)
@@ -651,9 +656,9 @@ def fit_budget(profile: StackProfile, budget: int | str | None,
             break
         tried.add((plan.choices, plan.mode))
         last, got = built(plan)
-        if got is None:
-            if plan.predicted_peak_bytes > limit:  # (the least plan, and no figure says it fits)
-                plan_budget(profile, limit, exhaustive=exhaustive, modes=modes)  # raises
+        if got is None:  # (a build that could not measure after all: the model decides)
+            if refusal is not None:
+                raise refusal
             return last
         if least is None or got < least.predicted_peak_bytes:
             least = last

@@ -322,5 +322,9 @@ def test_without_a_measured_figure_the_model_decides():
     plan = fit_budget(p, least, lambda plan: built.append(plan) or None)
     assert plan == plan_budget(p, least) and built == [plan]
     with pytest.raises(UsageError, match=f"{least} bytes"):
-        fit_budget(p, least - 1, lambda plan: None)
+        fit_budget(p, least - 1, lambda plan: None)  # (a build that turned out not to measure)
+    with pytest.raises(UsageError, match=f"{least} bytes"):
+        fit_budget(p, least - 1, lambda plan: built.append(plan), measured=False)
+    assert built == [plan]  # refused by the model, nothing built
     assert fit_budget(p, "auto", lambda plan: None) == plan_budget(p, "auto")
+    assert fit_budget(p, least, lambda plan: None, measured=False) == plan

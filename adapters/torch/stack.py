@@ -314,7 +314,7 @@ class GraphedLayers(nn.Module):
             unmapped = max(0, banks - (b.ledger.mapped_bytes - mapped_before))
             return held + unmapped + self._output_copy_bytes(held)
 
-        plan = fit_budget(profile, budget, build, modes=modes)
+        plan = fit_budget(profile, budget, build, measured=held_bytes(b) is not None, modes=modes)
         self.plan = replace(plan, choices=tuple(plan.choices[k] for k, ls in enumerate(units)
                                                 for _ in ls))
 
