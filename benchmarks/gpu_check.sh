@@ -48,7 +48,8 @@ export GRAPHSLOT_BACKEND=cuda PYTHONUNBUFFERED=1
 
 a=(tests/test_offload.py tests/test_graphed_grads.py tests/test_arena.py tests/test_conformance.py
    tests/test_cpu_strict.py tests/test_cli_args.py tests/test_bench.py)
-b=(tests/test_cuda_capture.py tests/test_reliability.py tests/test_adapter_megatron.py)
+b_device=(tests/test_cuda_capture.py tests/test_reliability.py)  # (abc runs these beside a and c)
+b=("${b_device[@]}" tests/test_adapter_megatron.py)
 named=" ${a[*]} ${b[*]} tests/test_adapter_te.py "
 c=()
 for f in tests/test_*.py; do
@@ -69,7 +70,7 @@ case $part in
   abc)  # a, b and c at once on the one device (about as long as the longest of them); the
         # Megatron tests after, alone: they check device-wide (driver-level) memory
     run a python3 -m pytest -q -rs "${a[@]}" > "$out/a.tail" 2>&1 & pa=$!
-    run b python3 -m pytest -q -rs "${b[@]:0:2}" > "$out/b.tail" 2>&1 & pb=$!
+    run b python3 -m pytest -q -rs "${b_device[@]}" > "$out/b.tail" 2>&1 & pb=$!
     GRAPHSLOT_STATEFUL_EXAMPLES=${GRAPHSLOT_STATEFUL_EXAMPLES:-25} \
       run c python3 -m pytest -q -rs "${c[@]}" > "$out/c.tail" 2>&1 & pc=$!
     rc=0

@@ -40,7 +40,7 @@ from ..errors import GraphslotError, UsageError
 from ..trace import Timeline
 from . import positive_int
 from .bench_configs import (CONFIGS, PEERS, SWEEP_BUDGETS, budget_config, build, check_config,
-                            parse_size, plan_report, saved_on_device, split_variant, sweep_budgets,
+                            parse_size, plan_report, saved_on_device, base_config, split_variant, sweep_budgets,
                             unsupported)
 from ..profile import copy_bandwidth
 from .bench_measure import Inputs, measure, memory_breakdown, prepare, timed_steps
@@ -218,11 +218,9 @@ def _run_one(r: Inputs, name: str, results: dict[str, Any], timings: dict[str, d
             if plan is not None:
                 c["plan"] = plan
         built.tear_down()
+        c["accumulate"], c["set_to_none"] = r.accumulate, r.set_to_none  # (the variant's)
     c["warnings"] = seen
-    _, set_to_none, accumulate = split_variant(name)
-    c["accumulate"] = r.accumulate if accumulate is None else accumulate
-    c["set_to_none"] = r.set_to_none if set_to_none is None else set_to_none
-    if name == "save_on_cpu" and b.name != "cpu":
+    if base_config(name) == "save_on_cpu" and b.name != "cpu":
         c["d2h_gbps"] = c["h2d_gbps"] = None
         c["copy_note"] = "copies issued by torch inside autograd; not timed"
     results[name] = c

@@ -31,11 +31,11 @@ import torch
 from ..backend import Backend
 from ..budget import parse_budget
 from ..errors import UsageError
-from .bench_measure import GiB, Built, Inputs, MiB
+from .bench_measure import VARIANT_SEP, GiB, Built, Inputs, MiB, base_config
 from .bench_models import CheckpointedLayer
 
 __all__ = ["CONFIGS", "PEERS", "BUDGET_PREFIX", "SWEEP_BUDGETS", "parse_size", "budget_bytes",
-           "budget_config", "split_variant", "VARIANT_SEP", "is_planned", "check_config", "sweep_budgets", "unsupported", "build",
+           "budget_config", "split_variant", "base_config", "VARIANT_SEP", "is_planned", "check_config", "sweep_budgets", "unsupported", "build",
            "saved_on_device", "plan_report", "forward"]
 
 CONFIGS = ("eager", "save_on_cpu", "checkpoint", "torch_graphed", "torch_graphed_checkpoint",
@@ -46,10 +46,6 @@ CONFIGS = ("eager", "save_on_cpu", "checkpoint", "torch_graphed", "torch_graphed
 PEERS = ("torch_graphed", "eager", "save_on_cpu", "checkpoint", "torch_graphed_checkpoint")
 
 BUDGET_PREFIX = "budget:"
-#: a configuration's variants follow its name: ``graph_resident@keep@acc4`` runs
-#: graph_resident with ``zero_grad(set_to_none=False)`` over four microbatches a step, in
-#: the same run and table as graph_resident itself (its report's ``vs_base`` compares them)
-VARIANT_SEP = "@"
 #: how many budgets ``--budgets sweep`` runs: the checkpoint peer's peak, then this many
 #: less one evenly spaced up to the graph configuration's peak
 SWEEP_BUDGETS = 6
@@ -82,7 +78,7 @@ def budget_config(size: str) -> str:
 
 def budget_bytes(name: str) -> int | None:
     """The budget in bytes of configuration ``name``; None for one that has none."""
-    name = split_variant(name)[0]
+    name = base_config(name)
     return parse_size(name[len(BUDGET_PREFIX):]) if name.startswith(BUDGET_PREFIX) else None
 
 
@@ -111,7 +107,7 @@ def split_variant(name: str) -> tuple[str, bool | None, int | None]:
 
 def is_planned(name: str) -> bool:
     """Whether ``name`` builds its stack from the budget planner."""
-    name = name.split(VARIANT_SEP)[0]
+    name = base_config(name)
     return name == "graph_auto" or name.startswith(BUDGET_PREFIX)
 
 
@@ -168,7 +164,7 @@ def unsupported(b: Backend, name: str) -> str | None:
         check_config(name)
     except ValueError as e:
         return str(e)
-    name = split_variant(name)[0]
+    name = base_config(name)
     if name in ("torch_graphed", "torch_graphed_checkpoint") and not b.has_graphed_callables:
         return (f"torch.cuda.make_graphed_callables needs CUDA; the {b.name} backend's framework "
                 "has no graphed callables to compare with")
@@ -190,7 +186,7 @@ def saved_on_device(r: Inputs, name: str, stack: Any = None) -> int:
             return r.saved
         return sum(s for i, s in enumerate(r.saved_per_layer)
                    if i not in offloaded and i not in recomputed) + len(recomputed) * inp
-    name = split_variant(name)[0]
+    name = base_config(name)
     if name in ("eager", "torch_graphed"):
         return r.saved
     if name in ("checkpoint", "torch_graphed_checkpoint"):
@@ -236,7 +232,7 @@ def build(r: Inputs, name: str) -> Built | str:
     from graphslot.adapters.torch import GraphedLayers
 
     b, layers, x, bar = r.b, r.layers, r.x, r.bar
-    label, name = name, split_variant(name)[0]
+    label, name = name, base_config(name)
     if name in ("eager", "save_on_cpu", "checkpoint"):
         mods: Sequence[torch.nn.Module] = layers
         if name == "checkpoint":

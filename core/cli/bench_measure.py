@@ -34,6 +34,16 @@ GiB, MiB = 1 << 30, 1 << 20
 LR = 1e-5
 
 
+#: a configuration's variants follow its name: ``graph_resident@keep@acc4`` runs
+#: graph_resident with ``zero_grad(set_to_none=False)`` over four microbatches a step, in
+#: the same run and table as graph_resident itself (its report's ``vs_base`` compares them)
+VARIANT_SEP = "@"
+
+
+def base_config(name: str) -> str:
+    """The configuration a name runs, its variant aside (``graph@keep`` -> ``graph``)."""
+    return name.split(VARIANT_SEP)[0]
+
 @dataclass(eq=False)
 class Inputs:
     """What every configuration of one bench run shares: the layers, the data, the
@@ -187,7 +197,7 @@ def measure(r: Inputs, name: str, built: Built, timings: dict[str, dict[str, flo
         d2h = n / ms / 1e6 if ms > 0 and n else None
         ms, n = tl.busy("h2d")
         h2d = n / ms / 1e6 if ms > 0 and n else None
-    elif name.split("@")[0] == "save_on_cpu":
+    elif base_config(name) == "save_on_cpu":
         moved["offloaded_bytes"] = moved["restored_bytes"] = r.saved * r.accumulate
     result = {
         "step_ms": step_ms, **phases,

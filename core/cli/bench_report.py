@@ -13,7 +13,7 @@ from typing import Any
 from ..budget import bound_ms
 from ..errors import UsageError
 from ..sizes import format_bytes
-from .bench_configs import PEERS, VARIANT_SEP, budget_bytes, is_planned
+from .bench_configs import PEERS, base_config, budget_bytes, is_planned
 from .bench_measure import GiB
 from .output import table
 
@@ -217,11 +217,11 @@ def variant_ratios(results: dict[str, dict[str, Any]]) -> None:
     peak as ratios."""
     ran = {n: c for n, c in results.items() if "reason" not in c}
     for name, c in ran.items():
-        base = ran.get(name.split(VARIANT_SEP)[0])
+        base = ran.get(base_config(name))
         if base is None or base is c or not base["step_ms"] > 0:
             continue
         per, per_base = c.get("accumulate", 1), base.get("accumulate", 1)
-        v: dict[str, Any] = {"config": name.split(VARIANT_SEP)[0],
+        v: dict[str, Any] = {"config": base_config(name),
                              "step_per_microbatch": (c["step_ms"] / per) / (base["step_ms"] / per_base)}
         if base.get("peak_device_bytes") and c.get("peak_device_bytes") is not None:
             v["peak"] = c["peak_device_bytes"] / base["peak_device_bytes"]
