@@ -46,8 +46,6 @@ def _give_holders_own_bytes(t: torch.Tensor, lo: int, hi: int, spare: Sequence[t
         o.data = o.clone()
 
 
-
-
 def _shares_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
 
