@@ -35,7 +35,20 @@ def _where(frames: list[dict[str, Any]] | None, depth: int = 3) -> str:
     return " < ".join(fr[:depth]) or "(no python frame)"
 
 
-def child(run: str, preset: str, layers_n: int | None, seq: int | None) -> dict[str, Any]:
+def _blocks(snap: dict[str, Any]) -> list[dict[str, Any]]:
+    """Every block of every segment: pool, state, size and the frames that allocated it."""
+    out = []
+    for seg in snap["segments"]:
+        pool = "graph" if tuple(seg.get("segment_pool_id", (0, 0))) != (0, 0) else "default"
+        for blk in seg["blocks"]:
+            out.append({"pool": pool, "segment": seg["address"], "segment_size": seg["total_size"],
+                        "address": blk["address"], "size": blk["size"], "state": blk["state"],
+                        "where": _where(blk.get("frames"), depth=6)})
+    return out
+
+
+def child(run: str, preset: str, layers_n: int | None, seq: int | None,
+          blocks_path: str | None = None) -> dict[str, Any]:
     import torch
     import torch.utils.checkpoint
 
@@ -53,6 +66,8 @@ def child(run: str, preset: str, layers_n: int | None, seq: int | None) -> dict[
     params = [p for m in layers for p in m.parameters()]
     opt = torch.optim.SGD(params, lr=1e-6)
     n = len(layers)
+    if blocks_path:  # the frames of what the build allocates, graph pools included
+        torch.cuda.memory._record_memory_history(max_entries=400000)
     if run == "checkpoint":
         def fwd() -> torch.Tensor:
             h = x
@@ -100,6 +115,9 @@ def child(run: str, preset: str, layers_n: int | None, seq: int | None) -> dict[
     stats = torch.cuda.memory_stats()
     snap1 = torch.cuda.memory._snapshot()
     torch.cuda.memory._record_memory_history(enabled=None)
+    if blocks_path:
+        with open(blocks_path, "w") as f:
+            json.dump({"run": run, "blocks": _blocks(snap1)}, f)
     events = [e for e in (snap1.get("device_traces") or [[]])[0] if e.get("time_us", 0) > t0]
     cur = sum(v[0] for v in live.values())
     best, at_best, best_i = cur, dict(live), -1
@@ -150,13 +168,17 @@ def main() -> None:
     ap.add_argument("--layers", type=int)
     ap.add_argument("--seq", type=int)
     ap.add_argument("--child")
+    ap.add_argument("--blocks", metavar="DIR",
+                    help="write each run's blocks (pool, state, size, allocating frames) "
+                         "to DIR/RUN_blocks.json")
     args = ap.parse_args()
     if args.child:
-        print(json.dumps(child(args.child, args.preset, args.layers, args.seq)), flush=True)
+        path = f"{args.blocks}/{args.child}_blocks.json" if args.blocks else None
+        print(json.dumps(child(args.child, args.preset, args.layers, args.seq, path)), flush=True)
         return
     for run in args.runs:
         cmd = [sys.executable, __file__, "--child", run, "--preset", args.preset]
-        for k in ("layers", "seq"):
+        for k in ("layers", "seq", "blocks"):
             if getattr(args, k):
                 cmd += [f"--{k}", str(getattr(args, k))]
         p = subprocess.run(cmd, capture_output=True, text=True)

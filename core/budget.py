@@ -644,9 +644,11 @@ def fit_budget(profile: StackProfile, budget: int | str | None,
         try:
             plan = plan_budget(profile, limit, exhaustive=exhaustive, modes=modes)
         except UsageError as e:
-            if tried:
-                break  # corrected by a build, nothing fits any more
-            refusal = e
+            # The model calls the budget too small, up front or once a build corrected it.
+            # A correction is one plan's error counted for all, and the model errs by plan
+            # (offload's staging more than recompute's), so its least plan is built before
+            # the budget is refused, unless that plan was built already.
+            refusal = refusal or e
             # (the least plan the model knows: planned for its own predicted peak)
             plan = plan_budget(profile, smallest_peak(profile, exhaustive, modes),
                                exhaustive=exhaustive, modes=modes)

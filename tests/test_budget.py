@@ -315,6 +315,24 @@ def test_when_a_faster_plan_does_not_fit_built_the_one_that_did_is_built_again()
     assert plan.predicted_peak_bytes <= budget
 
 
+def test_a_correction_that_makes_the_model_refuse_still_builds_its_least_plan():
+    # The model is far low for plans that offload (staging it missed) and right for the
+    # rest: counted for all, the first plan's error makes the model refuse the budget,
+    # but its least plan fits built (the default preset's sweep on the H200 refused two
+    # budgets this way between two it met).
+    p = llama_like()
+    least_plan = plan_budget(p, smallest_peak(p))
+    assert OFFLOAD not in least_plan.choices
+    budget = smallest_peak(p) + 1800 * MiB
+    first = plan_budget(p, budget)
+    assert OFFLOAD in first.choices
+    build = Builds(p, lambda plan: 2 * GiB if OFFLOAD in plan.choices else 0)
+    plan = fit_budget(p, budget, build)
+    assert plan.predicted_peak_bytes <= budget
+    assert OFFLOAD not in plan.choices and build.built[0] == (first.choices, first.mode)
+    assert build.built[-1] == (plan.choices, plan.mode)
+
+
 def test_without_a_measured_figure_the_model_decides():
     p = llama_like()
     least = smallest_peak(p)
