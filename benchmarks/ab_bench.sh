@@ -44,8 +44,8 @@ d = pathlib.Path(sys.argv[1])
 runs = {"old": [], "new": []}
 for p in sorted(d.glob("*_*.json")):
     try:
-        runs[p.stem.split("_")[0]].append(json.loads(p.read_text().strip().splitlines()[-1]))
-    except (ValueError, IndexError, KeyError):
+        runs[p.stem.split("_")[0]].append(json.loads(p.read_text()))  # (--json writes one document)
+    except (ValueError, KeyError):
         print(f"{p.name}: no JSON")
 names = sorted({n for r in runs["new"] for n in r.get("configs", {})})
 def med(rev, name, key):
