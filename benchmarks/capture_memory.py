@@ -24,7 +24,10 @@ import subprocess
 import sys
 from typing import Any, Callable
 
+from alloc_trace import by_label, events_since, highest_live, live_blocks, pool_of, trace_end
+
 MiB = 1 << 20
+BEFORE = "(live at the start)"
 
 
 def _where(frames: list[dict[str, Any]] | None) -> str:
@@ -52,53 +55,35 @@ class Window:
 
     def start(self) -> None:
         snap = self.torch.cuda.memory._snapshot()
-        self.t0 = max((e.get("time_us", 0) for e in (snap.get("device_traces") or [[]])[0]), default=0)
-        self.live0 = sum(b["size"] for s in snap["segments"] for b in s["blocks"]
-                         if b["state"] == "active_allocated")
+        self.t0 = trace_end(snap)
+        self.live = live_blocks(snap, lambda pool, blk: BEFORE)
+        self.live0 = sum(v[0] for v in self.live.values())
 
     def stop(self, label: str) -> None:
         snap = self.torch.cuda.memory._snapshot()
-        events = [e for e in (snap.get("device_traces") or [[]])[0] if e.get("time_us", 0) > self.t0]
-        live: dict[int, tuple[int, str]] = {}
-        cur = best = 0
-        at_best: dict[int, tuple[int, str]] = {}
-        freed_old = 0  # bytes live before the window that it freed
-        for ev in events:
-            if ev["action"] == "alloc":
-                live[ev["addr"]] = (ev["size"], _where(ev.get("frames")))
-                cur += ev["size"]
-                if cur > best:
-                    best, at_best = cur, dict(live)
-            elif ev["action"] == "free_requested":
-                if ev["addr"] in live:
-                    cur -= live.pop(ev["addr"])[0]
-                else:
-                    freed_old += ev["size"]
-                    cur -= ev["size"]
-        by: collections.Counter[str] = collections.Counter()
-        for size, where in at_best.values():
-            by[where] += size
-        pools: dict[str, int] = collections.Counter()
+        best, at_best, _ = highest_live(self.live, events_since(snap, self.t0), _where)
+        new = {a: v for a, v in at_best.items() if v[1] != BEFORE}
+        pools: collections.Counter[str] = collections.Counter()
         for s in snap["segments"]:
-            pools["graph" if tuple(s.get("segment_pool_id", (0, 0))) != (0, 0) else "default"] += s["total_size"]
+            pools[pool_of(s)] += s["total_size"]
         self.results.append({
             "window": label, "live_at_start_mib": round(self.live0 / MiB, 1),
-            "highest_above_start_mib": round(best / MiB, 1),
-            "allocated_in_window_at_highest_mib": round(sum(v[0] for v in at_best.values()) / MiB, 1),
-            "freed_from_before_mib": round(freed_old / MiB, 1),
-            "at_highest_mib": {k: round(v / MiB, 1) for k, v in by.most_common(16)},
+            "highest_above_start_mib": round((best - self.live0) / MiB, 1),
+            "allocated_in_window_at_highest_mib": round(sum(v[0] for v in new.values()) / MiB, 1),
+            "freed_from_before_mib": round((self.live0 - sum(v[0] for v in self.live.values()
+                                                             if v[1] == BEFORE)) / MiB, 1),
+            "at_highest_mib": by_label(new, 16),
             "reserved_after_mib": {k: round(v / MiB, 1) for k, v in pools.items()},
         })
 
 
 def child(run: str, preset: str, layers_n: int) -> list[dict[str, Any]]:
     import torch
-    import torch.utils.checkpoint
 
     from graphslot import get_backend
     from graphslot.adapters.torch import GraphedLayers
     from graphslot.adapters.torch import runner as runner_mod
-    from graphslot.cli.bench_models import BenchShape, training_data
+    from graphslot.cli.bench_models import BenchShape, CheckpointedLayer, training_data
 
     b = get_backend()
     shape = BenchShape.preset(preset)
@@ -109,10 +94,12 @@ def child(run: str, preset: str, layers_n: int) -> list[dict[str, Any]]:
     torch.cuda.memory._record_memory_history(max_entries=1_000_000, stacks="all")
     w = Window()
     if run == "eager":
+        checkpointed = [CheckpointedLayer(m) for m in layers]
+
         def fwd() -> torch.Tensor:
             h = x
-            for m in layers:
-                h = torch.utils.checkpoint.checkpoint(m, h, use_reentrant=False)
+            for m in checkpointed:
+                h = m(h)
             return h
 
         for _ in range(2):

@@ -23,6 +23,8 @@ from graphslot.adapters.torch import GraphedLayers
 from graphslot.cli.bench import BenchShape
 from graphslot.cli.toy import Block
 
+from alloc_trace import by_label, events_since, highest_live, live_blocks, trace_end
+
 MiB = 1 << 20
 
 
@@ -55,37 +57,19 @@ def _step_peak(stack: GraphedLayers, layers: list[torch.nn.Module], x: torch.Ten
     what was allocated at that moment outside the graph pools, by allocating frame."""
     b.synchronize()
     snap0 = torch.cuda.memory._snapshot()
-    live: dict[int, tuple[int, str]] = {}
-    for seg in snap0["segments"]:
-        private = tuple(seg.get("segment_pool_id", (0, 0))) != (0, 0)
-        for blk in seg["blocks"]:
-            if blk["state"] == "active_allocated":
-                live[blk["address"]] = (blk["size"], "graph pool" if private else
-                                        "before step: " + _py_stack(blk.get("frames"), 3))
-    traces0 = snap0.get("device_traces") or [[]]
-    t0 = max((e.get("time_us", 0) for e in traces0[0]), default=0)
+    live = live_blocks(snap0, lambda pool, blk: "graph pool" if pool == "graph" else
+                       "before step: " + _py_stack(blk.get("frames"), 3))
+    t0 = trace_end(snap0)
     b.ledger.reset_peak()
     stack(x).backward(gy)
     _drop_grads(layers)
     b.synchronize()
     snap1 = torch.cuda.memory._snapshot()
-    events = [e for e in (snap1.get("device_traces") or [[]])[0] if e.get("time_us", 0) > t0]
-    cur = sum(v[0] for v in live.values())
-    best, at_best = cur, dict(live)
-    for ev in events:
-        if ev["action"] == "alloc":
-            live[ev["addr"]] = (ev["size"], _py_stack(ev.get("frames")))
-            cur += ev["size"]
-            if cur > best:
-                best, at_best = cur, dict(live)
-        elif ev["action"] == "free_requested" and ev["addr"] in live:
-            cur -= live.pop(ev["addr"])[0]
-    by: collections.Counter[str] = collections.Counter()
-    for size, where in at_best.values():
-        by[where] += size
+    events = events_since(snap1, t0)
+    best, at_best, _ = highest_live(live, events, _py_stack)
     return {"allocated_peak_mib": round(best / MiB, 1), "events": len(events),
             "slots_peak_mib": round(b.ledger.peak_mapped_bytes / MiB, 1),
-            "at_peak_mib": {k: round(v / MiB, 1) for k, v in by.most_common(10)}}
+            "at_peak_mib": by_label(at_best, 10)}
 
 
 def census(mode: str, shape: BenchShape, b: graphslot.Backend) -> dict[str, Any]:

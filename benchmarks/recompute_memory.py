@@ -26,6 +26,8 @@ import subprocess
 import sys
 from typing import Any
 
+from alloc_trace import by_label, events_since, highest_live, live_blocks, pool_of, trace_end
+
 MiB = 1 << 20
 
 
@@ -39,9 +41,8 @@ def _blocks(snap: dict[str, Any]) -> list[dict[str, Any]]:
     """Every block of every segment: pool, state, size and the frames that allocated it."""
     out = []
     for seg in snap["segments"]:
-        pool = "graph" if tuple(seg.get("segment_pool_id", (0, 0))) != (0, 0) else "default"
         for blk in seg["blocks"]:
-            out.append({"pool": pool, "segment": seg["address"], "segment_size": seg["total_size"],
+            out.append({"pool": pool_of(seg), "segment": seg["address"], "segment_size": seg["total_size"],
                         "address": blk["address"], "size": blk["size"], "state": blk["state"],
                         "where": _where(blk.get("frames"), depth=6)})
     return out
@@ -50,11 +51,10 @@ def _blocks(snap: dict[str, Any]) -> list[dict[str, Any]]:
 def child(run: str, preset: str, layers_n: int | None, seq: int | None,
           blocks_path: str | None = None) -> dict[str, Any]:
     import torch
-    import torch.utils.checkpoint
 
     from graphslot import get_backend
     from graphslot.adapters.torch import GraphedLayers
-    from graphslot.cli.bench_models import BenchShape, training_data
+    from graphslot.cli.bench_models import BenchShape, CheckpointedLayer, training_data
 
     b = get_backend()
     shape = BenchShape.preset(preset)
@@ -69,10 +69,12 @@ def child(run: str, preset: str, layers_n: int | None, seq: int | None,
     if blocks_path:  # the frames of what the build allocates, graph pools included
         torch.cuda.memory._record_memory_history(max_entries=400000)
     if run == "checkpoint":
+        checkpointed = [CheckpointedLayer(m) for m in layers]
+
         def fwd() -> torch.Tensor:
             h = x
-            for m in layers:
-                h = torch.utils.checkpoint.checkpoint(m, h, use_reentrant=False)
+            for m in checkpointed:
+                h = m(h)
             return h
     else:
         mode, offload = "off", ()
@@ -98,13 +100,8 @@ def child(run: str, preset: str, layers_n: int | None, seq: int | None,
     torch.cuda.empty_cache()
     torch.cuda.memory._record_memory_history(max_entries=400000)
     snap0 = torch.cuda.memory._snapshot()
-    live: dict[int, tuple[int, str]] = {}
-    for seg in snap0["segments"]:
-        pool = "graph" if tuple(seg.get("segment_pool_id", (0, 0))) != (0, 0) else "default"
-        for blk in seg["blocks"]:
-            if blk["state"] == "active_allocated":
-                live[blk["address"]] = (blk["size"], f"{pool} before step")
-    t0 = max((e.get("time_us", 0) for e in (snap0.get("device_traces") or [[]])[0]), default=0)
+    live = live_blocks(snap0, lambda pool, blk: f"{pool} before step")
+    t0 = trace_end(snap0)
     torch.cuda.reset_peak_memory_stats()
     b.ledger.reset_peak()
     reserved0 = torch.cuda.memory_reserved()
@@ -118,23 +115,11 @@ def child(run: str, preset: str, layers_n: int | None, seq: int | None,
     if blocks_path:
         with open(blocks_path, "w") as f:
             json.dump({"run": run, "blocks": _blocks(snap1)}, f)
-    events = [e for e in (snap1.get("device_traces") or [[]])[0] if e.get("time_us", 0) > t0]
-    cur = sum(v[0] for v in live.values())
-    best, at_best, best_i = cur, dict(live), -1
-    for i, ev in enumerate(events):
-        if ev["action"] == "alloc":
-            live[ev["addr"]] = (ev["size"], _where(ev.get("frames")))
-            cur += ev["size"]
-            if cur > best:
-                best, at_best, best_i = cur, dict(live), i
-        elif ev["action"] == "free_requested" and ev["addr"] in live:
-            cur -= live.pop(ev["addr"])[0]
-    by: collections.Counter[str] = collections.Counter()
-    for size, where in at_best.values():
-        by[where] += size
+    events = events_since(snap1, t0)
+    best, at_best, best_i = highest_live(live, events, _where)
     pools: dict[str, dict[str, float]] = {}
     for seg in snap1["segments"]:
-        pool = "graph" if tuple(seg.get("segment_pool_id", (0, 0))) != (0, 0) else "default"
+        pool = pool_of(seg)
         d = pools.setdefault(pool, {"reserved": 0, "active": 0, "free": 0, "segments": 0})
         d["segments"] += 1
         d["reserved"] += seg["total_size"]
@@ -142,7 +127,7 @@ def child(run: str, preset: str, layers_n: int | None, seq: int | None,
             d["active" if blk["state"] == "active_allocated" else "free"] += blk["size"]
     sizes = collections.Counter()
     for seg in snap1["segments"]:
-        if tuple(seg.get("segment_pool_id", (0, 0))) != (0, 0):
+        if pool_of(seg) == "graph":
             sizes[round(seg["total_size"] / MiB)] += 1
     return {
         "run": run,
@@ -151,7 +136,7 @@ def child(run: str, preset: str, layers_n: int | None, seq: int | None,
         "peak_allocated_mib": round(stats["allocated_bytes.all.peak"] / MiB, 1),
         "replayed_peak_mib": round(best / MiB, 1),
         "peak_event": best_i, "events": len(events),
-        "at_peak_mib": {k: round(v / MiB, 1) for k, v in by.most_common(14)},
+        "at_peak_mib": by_label(at_best, 14),
         "pools_end_mib": {p: {k: round(v / MiB, 1) if k != "segments" else v for k, v in d.items()}
                           for p, d in pools.items()},
         "graph_segment_sizes_mib": dict(sorted(sizes.items())),
