@@ -39,9 +39,9 @@ from ..backend import Backend
 from ..errors import GraphslotError, UsageError
 from ..trace import Timeline
 from . import positive_int
-from .bench_configs import (CONFIGS, PEERS, SWEEP_BUDGETS, budget_config, build, check_config,
-                            parse_size, plan_report, saved_on_device, base_config, split_variant, sweep_budgets,
-                            unsupported)
+from .bench_configs import (CONFIGS, PEERS, SWEEP_BUDGETS, base_config, budget_config, build,
+                            check_config, parse_size, plan_report, saved_on_device, split_variant,
+                            sweep_budgets, unsupported)
 from ..profile import copy_bandwidth
 from .bench_measure import Inputs, measure, memory_breakdown, prepare, timed_steps
 from .bench_models import BenchShape, transformers_missing

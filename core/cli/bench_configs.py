@@ -35,8 +35,9 @@ from .bench_measure import VARIANT_SEP, GiB, Built, Inputs, MiB, base_config
 from .bench_models import CheckpointedLayer
 
 __all__ = ["CONFIGS", "PEERS", "BUDGET_PREFIX", "SWEEP_BUDGETS", "parse_size", "budget_bytes",
-           "budget_config", "split_variant", "base_config", "VARIANT_SEP", "is_planned", "check_config", "sweep_budgets", "unsupported", "build",
-           "saved_on_device", "plan_report", "forward"]
+           "budget_config", "split_variant", "base_config", "VARIANT_SEP", "is_planned",
+           "check_config", "sweep_budgets", "unsupported", "build", "saved_on_device",
+           "plan_report", "forward"]
 
 CONFIGS = ("eager", "save_on_cpu", "checkpoint", "torch_graphed", "torch_graphed_checkpoint",
            "graph", "graph_resident", "graph_remap", "graph_recompute", "graph_auto")

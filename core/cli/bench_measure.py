@@ -44,6 +44,7 @@ def base_config(name: str) -> str:
     """The configuration a name runs, its variant aside (``graph@keep`` -> ``graph``)."""
     return name.split(VARIANT_SEP)[0]
 
+
 @dataclass(eq=False)
 class Inputs:
     """What every configuration of one bench run shares: the layers, the data, the
