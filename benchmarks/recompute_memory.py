@@ -69,13 +69,10 @@ def child(run: str, preset: str, layers_n: int | None, seq: int | None,
     if blocks_path:  # the frames of what the build allocates, graph pools included
         torch.cuda.memory._record_memory_history(max_entries=400000)
     if run == "checkpoint":
-        checkpointed = [CheckpointedLayer(m) for m in layers]
+        checkpointed = torch.nn.Sequential(*(CheckpointedLayer(m) for m in layers))
 
         def fwd() -> torch.Tensor:
-            h = x
-            for m in checkpointed:
-                h = m(h)
-            return h
+            return checkpointed(x)
     else:
         mode, offload = "off", ()
         if run == "recompute":
