@@ -127,3 +127,59 @@ def test_offloaded_layer_boundaries_hold_no_pool_memory_of_their_own(mode):
     two, boundary = _pool_beside_gradients(2, mode)
     six, _ = _pool_beside_gradients(6, mode)
     assert six - two < 2 * boundary, (two, six, boundary)
+
+
+def _pool_after_captures(seed: int) -> tuple[int, bool, list[torch.Tensor]]:
+    """The pool's bytes after three captures that each allocate and free blocks of a size
+    the capture before never asked for (``seed`` > 0: the pool seeded with that many
+    bytes first), and what the graphs compute."""
+    b = _backend
+    s = torch.cuda.Stream()
+    owner = b.new_graph()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # an empty capture
+        with owner.capture(s):
+            pass
+    seeded = owner.seed_pool(seed, s) if seed else False
+    x = torch.arange(1 << 20, device="cuda", dtype=torch.float32)
+    graphs, outs = [], []
+    for k in (3, 5, 7):  # 12, 20, 28 MiB: no freed segment fits the next request
+        g = b.new_graph(share_pool_with=owner)
+        with g.capture(s):
+            tmp = x.repeat(k)
+            outs.append(tmp.view(k, -1).sum(0))
+            del tmp
+        graphs.append(g)
+    for g in graphs:
+        g.replay()
+    torch.cuda.synchronize()
+    return owner.pool_bytes, seeded, outs
+
+
+def test_a_seeded_pool_serves_every_capture_from_its_one_block(clean):
+    plain, seeded_plain, want = _pool_after_captures(0)
+    assert not seeded_plain
+    seed = 64 << 20
+    pool, seeded, got = _pool_after_captures(seed)
+    assert seeded
+    # Unseeded, each capture's large request reserves a segment of its own size; seeded,
+    # all of them split the one free block and the pool holds nothing more.
+    # (a small block the kernels ask for may take a small segment of 2 MiB besides)
+    assert plain >= (12 + 20 + 28) << 20, plain
+    assert seed <= pool <= seed + (2 << 20), (pool, seed)
+    for a, c in zip(want, got):
+        assert torch.equal(a, c)
+
+
+def test_a_stack_built_on_a_seeded_pool_trains_like_eager(clean, monkeypatch):
+    torch.manual_seed(0)
+    layers = nn.ModuleList([_Attn(128, 2) for _ in range(3)]).to("cuda", torch.bfloat16)
+    ref_layers = copy.deepcopy(layers)
+    want = _train(ref_layers, None, torch.bfloat16)
+    monkeypatch.setattr(GraphedLayers, "_pool_seed_bytes", 32 << 20)
+    sample = torch.zeros(2, 64, 128, device="cuda", dtype=torch.bfloat16)
+    with GraphedLayers(list(layers), sample, mode="remap", recompute_layers=[0, 2]) as stack:
+        assert stack.pool_bytes is not None and stack.pool_bytes >= 32 << 20
+        got = _train(layers, stack, torch.bfloat16)
+    for a, c in zip(want, got):
+        assert torch.equal(a, c)

@@ -155,6 +155,10 @@ class GraphedLayers(nn.Module):
     (``with GraphedLayers(...) as stack:``) it closes on exit.
     """
 
+    #: bytes the graphs' pool is seeded with before the captures (0: not seeded); see
+    #: :meth:`_seed_pool`
+    _pool_seed_bytes = 0
+
     def __init__(self, layers: Sequence[nn.Module], sample_input: torch.Tensor, *,
                  mode: Mode | str | None = None, min_offload_bytes: int = 0,
                  section_bytes: int = SECTION_BYTES,
@@ -357,6 +361,8 @@ class GraphedLayers(nn.Module):
 
     def _build(self, sample: torch.Tensor) -> None:
         runners = self._runners
+        if self._pool_seed_bytes:
+            self._seed_pool(self._pool_seed_bytes)
         # The first layer reads the stack's input from a buffer of its own. When that layer
         # offloads what it saves (a saved input goes to its slot), the buffer is read by
         # its forward graph alone: it comes from the graphs' pool and goes back to it once
@@ -406,6 +412,19 @@ class GraphedLayers(nn.Module):
             r.count_own_refs()
         if self._input_grad is not None:
             self._input_grad.count_own_refs()
+
+    def _seed_pool(self, nbytes: int) -> bool:
+        """Before the captures: the graphs' pool holds one free block of ``nbytes`` that
+        their allocations split (see :meth:`DeviceGraph.seed_pool`); the pool's first
+        owner is an empty graph then."""
+        if self._pool_owner is None:
+            g = self._new_graph()
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # torch warns that the captured graph is empty
+                with g.capture(self._warmup_stream):
+                    pass
+        assert self._pool_owner is not None
+        return self._pool_owner.seed_pool(nbytes, self._warmup_stream)
 
     def _pool_buffer(self, like: torch.Tensor) -> torch.Tensor:
         """A copy of ``like`` in memory of the graphs' shared pool (an allocation captured
