@@ -284,8 +284,8 @@ def predict_peak_bytes(profile: StackProfile, choices: Sequence[str], mode: str 
     # sit outside the pool for good and the pool holds none.
     layers = profile.layers
     grads = sum(c.grad_bytes for c in layers)
-    in_pool = [ch == KEEP or (ch == OFFLOAD and mode == "off") for ch in choices]
-    homes = gradient_homes(sum(c.saved_bytes for c, k in zip(layers, in_pool) if k), grads)
+    in_pool = _in_pool(choices, mode)
+    homes = _has_homes(profile, choices, mode)
     kept_below = 0
     grads_above = 0 if homes else grads
     pool = 0
@@ -298,6 +298,17 @@ def predict_peak_bytes(profile: StackProfile, choices: Sequence[str], mode: str 
         grads_above -= 0 if homes else c.grad_bytes
     return (profile.fixed_bytes + pool + (grads if homes else 0)
             + banks_bytes(profile, choices, mode) + _boundaries_held(profile, slots))
+
+
+def _in_pool(choices: Sequence[str], mode: str) -> list[bool]:
+    """Which layers keep their saved activations in the graphs' pool."""
+    return [ch == KEEP or (ch == OFFLOAD and mode == "off") for ch in choices]
+
+
+def _has_homes(profile: StackProfile, choices: Sequence[str], mode: str) -> bool:
+    """Does the stack give gradients homes under ``choices`` (see :func:`gradient_homes`)?"""
+    kept = sum(c.saved_bytes for c, k in zip(profile.layers, _in_pool(choices, mode)) if k)
+    return gradient_homes(kept, sum(c.grad_bytes for c in profile.layers))
 
 
 def gradient_homes(kept_bytes: int, grad_bytes: int) -> bool:
@@ -605,7 +616,8 @@ def fit_budget(profile: StackProfile, budget: int | str | None,
     and where what the build holds differs from the model's figure, count the difference
     in the profile's fixed memory and plan again (the model's figure is an estimate; the
     build's is what the step will hold). A budget the model calls too small gets its
-    least plan built before it is refused.
+    least plan built before it is refused, and where that holds too much, the least plan
+    that stores the gradients the other way (see :func:`gradient_homes`) too.
 
     Args:
         profile, budget, exhaustive, modes: as :func:`plan_budget`.
@@ -670,6 +682,24 @@ def fit_budget(profile: StackProfile, budget: int | str | None,
         if over == 0 or (over > 0 and got <= limit):
             break  # the model was right, or low where the plan fits: no faster plan fits
         profile = replace(profile, fixed_bytes=max(0, profile.fixed_bytes + over))
+    if fitted is None and least is not None and any(c.grad_bytes for c in profile.layers):
+        # Where the gradients live (homes of their own, or the graphs' pool beside the
+        # last backward's workspace) moves what a plan holds by about a layer's gradients,
+        # and the model errs there most: build the least plan that stores them the other
+        # way too before refusing.
+        other = not _has_homes(profile, least.choices, least.mode)
+        s = _search(profile, lambda s: (_has_homes(profile, s.choices, s.mode) != other,
+                                        s.peak, s.step), exhaustive, modes)
+        if (_has_homes(profile, s.choices, s.mode) == other
+                and (s.choices, s.mode) not in tried):
+            alt = _plan(profile, s, limit, "the least plan whose gradients live elsewhere: "
+                        "built, it holds less than the model's least plan", exhaustive, modes)
+            tried.add((alt.choices, alt.mode))
+            last, got = built(alt)
+            if got is not None and got < least.predicted_peak_bytes:
+                least = last
+            if got is not None and got <= limit:
+                fitted = last
     if fitted is None:
         assert least is not None
         raise UsageError(

@@ -12,6 +12,7 @@ from graphslot.budget import (CHOICES, FIT_BUILDS, KEEP, OFFLOAD, RECOMPUTE, Bud
                               LayerCost, StackProfile, banks_bytes, fit_budget, gradient_homes,
                               lower_bound_ms, parse_budget, plan_budget, predict_peak_bytes,
                               predict_step_ms, smallest_peak)
+from graphslot import budget
 from graphslot.errors import UsageError
 
 GiB, MiB = 1 << 30, 1 << 20
@@ -346,3 +347,39 @@ def test_without_a_measured_figure_the_model_decides():
     assert built == [plan]  # refused by the model, nothing built
     assert fit_budget(p, "auto", lambda plan: None) == plan_budget(p, "auto")
     assert fit_budget(p, least, lambda plan: None, measured=False) == plan
+
+
+def test_before_refusing_the_least_plan_that_stores_gradients_the_other_way_is_built():
+    # The model's least plan keeps no layer in the pool, so the stack gives gradients homes
+    # of their own; built, that holds more than the model said, while the least plan with
+    # gradients in the graphs' pool (beside the last backward's workspace) holds what it
+    # said, and plans keeping more layers hold more (the default preset on the H200: the
+    # least plan held 7.24 GiB built, one keeping a layer 6.88). Without the second try
+    # the budget is refused.
+    layer = LayerCost(8.25, 16.5, int(1.5 * GiB), recompute_ms=6.25, work_bytes=400 * MiB,
+                      input_bytes=64 * MiB, grad_bytes=416 * MiB)
+    p = StackProfile((layer,) * 8, 55.0, 55.0, fixed_bytes=7 * GiB)
+    homes = budget._has_homes
+    least = plan_budget(p, smallest_peak(p))
+    assert homes(p, least.choices, least.mode)
+    pool_least = min(predict_peak_bytes(p, ch, m)
+                     for ch in itertools.product(CHOICES, repeat=8)
+                     for m in (("resident", "remap") if OFFLOAD in ch else ("off", "remap"))
+                     if not homes(p, ch, m))
+    homes_error = pool_least - least.predicted_peak_bytes + 300 * MiB
+
+    def error(plan: BudgetPlan) -> int:
+        if homes(p, plan.choices, plan.mode):
+            return homes_error
+        return 250 * MiB * (plan.choices.count(KEEP) - 1)
+
+    build = Builds(p, error)
+    limit = pool_least + 150 * MiB
+    plan = fit_budget(p, limit, build)
+    assert not homes(p, plan.choices, plan.mode)
+    assert plan.predicted_peak_bytes <= limit
+    assert any(homes(p, ch, m) for ch, m in build.built)  # (the least plan was tried first)
+    assert build.built[-1] == (plan.choices, plan.mode)
+    # Where that plan does not fit either, the refusal names the least either held.
+    with pytest.raises(UsageError, match=f"holds .*[(]{pool_least} bytes[)]"):
+        fit_budget(p, pool_least - 1, Builds(p, error))
