@@ -24,6 +24,43 @@ import time
 GiB = 1 << 30
 
 
+def train(b, stack, opt, x, gy, steps: int) -> tuple[list[float], int | None]:
+    """One training step (forward, backward, optimizer step, ``zero_grad()``), then
+    ``steps`` timed ones: their times in ms, and the peak as the process holds it from
+    after the first (the allocator's peak reserved bytes plus graphslot's peak pages; None
+    where the allocator cannot tell)."""
+    def step() -> None:
+        y = stack(x)
+        y.backward(gy)
+        opt.step()
+        opt.zero_grad()
+        x.grad = None
+
+    step()
+    b.synchronize()
+    b.allocator_stats(reset_peak=True)
+    b.ledger.reset_peak()
+    times = []
+    for _ in range(steps):
+        t = time.perf_counter()
+        step()
+        b.synchronize()
+        times.append((time.perf_counter() - t) * 1e3)
+    st = b.allocator_stats()
+    peak = (None if st["peak_reserved_bytes"] is None
+            else st["peak_reserved_bytes"] + b.ledger.peak_allocated_bytes)
+    return times, peak
+
+
+def child_result(argv: list[str], env: dict[str, str], label: dict) -> dict:
+    """Run a child process; its last line of output as JSON, or ``label`` with the last
+    line of its error output where it failed."""
+    done = subprocess.run(argv, capture_output=True, text=True, env=env)
+    if done.returncode != 0:
+        return {**label, "error": (done.stderr.strip().splitlines() or ["?"])[-1]}
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
 def child(args: argparse.Namespace) -> dict:
     import torch
 
@@ -50,26 +87,7 @@ def child(args: argparse.Namespace) -> dict:
     stack = GraphedLayers(layers, x, **kw)
     build_s = time.perf_counter() - t0
 
-    def step() -> None:
-        y = stack(x)
-        y.backward(gy)
-        opt.step()
-        opt.zero_grad()
-        x.grad = None
-
-    step()
-    b.synchronize()
-    b.allocator_stats(reset_peak=True)
-    b.ledger.reset_peak()
-    times = []
-    for _ in range(args.steps):
-        t = time.perf_counter()
-        step()
-        b.synchronize()
-        times.append((time.perf_counter() - t) * 1e3)
-    st = b.allocator_stats()
-    peak = (None if st["peak_reserved_bytes"] is None
-            else st["peak_reserved_bytes"] + b.ledger.peak_allocated_bytes)
+    times, peak = train(b, stack, opt, x, gy, args.steps)
     out = {"run": args.run, "build_s": build_s, "step_ms": statistics.median(times),
            "steps_ms": times, "peak_bytes": peak, "peak_gib": None if peak is None else peak / GiB,
            "graphs": [list(g) for g in stack.graph_layers]}
@@ -104,11 +122,7 @@ def main() -> int:
         for k in ("layers", "seq"):
             if getattr(args, k):
                 argv += [f"--{k}", str(getattr(args, k))]
-        done = subprocess.run(argv, capture_output=True, text=True, env=os.environ)
-        if done.returncode != 0:
-            r = {"run": run, "error": (done.stderr.strip().splitlines() or ["?"])[-1]}
-        else:
-            r = json.loads(done.stdout.strip().splitlines()[-1])
+        r = child_result(argv, dict(os.environ), {"run": run})
         results.append(r)
         line = {k: r.get(k) for k in ("run", "step_ms", "peak_gib", "build_s", "error")}
         if "plan" in r:

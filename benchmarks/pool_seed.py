@@ -19,9 +19,10 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
+
+from budget_probe import child_result, train
 
 MiB = 1 << 20
 
@@ -48,25 +49,8 @@ def child(args: argparse.Namespace) -> dict:
         stack = GraphedLayers(layers, x, mode="remap", recompute_layers=range(len(layers)))
     build_s = time.perf_counter() - t0
 
-    def step() -> None:
-        y = stack(x)
-        y.backward(gy)
-        opt.step()
-        opt.zero_grad()
-        x.grad = None
-
-    step()
-    b.synchronize()
-    b.allocator_stats(reset_peak=True)
-    b.ledger.reset_peak()
-    times = []
-    for _ in range(args.steps):
-        t = time.perf_counter()
-        step()
-        b.synchronize()
-        times.append((time.perf_counter() - t) * 1e3)
-    st = b.allocator_stats()
-    peak = (st["peak_reserved_bytes"] or 0) + b.ledger.peak_allocated_bytes
+    times, peak = train(b, stack, opt, x, gy, args.steps)
+    peak = peak or 0
     pool = getattr(stack, "pool_bytes", None)
     segments = []
     owner = getattr(stack, "_pool_owner", None)
@@ -104,12 +88,7 @@ def main() -> int:
         for run in runs:
             argv = [sys.executable, __file__, "--preset", args.preset, "--steps", str(args.steps),
                     "--run", run]
-            done = subprocess.run(argv, capture_output=True, text=True, env=env)
-            if done.returncode != 0:
-                r = {"run": run, "alloc_conf": conf,
-                     "error": (done.stderr.strip().splitlines() or ["?"])[-1]}
-            else:
-                r = json.loads(done.stdout.strip().splitlines()[-1])
+            r = child_result(argv, env, {"run": run, "alloc_conf": conf})
             results.append(r)
             print(json.dumps(r), flush=True)
     if args.json:
