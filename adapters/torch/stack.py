@@ -66,7 +66,7 @@ import threading
 import warnings
 import weakref
 from dataclasses import replace
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Callable, Iterable, Sequence, TypeVar
 
 import torch
 from torch import nn
@@ -85,6 +85,8 @@ from .plan import _check_layers, _check_main_grads, _check_sample, _layer_set, _
 from .runner import _LayerFunction, _Runner
 
 __all__ = ["GraphedLayers"]
+
+T = TypeVar("T")
 
 
 class GraphedLayers(nn.Module):
@@ -418,22 +420,23 @@ class GraphedLayers(nn.Module):
         their allocations split (see :meth:`DeviceGraph.seed_pool`); the pool's first
         owner is an empty graph then."""
         if self._pool_owner is None:
-            g = self._new_graph()
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")  # torch warns that the captured graph is empty
-                with g.capture(self._warmup_stream):
-                    pass
+            self._captured_alone(lambda: None)
         assert self._pool_owner is not None
         return self._pool_owner.seed_pool(nbytes, self._warmup_stream)
 
-    def _pool_buffer(self, like: torch.Tensor) -> torch.Tensor:
-        """A copy of ``like`` in memory of the graphs' shared pool (an allocation captured
-        into an otherwise empty graph, which stays the pool's first owner)."""
+    def _captured_alone(self, allocate: Callable[[], T]) -> T:
+        """What ``allocate`` returns, allocated in the graphs' shared pool: captured into a
+        graph of its own that runs nothing (the pool's first owner, when it is the first)."""
         g = self._new_graph()
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # torch warns that the captured graph is empty
             with g.capture(self._warmup_stream):
-                buf = torch.empty_like(like)
+                return allocate()
+
+    def _pool_buffer(self, like: torch.Tensor) -> torch.Tensor:
+        """A copy of ``like`` in memory of the graphs' shared pool (an allocation captured
+        into an otherwise empty graph, which stays the pool's first owner)."""
+        buf = self._captured_alone(lambda: torch.empty_like(like))
         with torch.no_grad():
             buf.copy_(like.detach())
         return buf
