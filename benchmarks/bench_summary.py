@@ -26,7 +26,9 @@ def main(path: str) -> None:
         line = f"{name}: {c['step_ms']:.1f} ms, {c['peak_device_bytes'] / GiB:.3f} GiB"
         p = c.get("plan")
         if p:
-            letters = "".join(ch[0].upper() for ch in p["choices"])
+            ops = p.get("recompute_ops") or ()
+            letters = "".join("C" if k < len(ops) and ops[k] == "cheap" else ch[0].upper()
+                              for k, ch in enumerate(p["choices"]))
             model = p.get("model_peak_bytes")
             line += (f"; {letters} {p['mode']}, built {p['predicted_peak_bytes'] / GiB:.3f} GiB"
                      + (f", model {model / GiB:.3f} GiB" if model else "")

@@ -127,7 +127,9 @@ def main() -> int:
         line = {k: r.get(k) for k in ("run", "step_ms", "peak_gib", "build_s", "error")}
         if "plan" in r:
             p = r["plan"]
-            line.update(choices="".join(c[0].upper() for c in p["choices"]), mode=p["mode"],
+            ops = p.get("recompute_ops") or ()
+            line.update(choices="".join("C" if k < len(ops) and ops[k] == "cheap" else c[0].upper()
+                                        for k, c in enumerate(p["choices"])), mode=p["mode"],
                         pred_peak=round(p["predicted_peak_gib"], 3),
                         pred_step=round(p["predicted_step_ms"], 1),
                         bound=round(p["lower_bound_ms"], 1))

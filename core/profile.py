@@ -2,8 +2,9 @@
 
 :func:`profile_units` runs each unit (a layer, or a run of joined layers) eagerly on the
 device: its forward and backward time from device events, what its forward saves for
-backward, the working memory its backward needs beyond that, and the copy bandwidth to
-and from pinned host memory. It costs a couple of eager steps of the stack, one unit's
+backward, the working memory its backward needs beyond that, what recomputing it cheaply
+keeps and costs (:mod:`graphslot.recompute`), and the copy bandwidth to and from pinned
+host memory. It costs a couple of eager steps of the stack, one unit's
 activations at a time, and leaves nothing behind but cached allocator blocks (returned).
 """
 
@@ -14,11 +15,14 @@ import time
 from typing import Sequence
 
 import torch
+import torch.utils.checkpoint
 
 from .backend import Backend
 from .budget import LayerCost
 from .errors import UsageError
 from .memory import run_counting_saved
+from .recompute import available as cheap_available
+from .recompute import cheap_recompute_contexts, noting_expensive_outputs
 
 __all__ = ["copy_bandwidth", "profile_units", "held_bytes"]
 
@@ -86,8 +90,19 @@ def profile_units(b: Backend, units: Sequence[torch.nn.Module], sample: torch.Te
         params = [p for p in m.parameters() if p.requires_grad]
         inputs = ([x] if x.requires_grad else []) + params
         grad_bytes = sum(p.numel() * p.element_size() for p in params)
-        # A first, untimed forward counts what it saves (and warms the unit up).
-        y, saved = run_counting_saved(lambda: m(x), x.device.type, [m])
+        # A first, untimed forward counts what it saves (and warms the unit up), and what
+        # its expensive ops return (what a cheap recompute keeps).
+        kept: dict[int, int] = {}
+
+        def note(t: torch.Tensor) -> None:
+            if t.device.type == x.device.type:
+                s = t.untyped_storage()
+                kept[s.data_ptr()] = s.nbytes()
+
+        with noting_expensive_outputs(note):
+            y, saved = run_counting_saved(lambda: m(x), x.device.type, [m])
+        cheap_bytes = sum(kept.values())
+        del kept
         if not isinstance(y, torch.Tensor):
             raise UsageError(f"layer {k} returned {type(y).__name__}; graphed layers must "
                              "return one tensor")
@@ -116,12 +131,27 @@ def profile_units(b: Backend, units: Sequence[torch.nn.Module], sample: torch.Te
             del y, gy
         if not sees_peak:
             work = 2 * out.numel() * out.element_size()  # an output's gradient and a temporary
+        cheap_ms: float | None = None
+        if cheap_available() and 0 < cheap_bytes < saved and inputs:
+            # Recomputed cheaply, forward and backward take this much more than plainly.
+            both = []
+            for _ in range(iters):
+                b.synchronize()
+                with b.timed() as tc:
+                    y = torch.utils.checkpoint.checkpoint(
+                        m, x, use_reentrant=False, context_fn=cheap_recompute_contexts())
+                    grads = torch.autograd.grad(y, inputs, torch.ones_like(y), allow_unused=True)
+                    del grads, y
+                both.append(tc["device_ms"])
+            cheap_ms = min(max(0.0, min(both) - min(fwd_ms) - min(bwd_ms)), min(fwd_ms))
         own = [p for p in params if id(p) not in seen]
         seen.update(id(p) for p in own)
         costs.append(LayerCost(forward_ms=min(fwd_ms), backward_ms=min(bwd_ms),
                                saved_bytes=saved, work_bytes=max(0, work),
                                input_bytes=x.numel() * x.element_size(),
-                               grad_bytes=sum(p.numel() * p.element_size() for p in own)))
+                               grad_bytes=sum(p.numel() * p.element_size() for p in own),
+                               cheap_saved_bytes=None if cheap_ms is None else cheap_bytes,
+                               cheap_recompute_ms=cheap_ms))
         x = out.requires_grad_(x.requires_grad or bool(params))
     b.synchronize()
     return costs

@@ -383,3 +383,92 @@ def test_before_refusing_the_least_plan_that_stores_gradients_the_other_way_is_b
     # Where that plan does not fit either, the refusal names the least either held.
     with pytest.raises(UsageError, match=f"holds .*[(]{pool_least} bytes[)]"):
         fit_budget(p, pool_least - 1, Builds(p, error))
+
+
+# -- recomputing cheaply ---------------------------------------------------------------------
+
+def llama_cheap(n: int = 8) -> StackProfile:
+    """llama_like, where recomputing only the cheap ops keeps 46 % of what a layer saves
+    for a tenth of a full recompute's time (as a Llama decoder layer's norms, activation
+    and products measure)."""
+    layer = LayerCost(8.25, 16.5, int(1.5 * GiB), recompute_ms=6.25, work_bytes=400 * MiB,
+                      input_bytes=64 * MiB, cheap_saved_bytes=int(0.69 * GiB),
+                      cheap_recompute_ms=0.6)
+    return StackProfile((layer,) * n, 55.0, 55.0, fixed_bytes=7 * GiB)
+
+
+def brute_force_all(p: StackProfile, budget: int) -> tuple[float, int]:
+    """brute_force over every choice a layer offers, cheap recompute included."""
+    best = (float("inf"), 0)
+    opts = [budget_choices(c) for c in p.layers]
+    for ch in itertools.product(*opts):
+        for mode in (("resident", "remap") if OFFLOAD in ch else ("off", "resident", "remap")):
+            peak = predict_peak_bytes(p, ch, mode)
+            if peak <= budget:
+                best = min(best, (predict_step_ms(p, ch, mode), peak))
+    return best
+
+
+def budget_choices(c: LayerCost) -> tuple[str, ...]:
+    return CHOICES + ((budget.RECOMPUTE_CHEAP,) if c.cheap else ())
+
+
+def test_a_cheap_recompute_is_modelled_as_keeping_part_and_recomputing_little():
+    p = llama_cheap(2)
+    c = p.layers[0]
+    keep = predict_peak_bytes(p, (KEEP, KEEP), "off")
+    cheap = predict_peak_bytes(p, (budget.RECOMPUTE_CHEAP, KEEP), "off")
+    assert keep - cheap == c.saved_bytes - c.cheap_saved_bytes
+    assert (predict_step_ms(p, (budget.RECOMPUTE_CHEAP, KEEP), "off")
+            == pytest.approx(predict_step_ms(p, (KEEP, KEEP), "off") + 0.6))
+    assert lower_bound_ms(p, (budget.RECOMPUTE_CHEAP,) * 2, "off") == pytest.approx(
+        p.forward_ms + p.backward_ms + 1.2)
+    with pytest.raises(UsageError, match="without cheap_saved_bytes"):
+        predict_peak_bytes(llama_like(2), (budget.RECOMPUTE_CHEAP, KEEP), "off")
+
+
+def test_cheap_recompute_is_chosen_where_it_is_the_fastest_that_fits_and_reported_as_recompute():
+    p = llama_cheap(4)
+    keep_all = predict_peak_bytes(p, (KEEP,) * 4, "off")
+    plan = plan_budget(p, keep_all - 2 * GiB)
+    assert plan.predicted_peak_bytes <= keep_all - 2 * GiB
+    assert set(plan.choices) <= set(CHOICES)  # (reported as "recompute")
+    cheap = plan.layers(budget.RECOMPUTE_CHEAP)
+    assert cheap and all(plan.choices[i] == RECOMPUTE and plan.recompute_ops[i] == "cheap"
+                         for i in cheap)
+    assert set(cheap) <= set(plan.layers(RECOMPUTE))
+    assert plan.predicted_step_ms == pytest.approx(brute_force_all(p, keep_all - 2 * GiB)[0])
+    # without the cheap figures, the same budget costs a full recompute or offload
+    assert plan_budget(llama_like(4), keep_all - 2 * GiB).predicted_step_ms > plan.predicted_step_ms + 1
+    assert "C" in str(plan) and plan.as_dict()["recompute_ops"][cheap[0]] == "cheap"
+
+
+def test_the_local_search_with_cheap_recompute_finds_plans_as_fast_as_the_exhaustive_one():
+    rng = random.Random(3)
+    ratios = []
+    for _ in range(12):
+        n = rng.randint(2, 4)
+        layers = []
+        for c in random_profile(rng, n).layers:
+            cheap = rng.random() < 0.7
+            layers.append(LayerCost(c.forward_ms, c.backward_ms, c.saved_bytes, None, c.work_bytes,
+                                    cheap_saved_bytes=int(c.saved_bytes * rng.uniform(0.2, 0.8)) if cheap else None,
+                                    cheap_recompute_ms=c.forward_ms * rng.uniform(0.05, 0.4) if cheap else None))
+        p = StackProfile(tuple(layers), rng.uniform(5, 60), rng.uniform(5, 60), fixed_bytes=GiB)
+        lo = smallest_peak(p, exhaustive=True)
+        hi = predict_peak_bytes(p, (KEEP,) * n, "off")
+        for frac in (0.0, 0.5, 1.0):
+            limit = int(lo + frac * (hi - lo))
+            best = plan_budget(p, limit, exhaustive=True)
+            found = plan_budget(p, limit, exhaustive=False)
+            assert found.predicted_peak_bytes <= limit
+            assert best.predicted_step_ms == pytest.approx(brute_force_all(p, limit)[0])
+            ratios.append(found.predicted_step_ms / best.predicted_step_ms)
+    assert max(ratios) <= 1.06
+
+
+def test_cheap_figures_go_together():
+    with pytest.raises(UsageError, match="go together"):
+        LayerCost(1.0, 2.0, MiB, cheap_saved_bytes=MiB)
+    with pytest.raises(UsageError, match="cheap_recompute_ms"):
+        LayerCost(1.0, 2.0, MiB, cheap_saved_bytes=MiB, cheap_recompute_ms=-1.0)

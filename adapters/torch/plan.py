@@ -20,17 +20,19 @@ JOIN_BYTES = 32 << 20
 
 def plan_graphs(n: int, offloaded: AbstractSet[int], layers_per_graph: int | None,
                 saved_bytes: Sequence[int] | None, join_bytes: int | None = None,
-                recomputed: AbstractSet[int] = frozenset()) -> tuple[tuple[int, ...], ...]:
+                recomputed: AbstractSet[int] = frozenset(),
+                cheap: AbstractSet[int] = frozenset()) -> tuple[tuple[int, ...], ...]:
     """Which of ``n`` layers each device graph covers: consecutive runs, never mixing
-    layers in and outside ``offloaded`` (or ``recomputed``); ``layers_per_graph`` at a
+    layers in and outside ``offloaded`` (or ``recomputed``, or ``cheap``: recomputed
+    cheaply); ``layers_per_graph`` at a
     time, or, when it is None, as many as keep ``saved_bytes`` (per layer) within
     ``join_bytes`` together (default :data:`JOIN_BYTES`)."""
     if layers_per_graph is None and (saved_bytes is None or len(saved_bytes) != n):
         raise UsageError("plan_graphs: joining by size needs every layer's saved bytes")
     join_bytes = JOIN_BYTES if join_bytes is None else join_bytes
 
-    def kind(i: int) -> tuple[bool, bool]:
-        return (i in offloaded, i in recomputed)
+    def kind(i: int) -> tuple[bool, bool, bool]:
+        return (i in offloaded, i in recomputed, i in cheap)
 
     plan: list[tuple[int, ...]] = []
     run: list[int] = []

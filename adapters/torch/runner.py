@@ -17,6 +17,7 @@ from torch import nn
 from graphslot.backend import DeviceGraph, RngStream
 from graphslot.errors import CaptureMismatchError, StateError, UsageError
 from graphslot.offload import KEEP, OFFLOAD, RECOMPUTE, OffloadUnit, leaves_on_device
+from graphslot.recompute import cheap_recompute_contexts
 
 from .grads import _backward_into, _GradHome, _ParamGrad, _give_holders_own_bytes, _use_count
 from .plan import _param_name
@@ -85,6 +86,9 @@ class _Runner:
         self.first = index == 0
         #: its forward saves only its input, and its backward graph runs the forward again
         self.recompute = layers[0] in stack.recompute_layers
+        #: recomputed cheaply: its forward also keeps its expensive ops' outputs, and its
+        #: backward graph runs only the cheap ops again (:mod:`graphslot.recompute`)
+        self.cheap = layers[0] in stack.cheap_layers
         # A recomputed layer's graphs draw from a random stream of their own, rewound to
         # where each microbatch's forward drew before its backward graph draws it again.
         self.rng: RngStream | None = None
@@ -111,13 +115,17 @@ class _Runner:
             with _parameters_as(self.module, alias_of):
                 return self.module(x)
 
-        def call() -> Any:
+        def call(note: Callable[[torch.Tensor], None] | None = None) -> Any:
             if self.recompute:
                 # The recompute runs inside the backward graph's capture, so ``run`` swaps
                 # the aliases in again there. Its random numbers come from the runner's
                 # own stream (``self.rng``), not from state calls that would run in capture.
+                # Recomputed cheaply, the expensive ops' outputs are kept (``note``d as
+                # the unit's memory in the graphs' pool) and only the rest runs again.
+                kw: dict[str, Any] = ({"context_fn": cheap_recompute_contexts(note)} if self.cheap
+                                      else {})
                 return torch.utils.checkpoint.checkpoint(run, static_in, use_reentrant=False,
-                                                         preserve_rng_state=False)
+                                                         preserve_rng_state=False, **kw)
             return run(static_in)
 
         offload = self.layers[0] in stack.offload_layers
@@ -170,7 +178,7 @@ class _Runner:
                               "other numbers in its backward than in its forward", stacklevel=2)
         drawing = self._attach_rng(fwd)
         with fwd.capture(side), drawing(), unit.capture_forward(is_state):
-            out = call()
+            out = call(unit.keep_also if self.cheap else None)
         self.fwd = fwd
         self._out = out  # the captured autograd graph, until the backward graphs exist
         self._inputs = inputs

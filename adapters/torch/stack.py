@@ -72,12 +72,13 @@ import torch
 from torch import nn
 
 from graphslot.backend import Backend, DeviceGraph
-from graphslot.budget import (OFFLOAD, RECOMPUTE, BudgetPlan, StackProfile, banks_bytes,
+from graphslot.budget import (OFFLOAD, RECOMPUTE, RECOMPUTE_CHEAP, BudgetPlan, StackProfile, banks_bytes,
                               fit_budget, gradient_homes, parse_budget)
 from graphslot.errors import StateError, UsageError
 from graphslot.memory import release_unused, saved_bytes_per_layer
 from graphslot.offload import SECTION_BYTES, Mode, OffloadEngine
 from graphslot.profile import copy_bandwidth, held_bytes, profile_units
+from graphslot.recompute import available as recompute_available
 from graphslot.selection import get_backend
 
 from .grads import _ParamGrad, _shares_storage
@@ -112,6 +113,13 @@ class GraphedLayers(nn.Module):
             graph saves only the layer's input, and the backward graph runs the forward
             again (``torch.utils.checkpoint`` captured inside the graphs). A layer also in
             ``offload_layers`` sends that input to the host.
+        recompute_ops: what ``recompute_layers`` run again: ``"all"`` (the default: the
+            whole forward, keeping only the input) or ``"cheap"`` (only the cheap ops:
+            norms, activation functions, casts and other elementwise work; the outputs of
+            matrix products, attention and convolutions are kept on the device, in the
+            graphs' pool; see :mod:`graphslot.recompute`). A layer recomputed cheaply keeps
+            its input on the device (not in ``offload_layers``). With ``memory_budget``
+            the planner chooses per layer (``plan.recompute_ops``).
         memory_budget: bytes the training step may hold at its peak (the framework
             allocator's reserved bytes plus graphslot's pages, counting what the device
             holds when the stack is built), a size string (``"12GiB"``), or ``"auto"``
@@ -166,6 +174,7 @@ class GraphedLayers(nn.Module):
                  section_bytes: int = SECTION_BYTES,
                  offload_layers: Iterable[int] | None = None,
                  recompute_layers: Iterable[int] | None = None,
+                 recompute_ops: str = "all",
                  memory_budget: int | str | None = None,
                  layers_per_graph: int | None = None, warmup_iters: int = 2,
                  backend: Backend | None = None, debug_checksums: bool = False,
@@ -187,6 +196,18 @@ class GraphedLayers(nn.Module):
         recompute = _layer_set("recompute_layers", [] if recompute_layers is None else recompute_layers, n)
         offload = _layer_set("offload_layers", (set(range(n)) - recompute) if offload_layers is None
                              else offload_layers, n)
+        if recompute_ops not in ("all", "cheap"):
+            raise UsageError(f"recompute_ops must be 'all' or 'cheap', got {recompute_ops!r}")
+        if recompute_ops == "cheap" and memory_budget is not None:
+            raise UsageError("recompute_ops is for recompute_layers; with memory_budget the "
+                             "planner chooses what each recomputed layer runs again")
+        cheap = set(recompute) if recompute_ops == "cheap" else set()
+        if cheap & offload:
+            raise UsageError(f"layers {sorted(cheap & offload)} are recomputed cheaply, which "
+                             "keeps their input on the device, and in offload_layers too")
+        if cheap and not recompute_available():
+            raise UsageError("recompute_ops='cheap' needs torch's selective checkpointing "
+                             "(torch 2.4 or later)")
         if layers_per_graph is not None and (isinstance(layers_per_graph, bool)
                                              or not isinstance(layers_per_graph, int)
                                              or layers_per_graph < 1):
@@ -229,7 +250,7 @@ class GraphedLayers(nn.Module):
                 list(self.layers), sample_input.detach().requires_grad_(sample_input.requires_grad))
             if memory_budget is None:
                 self._make(Mode(modes[0]) if mode is not None else Mode.RESIDENT, offload,
-                           recompute, layers_per_graph, saved, sample_input)
+                           recompute, layers_per_graph, saved, sample_input, cheap)
             else:
                 self._make_planned(memory_budget, modes, layers_per_graph, saved, sample_input,
                                    section_bytes)
@@ -249,13 +270,17 @@ class GraphedLayers(nn.Module):
             next((r for r in reversed(offloaded) if r.index < i), None) for i in range(n)]
 
     def _make(self, mode: Mode, offload: set[int], recompute: set[int],
-              layers_per_graph: int | None, saved: list[int] | None, sample: torch.Tensor) -> None:
+              layers_per_graph: int | None, saved: list[int] | None, sample: torch.Tensor,
+              cheap: frozenset[int] | set[int] = frozenset()) -> None:
         """Build the engine, the graphs' plan and every graph."""
         self.offload_layers, self.recompute_layers = set(offload), set(recompute)
+        #: the recomputed layers that run only their cheap ops again (``recompute_ops``)
+        self.cheap_layers = set(cheap)
         self._grad_homes = not self.main_grad and self._homes_pay(mode, saved, sample)
         self.engine = OffloadEngine(self.backend, mode, **self._engine_args)
         self.graph_layers = plan_graphs(len(self.layers), self.offload_layers, layers_per_graph,
-                                        saved, recomputed=self.recompute_layers)
+                                        saved, recomputed=self.recompute_layers,
+                                        cheap=self.cheap_layers)
         self._runners = [_Runner(self, k, ls) for k, ls in enumerate(self.graph_layers)]
         self._build(sample)
 
@@ -263,7 +288,9 @@ class GraphedLayers(nn.Module):
         """Does this build give gradients homes outside the pool (:class:`_GradHome`)?
         :func:`graphslot.budget.gradient_homes` says, from what the layers keep in the
         graphs' pool (``saved``, measured) against the gradients' bytes."""
-        gone = self.recompute_layers | (self.offload_layers if mode is not Mode.OFF else set())
+        # (a layer recomputed cheaply keeps part of what it saves: counted as kept)
+        gone = ((self.recompute_layers - self.cheap_layers)
+                | (self.offload_layers if mode is not Mode.OFF else set()))
         kept = [i for i in range(len(self.layers)) if i not in gone]
         if not kept:
             return True
@@ -303,12 +330,15 @@ class GraphedLayers(nn.Module):
             if builds:
                 self._unmake()
             builds += 1
-            per_layer = tuple(plan.choices[k] for k, ls in enumerate(units) for _ in ls)
-            self.plan = replace(plan, choices=per_layer)
+            self.plan = _per_layer(plan, units)
             recomputed = set(self.plan.layers(RECOMPUTE))
-            # (in a mode that offloads, a recomputed layer's input goes to the host too)
-            offloaded = set(self.plan.layers(OFFLOAD)) | (recomputed if plan.mode != "off" else set())
-            self._make(Mode(plan.mode), offloaded, recomputed, layers_per_graph, saved, sample)
+            cheap = set(self.plan.layers(RECOMPUTE_CHEAP))
+            # (in a mode that offloads, a recomputed layer's input goes to the host too,
+            # unless it is recomputed cheaply)
+            offloaded = set(self.plan.layers(OFFLOAD)) | (recomputed - cheap if plan.mode != "off"
+                                                          else set())
+            self._make(Mode(plan.mode), offloaded, recomputed, layers_per_graph, saved, sample,
+                       cheap)
             release_unused(b)
             held = held_bytes(b)
             if held is None:
@@ -316,13 +346,12 @@ class GraphedLayers(nn.Module):
             # What the step adds to what the build holds: the banks it has not mapped now
             # (remap maps them only while a pass runs), and the copy of the output the
             # caller gets, as far as the allocator needs memory for it.
-            banks = banks_bytes(profile, plan.choices, plan.mode)
+            banks = banks_bytes(profile, plan.detailed, plan.mode)
             unmapped = max(0, banks - (b.ledger.mapped_bytes - mapped_before))
             return held + unmapped + self._output_copy_bytes(held)
 
         plan = fit_budget(profile, budget, build, measured=held_bytes(b) is not None, modes=modes)
-        self.plan = replace(plan, choices=tuple(plan.choices[k] for k, ls in enumerate(units)
-                                                for _ in ls))
+        self.plan = _per_layer(plan, units)
 
     def _output_copy_bytes(self, held: int) -> int:
         """What the caller's copy of the stack's output adds to ``held`` (what the process
@@ -636,3 +665,9 @@ class GraphedLayers(nn.Module):
     def __exit__(self, *exc: Any) -> None:
         self.close()
 
+
+def _per_layer(plan: BudgetPlan, units: tuple[tuple[int, ...], ...]) -> BudgetPlan:
+    """``plan`` (one choice per graph of ``units``) with one choice per layer."""
+    ops = plan.recompute_ops
+    return replace(plan, choices=tuple(plan.choices[k] for k, ls in enumerate(units) for _ in ls),
+                   recompute_ops=tuple(ops[k] for k, ls in enumerate(units) for _ in ls) if ops else ())

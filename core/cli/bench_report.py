@@ -245,8 +245,11 @@ def _f(v: float | None, fmt: str = ".1f") -> str:
 
 
 def _plan_text(plan: dict[str, Any]) -> str:
-    """``KKOR (resident)``: a letter per layer (keep, offload, recompute) and the mode."""
-    letters = "".join(str(ch)[:1].upper() for ch in plan.get("choices", ()))
+    """``KKORC (resident)``: a letter per layer (keep, offload, recompute, recompute
+    cheaply) and the mode."""
+    ops = plan.get("recompute_ops") or ()
+    letters = "".join("C" if k < len(ops) and ops[k] == "cheap" else str(ch)[:1].upper()
+                      for k, ch in enumerate(plan.get("choices", ())))
     return f"{letters} ({plan.get('mode', '?')})"
 
 

@@ -66,7 +66,7 @@ class OffloadUnit:
         UsageError: an unknown policy, or ``offload_input`` with another policy.
     """
 
-    __slots__ = ("engine", "policy", "_group", "_kept")
+    __slots__ = ("engine", "policy", "_group", "_kept", "_keeping")
 
     def __init__(self, engine: OffloadEngine, name: str, policy: str = OFFLOAD, *,
                  offload_input: bool = False) -> None:
@@ -80,6 +80,8 @@ class OffloadUnit:
         #: keep path of the forward capture: storage pointer -> (pointer, bytes) its
         #: backward graph reads in the graph's own memory
         self._kept: dict[int, tuple[int, int]] | None = None
+        #: during a forward capture that keeps (see :meth:`keep_also`)
+        self._keeping: dict[int, tuple[int, int]] | None = None
 
     def __repr__(self) -> str:
         return f"<OffloadUnit {self.name} {self.policy}>"
@@ -177,9 +179,23 @@ class OffloadUnit:
                     kept.setdefault(s.data_ptr(), (s.data_ptr(), s.nbytes()))
                 return t.detach()  # the same memory, no grad_fn: no cycle (see recording_saved_tensors)
 
-            with torch.autograd.graph.saved_tensors_hooks(note, lambda t: t):
-                yield
+            self._keeping = kept
+            try:
+                with torch.autograd.graph.saved_tensors_hooks(note, lambda t: t):
+                    yield
+            finally:
+                self._keeping = None
             self._kept = kept
+
+    def keep_also(self, t: torch.Tensor) -> None:
+        """During :meth:`capture_forward` of a unit that keeps its activations on the
+        device: ``t``'s memory is read by the backward graph too, though no autograd hook
+        sees it saved (a tensor a selective recompute holds, say)."""
+        if self._keeping is None:
+            raise UsageError(f"unit {self.name}: keep_also outside the forward capture of a "
+                             "unit that keeps its activations on the device")
+        s = t.untyped_storage()
+        self._keeping.setdefault(s.data_ptr(), (s.data_ptr(), s.nbytes()))
 
     def finish_capture(self) -> None:
         """The backward graph is captured (or there is none): the unit may replay."""

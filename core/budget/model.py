@@ -1,0 +1,237 @@
+"""The planner's model: a plan's peak memory (:func:`predict_peak_bytes`), its step
+(:func:`predict_step_ms`) and the bound no schedule beats (:func:`lower_bound_ms`), as the
+package's docstring describes them. Imports the costs."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from ..backend import align_up
+from ..errors import UsageError
+from .costs import (_ALL_CHOICES, OFFLOAD, RECOMPUTE, RECOMPUTE_CHEAP,
+                    StackProfile)
+
+
+def _check(profile: StackProfile, choices: Sequence[str]) -> None:
+    if len(choices) != len(profile.layers):
+        raise UsageError(f"{len(choices)} choices for {len(profile.layers)} layers")
+    bad = [c for c in choices if c not in _ALL_CHOICES]
+    if bad:
+        raise UsageError(f"unknown choices {bad}; each is one of {', '.join(_ALL_CHOICES)}")
+    no = [i for i, (c, ch) in enumerate(zip(profile.layers, choices))
+          if ch == RECOMPUTE_CHEAP and not c.cheap]
+    if no:
+        raise UsageError(f"layers {no}: {RECOMPUTE_CHEAP} without cheap_saved_bytes and "
+                         "cheap_recompute_ms in their profile")
+
+
+def _public(choices: Sequence[str]) -> tuple[tuple[str, ...], tuple[str | None, ...]]:
+    """``choices`` as a plan reports them: (choices, recompute_ops)."""
+    ops = tuple("cheap" if c == RECOMPUTE_CHEAP else "all" if c == RECOMPUTE else None
+                for c in choices)
+    return (tuple(RECOMPUTE if c == RECOMPUTE_CHEAP else c for c in choices),
+            ops if any(o == "cheap" for o in ops) else ())
+
+
+def banks_for(choices: Sequence[str], mode: str) -> int:
+    """Staging banks per size class of slots: two in resident, one in remap, none off."""
+    if mode == "off" or not any(c in (OFFLOAD, RECOMPUTE) for c in choices):
+        return 0
+    return 2 if mode == "resident" else 1
+
+
+def slot_bytes(profile: StackProfile, choices: Sequence[str], mode: str) -> list[int]:
+    """What each layer puts in a slot (0: nothing leaves the device). An offloaded layer's
+    saved activations; a recomputed layer's input when the mode offloads (its forward
+    saves nothing else, and its input buffer then goes back to the graphs' pool)."""
+    if mode == "off":
+        return [0] * len(choices)
+    return [c.saved_bytes if ch == OFFLOAD else c.input_bytes if ch == RECOMPUTE else 0
+            for c, ch in zip(profile.layers, choices)]
+
+
+def _classes(profile: StackProfile, slots: Sequence[int]) -> dict[int, list[int]]:
+    """Offloading layers by size class (their slot rounded to the granularity), in order."""
+    out: dict[int, list[int]] = {}
+    for i, n in enumerate(slots):
+        if n:
+            out.setdefault(align_up(n, profile.granularity), []).append(i)
+    return out
+
+
+def banks_bytes(profile: StackProfile, choices: Sequence[str], mode: str) -> int:
+    """Device memory of the staging banks ``choices`` need in ``mode``: each size class of
+    slots has its own banks."""
+    classes = _classes(profile, slot_bytes(profile, choices, mode))
+    return banks_for(choices, mode) * sum(classes)
+
+
+def _boundaries_held(profile: StackProfile, slots: Sequence[int]) -> int:
+    """Bytes of the stack's boundary buffers the graphs hold for good: the input of each
+    layer and the last one's output, except where the layers on both sides put what they
+    save in slots (nothing then reads the buffer after the forward graph that reads it)."""
+    n = len(slots)
+    held = 0
+    for k in range(n + 1):
+        before = slots[k - 1] > 0 if k > 0 else True  # the stack's input: its reader decides
+        after = slots[k] > 0 if k < n else True  # the stack's output: its writer decides
+        if not (before and after):
+            held += profile.layers[min(k, n - 1)].input_bytes
+    return held
+
+
+def predict_peak_bytes(profile: StackProfile, choices: Sequence[str], mode: str = "remap") -> int:
+    """The step's peak device memory under ``choices`` (see the module docstring)."""
+    _check(profile, choices)
+    slots = slot_bytes(profile, choices, mode)
+    # The graphs' pool, as the backward graphs are captured (last layer first): at layer
+    # i's, what the forwards of layers up to i keep is still live, that of the layers above
+    # is free again (their backward graphs, replayed before, are done with it) and holds
+    # their gradient buffers, and layer i's backward needs its working memory (and, if
+    # recomputed, its activations again). A recomputed layer keeps only its input, in its
+    # boundary buffer (counted with the boundaries).
+    # Before them, each forward capture: an offloaded layer's activations are made in the
+    # pool beside what the layers before it keep, then copied to its slot.
+    # Where the stack gives the gradients homes of their own (see gradient_homes), they
+    # sit outside the pool for good and the pool holds none.
+    layers = profile.layers
+    grads = sum(c.grad_bytes for c in layers)
+    homes = _has_homes(profile, choices, mode)
+    kept_below = 0
+    grads_above = 0 if homes else grads
+    pool = 0
+    for c, ch in zip(layers, choices):
+        kept_below += c.kept_for(ch, mode)
+        forward = kept_below + (c.saved_bytes if ch == OFFLOAD else 0)
+        backward = (kept_below + grads_above + c.work_bytes
+                    + (c.saved_bytes - c.kept_for(ch, mode) if ch in (RECOMPUTE, RECOMPUTE_CHEAP)
+                       else 0))
+        pool = max(pool, forward, backward)
+        grads_above -= 0 if homes else c.grad_bytes
+    return (profile.fixed_bytes + pool + (grads if homes else 0)
+            + banks_bytes(profile, choices, mode) + _boundaries_held(profile, slots))
+
+
+def _has_homes(profile: StackProfile, choices: Sequence[str], mode: str) -> bool:
+    """Does the stack give gradients homes under ``choices`` (see :func:`gradient_homes`)?"""
+    kept = sum(c.kept_for(ch, mode) for c, ch in zip(profile.layers, choices))
+    return gradient_homes(kept, sum(c.grad_bytes for c in profile.layers))
+
+
+def gradient_homes(kept_bytes: int, grad_bytes: int) -> bool:
+    """Does a stack give its parameters' gradients homes outside the graphs' pool (one
+    address each for good, the backward graphs adding into them, so a kept or accumulated
+    ``.grad`` is the only copy)? Pool gradient buffers share memory with what the layers
+    keep in the pool (``kept_bytes``), so with ``.grad`` set to None they save up to that
+    much over homes; with ``.grad`` kept they cost a whole copy of the gradients more.
+    Homes, then, where the layers keep at most a sixteenth of the gradients' bytes."""
+    return 16 * kept_bytes <= grad_bytes
+
+
+def _copied(profile: StackProfile, choices: Sequence[str], mode: str
+            ) -> tuple[list[int], dict[int, list[int]], set[int], set[int]]:
+    """Each layer's slot bytes, the offloading layers by size class, the layer whose bytes
+    never go out (the newest forward stays in its bank) and those that need no copy back
+    (nothing wrote their bank again before their backward)."""
+    slots = slot_bytes(profile, choices, mode)
+    classes = _classes(profile, slots)
+    off = [i for i, n in enumerate(slots) if n]
+    held = set(off[-1:])
+    nbanks = banks_for(choices, mode)
+    in_place = {i for members in classes.values() for i in members[-nbanks:]} if nbanks else set()
+    return slots, classes, held, in_place
+
+
+def lower_bound_ms(profile: StackProfile, choices: Sequence[str], mode: str = "remap") -> float:
+    """``max(T_f, V_out/β_d2h) + max(T_b + T_r, V_in/β_h2d)``: compute and copies each way
+    overlapping perfectly, with ``V`` the bytes the plan copies out and back."""
+    _check(profile, choices)
+    slots, _, held, in_place = _copied(profile, choices, mode)
+    out = sum(n for i, n in enumerate(slots) if i not in held)
+    back = sum(n for i, n in enumerate(slots) if i not in in_place)
+    t_r = sum(c.recompute_for(ch) for c, ch in zip(profile.layers, choices))
+    return bound_ms(profile.forward_ms, profile.backward_ms, t_r, out, back,
+                    profile.d2h_gbps, profile.h2d_gbps)
+
+
+def bound_ms(fwd_ms: float, bwd_ms: float, recompute_ms: float, out_bytes: float,
+             back_bytes: float, d2h_gbps: float | None, h2d_gbps: float | None) -> float:
+    """``max(T_f, V_out/β_d2h) + max(T_b + T_r, V_in/β_h2d)``: no schedule that copies
+    ``out_bytes`` to the host and ``back_bytes`` back, and recomputes ``recompute_ms`` of
+    forward, is faster (a link without a figure counts as free)."""
+    def ms(n: float, gbps: float | None) -> float:
+        return n / (gbps * 1e6) if gbps else 0.0
+    return (max(fwd_ms, ms(out_bytes, d2h_gbps))
+            + max(bwd_ms + recompute_ms, ms(back_bytes, h2d_gbps)))
+
+
+def predict_step_ms(profile: StackProfile, choices: Sequence[str], mode: str = "remap") -> float:
+    """The forward and backward time under ``choices``, played out layer by layer (see the
+    module docstring); never below :func:`lower_bound_ms`."""
+    _check(profile, choices)
+    layers = profile.layers
+    nbanks = max(1, banks_for(choices, mode))
+    slots, classes, held, in_place = _copied(profile, choices, mode)
+    d2h = profile.d2h_gbps * 1e6  # bytes per ms
+    h2d = profile.h2d_gbps * 1e6
+    # Within a size class the banks alternate in backward order (its last layer: bank 0);
+    # ``prev[i]``: the layer that used i's bank before it, ``nxt[i]``: the one after it.
+    bank: dict[int, tuple[int, int]] = {}
+    prev: dict[int, int] = {}
+    nxt: dict[int, int] = {}
+    for size, members in classes.items():
+        for k, i in enumerate(members):
+            bank[i] = (size, (len(members) - 1 - k) % nbanks)
+            if k >= nbanks:
+                prev[i] = members[k - nbanks]
+                nxt[members[k - nbanks]] = i
+
+    def section_ms(i: int, rate: float) -> float:
+        return min(slots[i], profile.section_bytes) / rate
+
+    # Forward: a layer writes its bank once the bank's last occupant has gone out (section
+    # by section: it ends one section after that copy), and copies what it saves into its
+    # slot as it runs.
+    d2d = profile.d2d_gbps * 1e6 if profile.d2d_gbps else None
+    t = 0.0
+    d2h_free = 0.0
+    out_done: dict[int, float] = {}
+    for i, c in enumerate(layers):
+        start = t
+        end = start + c.forward_ms + (slots[i] / d2d if i in bank and d2d else 0.0)
+        if i in bank:
+            if i in prev:
+                end = max(end, out_done.get(prev[i], 0.0) + section_ms(i, d2h))
+            if i not in held:  # sections leave as they are written
+                cstart = max(d2h_free, start)
+                cend = cstart + slots[i] / d2h
+                if choices[i] != RECOMPUTE:  # (a recomputed layer's slot is its input,
+                    cend = max(cend, end + section_ms(i, d2h))  # there from its start)
+                d2h_free = out_done[i] = cend
+        t = end
+    # Backward: an offloaded layer's restore is queued once the backward of the offloading
+    # layer above it has begun, and fills its bank as the bank's occupant (the next layer
+    # of its class, with one bank) lets go of it; a layer's backward waits for its bytes.
+    h2d_free = t
+    bwd_start: dict[int, float] = {}
+    bwd_end: dict[int, float] = {}
+    above: int | None = None  # the offloading layer above, in backward order
+    for i in reversed(range(len(layers))):
+        c = layers[i]
+        ready = t
+        if i in bank and i not in in_place:
+            queued = bwd_start[above] if above is not None else t
+            # (a recomputed layer reads its input first, for the recompute: it lets go of
+            # its bank as its backward begins; an offloaded one as its backward ends)
+            freed = queued if i not in nxt else (
+                bwd_start[nxt[i]] if choices[nxt[i]] == RECOMPUTE else bwd_end[nxt[i]])
+            cstart = max(h2d_free, queued, out_done.get(i, 0.0))
+            cend = max(cstart + slots[i] / h2d, freed + section_ms(i, h2d))
+            h2d_free = cend
+            ready = max(t, cend)
+        bwd_start[i] = ready
+        t = ready + c.backward_ms + c.recompute_for(choices[i])
+        bwd_end[i] = t
+        if i in bank:
+            above = i
+    return max(t, lower_bound_ms(profile, choices, mode))

@@ -1,0 +1,167 @@
+"""Layers recomputed cheaply inside the graphs (``recompute_ops="cheap"``): the forward
+keeps the outputs of matrix products and attention, the backward runs only the cheap ops
+again, and training is bit for bit eager's."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from graphslot import recompute as gr
+from graphslot.adapters.torch import GraphedLayers
+from graphslot.errors import UsageError
+from stacks import graphed, small_gpt
+from test_graphed_grads import assert_bitwise, run
+from test_recompute_rng import DropScale
+
+pytestmark = pytest.mark.skipif(not gr.available(), reason="torch without selective checkpointing")
+
+
+def test_the_expensive_ops_are_matrix_products_attention_and_convolution():
+    aten = torch.ops.aten
+    assert gr.is_expensive(aten.mm.default) and gr.is_expensive(aten.addmm)
+    assert gr.is_expensive(aten.convolution.default)
+    assert not gr.is_expensive(aten.gelu.default) and not gr.is_expensive(aten.add.Tensor)
+    assert not gr.is_expensive(aten.native_layer_norm.default)
+
+
+@pytest.mark.parametrize("mode", ["off", "resident", "remap"])
+def test_cheap_recompute_trains_as_eager_bitwise(clean, mode):
+    """Layers 1 and 2 recomputed cheaply, beside an offloaded, a kept and a fully recomputed one."""
+    b = clean
+    base = small_gpt(b, 4)
+    want = run(copy.deepcopy(base), b, 3, 2, False)
+    model = copy.deepcopy(base)
+    offload = [0] if mode != "off" else []
+    with graphed(model, b, mode, offload_layers=offload, recompute_layers=[1, 2],
+                 recompute_ops="cheap") as stack:
+        assert stack.cheap_layers == {1, 2} and stack.recompute_layers == {1, 2}
+        assert not any(r.unit.offloads for r in stack._runners[1:3])  # (inputs stay)
+        assert_bitwise(run(model, b, 3, 2, False), want)
+
+
+def test_a_cheap_recompute_keeps_more_than_a_full_one_and_less_than_keeping(clean):
+    """What the backward graph reads of the forward's memory: the input alone for a full
+    recompute; the products' and attention's outputs besides for a cheap one; every saved
+    activation for a kept layer."""
+    b = clean
+    kept = {}
+    for name, kw in (("keep", {}), ("all", {"recompute_layers": [0, 1, 2]}),
+                     ("cheap", {"recompute_layers": [0, 1, 2], "recompute_ops": "cheap"})):
+        model = small_gpt(b, 3)
+        with graphed(model, b, "off", **kw) as stack:
+            kept[name] = [g.kept_bytes for g in stack.engine.groups]
+            model(*model.batch(0, b.device)).backward()
+    for k in range(3):
+        assert kept["all"][k] < kept["cheap"][k] < kept["keep"][k], kept
+
+
+@pytest.mark.parametrize("per_graph", [1, None], ids=["graph-per-layer", "joined"])
+def test_cheap_recompute_trains_as_eager_with_microbatches_in_flight(clean, per_graph):
+    b = clean
+    base = small_gpt(b, 4)
+    eager, model = copy.deepcopy(base), copy.deepcopy(base)
+    with graphed(model, b, "off", recompute_layers=[0, 1, 3], recompute_ops="cheap",
+                 layers_per_graph=per_graph) as stack:
+        if per_graph is None:
+            assert stack.graph_layers == ((0, 1), (2,), (3,))
+        for m in (eager, model):
+            losses = [m(*m.batch(k, b.device)) for k in range(3)]
+            for loss in reversed(losses):
+                loss.backward()
+        assert_bitwise([p.grad for p in model.parameters()], [p.grad for p in eager.parameters()])
+        # the older microbatches' kept outputs were moved aside and back
+        assert stack.engine.stats["parked_bytes"] > 0
+
+
+def test_a_cheaply_recomputed_dropout_uses_its_forwards_mask(clean):
+    b = clean
+    torch.manual_seed(0)
+    layers = [DropScale(256).to(b.device) for _ in range(2)]
+    x0 = torch.rand(8, 256, device=b.device) + 0.5
+    with GraphedLayers(layers, x0.clone().requires_grad_(), mode="off", recompute_layers=[0, 1],
+                       recompute_ops="cheap", layers_per_graph=1, backend=b) as stack:
+        xs = [(x0 + k).requires_grad_() for k in range(2)]
+        ys = [stack(x).clone() for x in xs]
+        for k in (1, 0):
+            ys[k].backward(torch.ones_like(ys[k]))
+        for k in range(2):
+            dropped = ys[k] == 0
+            w = layers[0].w * layers[1].w
+            torch.testing.assert_close(xs[k].grad, torch.where(dropped, torch.zeros_like(w), 4 * w))
+
+
+def test_bad_recompute_ops_are_named(clean):
+    b = clean
+    model = small_gpt(b, 2)
+    with pytest.raises(UsageError, match="recompute_ops must be 'all' or 'cheap'"):
+        graphed(model, b, "off", recompute_layers=[0], recompute_ops="some")
+    with pytest.raises(UsageError, match=r"layers \[0\] are recomputed cheaply"):
+        graphed(model, b, "remap", recompute_layers=[0], offload_layers=[0], recompute_ops="cheap")
+    with pytest.raises(UsageError, match="recompute_ops is for recompute_layers"):
+        graphed(model, b, None, memory_budget="auto", recompute_ops="cheap")
+
+
+class _Conv(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv1d(4, 4, 3, padding=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(self.conv(torch.sigmoid(x)))
+
+
+def test_noting_sees_what_the_selective_forward_keeps(clean):
+    """The outputs noted are exactly those of the expensive ops: here one convolution."""
+    b = clean
+    m = _Conv().to(b.device)
+    x = torch.randn(2, 4, 8, device=b.device, requires_grad=True)
+    noted: list[torch.Tensor] = []
+    y = torch.utils.checkpoint.checkpoint(m, x, use_reentrant=False,
+                                          context_fn=gr.cheap_recompute_contexts(noted.append))
+    assert [t.shape for t in noted] == [torch.Size([2, 4, 8])]
+    y.sum().backward()
+    g = x.grad.clone()
+    x.grad = None
+    m(x).sum().backward()
+    assert torch.equal(g, x.grad)
+
+
+def test_a_budget_that_chooses_cheap_recompute_builds_it_and_trains_as_eager(clean, monkeypatch):
+    from graphslot import budget as gb
+    from test_budget_stack import fake_profile
+
+    b = clean
+    MiB = 1 << 20
+    # Keeping a layer costs 64 MiB, recomputing it cheaply 16 MiB for little time, fully
+    # a whole forward: room for about two layers' worth recomputes cheaply.
+    layer = gb.LayerCost(4.0, 8.0, 64 * MiB, recompute_ms=4.0, work_bytes=0,
+                         cheap_saved_bytes=16 * MiB, cheap_recompute_ms=0.2)
+    fake_profile(monkeypatch, [layer] * 4, gbps=1.0)
+    base = small_gpt(b, 4)
+    want = run(copy.deepcopy(base), b, 2, 1, True)
+    with graphed(copy.deepcopy(base), b, None, memory_budget="auto") as probe:
+        fixed = probe.plan.profile.fixed_bytes
+    model = copy.deepcopy(base)
+    with graphed(model, b, None, memory_budget=fixed + 2 * 64 * MiB) as stack:
+        plan = stack.plan
+        assert plan is not None and plan.layers(gb.RECOMPUTE_CHEAP)
+        assert stack.cheap_layers == set(plan.layers(gb.RECOMPUTE_CHEAP))
+        assert stack.recompute_layers == set(plan.layers(gb.RECOMPUTE))
+        assert not any(r.unit.offloads for r in stack._runners if r.cheap)
+        assert_bitwise(run(model, b, 2, 1, True), want)
+
+
+def test_the_profile_measures_what_a_cheap_recompute_keeps(clean):
+    from graphslot.profile import profile_units
+
+    b = clean
+    model = small_gpt(b, 2)
+    sample = model.hidden_in(model.batch(0, b.device)[0]).detach().requires_grad_()
+    costs = profile_units(b, list(model.blocks), sample)
+    for c in costs:
+        assert c.cheap and 0 < c.cheap_saved_bytes < c.saved_bytes
+        assert 0 <= c.cheap_recompute_ms <= c.forward_ms
