@@ -61,6 +61,16 @@ def child_result(argv: list[str], env: dict[str, str], label: dict) -> dict:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
+def record(results: list[dict], r: dict, path: str | None, line: dict | None = None) -> None:
+    """Keep a child's result: append it, print ``line`` (default: the result) as JSON and
+    write every result so far to ``path`` (so a run cut short keeps what it had)."""
+    results.append(r)
+    print(json.dumps(r if line is None else line), flush=True)
+    if path:
+        with open(path, "w") as f:
+            json.dump(results, f, indent=1)
+
+
 def child(args: argparse.Namespace) -> dict:
     import torch
 
@@ -123,7 +133,6 @@ def main() -> int:
             if getattr(args, k):
                 argv += [f"--{k}", str(getattr(args, k))]
         r = child_result(argv, dict(os.environ), {"run": run})
-        results.append(r)
         line = {k: r.get(k) for k in ("run", "step_ms", "peak_gib", "build_s", "error")}
         if "plan" in r:
             p = r["plan"]
@@ -133,10 +142,7 @@ def main() -> int:
                         pred_peak=round(p["predicted_peak_gib"], 3),
                         pred_step=round(p["predicted_step_ms"], 1),
                         bound=round(p["lower_bound_ms"], 1))
-        print(json.dumps(line), flush=True)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=1)
+        record(results, r, args.json, line)
     return 0
 
 

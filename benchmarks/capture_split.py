@@ -25,7 +25,7 @@ import statistics
 import sys
 import time
 
-from budget_probe import child_result, train
+from budget_probe import child_result, record, train
 
 MiB = 1 << 20
 UNLIMITED = "max_split_size_mb:17592186044415"  # (SIZE_MAX / MiB: the allocator's default)
@@ -99,12 +99,7 @@ def main() -> int:
         argv = [sys.executable, __file__, "--preset", args.preset, "--steps", str(args.steps), "--run", run]
         argv += [a for k in ("hidden", "ffn", "seq") if getattr(args, k)
                  for a in (f"--{k}", str(getattr(args, k)))]
-        r = child_result(argv, dict(os.environ), {"run": run})
-        results.append(r)
-        print(json.dumps(r), flush=True)
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump(results, f, indent=1)
+        record(results, child_result(argv, dict(os.environ), {"run": run}), args.json)
     return 0
 
 

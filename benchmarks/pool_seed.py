@@ -22,7 +22,7 @@ import statistics
 import sys
 import time
 
-from budget_probe import child_result, train
+from budget_probe import child_result, record, train
 
 MiB = 1 << 20
 
@@ -88,12 +88,7 @@ def main() -> int:
         for run in runs:
             argv = [sys.executable, __file__, "--preset", args.preset, "--steps", str(args.steps),
                     "--run", run]
-            r = child_result(argv, env, {"run": run, "alloc_conf": conf})
-            results.append(r)
-            print(json.dumps(r), flush=True)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=1)
+            record(results, child_result(argv, env, {"run": run, "alloc_conf": conf}), args.json)
     return 0
 
 

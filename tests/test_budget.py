@@ -44,6 +44,22 @@ def brute_force(p: StackProfile, budget: int) -> tuple[float, int]:
     return best
 
 
+def search_ratios(p: StackProfile, brute) -> list[float]:
+    """At the least, a middling and the keep-all budget: the local search's plan fits, the
+    exhaustive one is ``brute``'s best; the local step over the exhaustive one, each."""
+    lo = smallest_peak(p, exhaustive=True)
+    hi = predict_peak_bytes(p, (KEEP,) * len(p.layers), "off")
+    ratios = []
+    for frac in (0.0, 0.5, 1.0):
+        limit = int(lo + frac * (hi - lo))
+        best = plan_budget(p, limit, exhaustive=True)
+        found = plan_budget(p, limit, exhaustive=False)
+        assert found.predicted_peak_bytes <= limit
+        assert best.predicted_step_ms == pytest.approx(brute(p, limit)[0])
+        ratios.append(found.predicted_step_ms / best.predicted_step_ms)
+    return ratios
+
+
 def test_a_plan_fits_its_budget_and_is_the_fastest_that_does():
     p = llama_like(6)
     for budget in (10 * GiB, 12 * GiB, 14 * GiB, 17 * GiB):
@@ -197,16 +213,7 @@ def test_the_local_search_finds_plans_as_fast_as_the_exhaustive_search():
     rng = random.Random(1)
     ratios = []
     for _ in range(30):
-        p = random_profile(rng, rng.randint(2, 5))
-        lo = smallest_peak(p, exhaustive=True)
-        hi = predict_peak_bytes(p, (KEEP,) * len(p.layers), "off")
-        for frac in (0.0, 0.5, 1.0):
-            budget = int(lo + frac * (hi - lo))
-            best = plan_budget(p, budget, exhaustive=True)
-            found = plan_budget(p, budget, exhaustive=False)
-            assert found.predicted_peak_bytes <= budget
-            assert best.predicted_step_ms == pytest.approx(brute_force(p, budget)[0])
-            ratios.append(found.predicted_step_ms / best.predicted_step_ms)
+        ratios += search_ratios(random_profile(rng, rng.randint(2, 5)), brute_force)
     assert max(ratios) <= 1.06
     assert sorted(ratios)[len(ratios) // 2] == pytest.approx(1.0)
 
@@ -455,15 +462,7 @@ def test_the_local_search_with_cheap_recompute_finds_plans_as_fast_as_the_exhaus
                                     cheap_saved_bytes=int(c.saved_bytes * rng.uniform(0.2, 0.8)) if cheap else None,
                                     cheap_recompute_ms=c.forward_ms * rng.uniform(0.05, 0.4) if cheap else None))
         p = StackProfile(tuple(layers), rng.uniform(5, 60), rng.uniform(5, 60), fixed_bytes=GiB)
-        lo = smallest_peak(p, exhaustive=True)
-        hi = predict_peak_bytes(p, (KEEP,) * n, "off")
-        for frac in (0.0, 0.5, 1.0):
-            limit = int(lo + frac * (hi - lo))
-            best = plan_budget(p, limit, exhaustive=True)
-            found = plan_budget(p, limit, exhaustive=False)
-            assert found.predicted_peak_bytes <= limit
-            assert best.predicted_step_ms == pytest.approx(brute_force_all(p, limit)[0])
-            ratios.append(found.predicted_step_ms / best.predicted_step_ms)
+        ratios += search_ratios(p, brute_force_all)
     assert max(ratios) <= 1.06
 
 
