@@ -6,7 +6,8 @@ captured, shrink the graphs' pool? One process per run (cuda only).
 
 A run is ``checkpoint`` (eager, ``torch.utils.checkpoint`` on every layer) or a plan,
 ``least`` (every layer recomputed, its input on the host, remap), ``mixed`` (every layer
-recomputed but 2, 5 and 7, mode off) or ``keep`` (every layer kept, mode off), optionally
+recomputed but 2, 5 and 7, mode off), ``keep`` (every layer kept, mode off) or ``cheap``
+(every layer recomputed cheaply, mode off), optionally
 ``@MiB``: the allocator's ``max_split_size_mb`` set to that while the stack is built (its
 captures allocate), and put back after. Blocks at least that large are then never split
 for a smaller request, and a request of that size or more takes a cached block only
@@ -56,7 +57,8 @@ def child(args: argparse.Namespace) -> dict:
     else:
         kw = {"least": dict(mode="remap", recompute_layers=range(n)),
               "mixed": dict(mode="off", recompute_layers=[i for i in range(n) if i not in (2, 5, 7)]),
-              "keep": dict(mode="off")}[plan]
+              "keep": dict(mode="off"),
+              "cheap": dict(mode="off", recompute_layers=range(n), recompute_ops="cheap")}[plan]
         if split:
             torch._C._accelerator_setAllocatorSettings(f"max_split_size_mb:{int(split)}")
         try:
