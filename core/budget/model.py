@@ -84,6 +84,11 @@ def predict_peak_bytes(profile: StackProfile, choices: Sequence[str], mode: str 
     """The step's peak device memory under ``choices`` (see the module docstring)."""
     _check(profile, choices)
     slots = slot_bytes(profile, choices, mode)
+    return _peak(profile, choices, mode, slots, _classes(profile, slots))
+
+
+def _peak(profile: StackProfile, choices: Sequence[str], mode: str, slots: Sequence[int],
+          classes: dict[int, list[int]]) -> int:
     # The graphs' pool, as the backward graphs are captured (last layer first): at layer
     # i's, what the forwards of layers up to i keep is still live, that of the layers above
     # is free again (their backward graphs, replayed before, are done with it) and holds
@@ -109,7 +114,7 @@ def predict_peak_bytes(profile: StackProfile, choices: Sequence[str], mode: str 
         pool = max(pool, forward, backward)
         grads_above -= 0 if homes else c.grad_bytes
     return (profile.fixed_bytes + pool + (grads if homes else 0)
-            + banks_bytes(profile, choices, mode) + _boundaries_held(profile, slots))
+            + banks_for(choices, mode) * sum(classes) + _boundaries_held(profile, slots))
 
 
 def _has_homes(profile: StackProfile, choices: Sequence[str], mode: str) -> bool:
@@ -129,7 +134,7 @@ def gradient_homes(kept_bytes: int, grad_bytes: int) -> bool:
 
 
 def _copied(profile: StackProfile, choices: Sequence[str], mode: str
-            ) -> tuple[list[int], dict[int, list[int]], set[int], set[int]]:
+            ) -> tuple[list[int], dict[int, list[int]], set[int], set[int]]:  # (Copied)
     """Each layer's slot bytes, the offloading layers by size class, the layer whose bytes
     never go out (the newest forward stays in its bank) and those that need no copy back
     (nothing wrote their bank again before their backward)."""
@@ -146,7 +151,14 @@ def lower_bound_ms(profile: StackProfile, choices: Sequence[str], mode: str = "r
     """``max(T_f, V_out/β_d2h) + max(T_b + T_r, V_in/β_h2d)``: compute and copies each way
     overlapping perfectly, with ``V`` the bytes the plan copies out and back."""
     _check(profile, choices)
-    slots, _, held, in_place = _copied(profile, choices, mode)
+    return _bound(profile, choices, _copied(profile, choices, mode))
+
+
+Copied = tuple[list[int], dict[int, list[int]], set[int], set[int]]
+
+
+def _bound(profile: StackProfile, choices: Sequence[str], copied: Copied) -> float:
+    slots, _, held, in_place = copied
     out = sum(n for i, n in enumerate(slots) if i not in held)
     back = sum(n for i, n in enumerate(slots) if i not in in_place)
     t_r = sum(c.recompute_for(ch) for c, ch in zip(profile.layers, choices))
@@ -169,9 +181,25 @@ def predict_step_ms(profile: StackProfile, choices: Sequence[str], mode: str = "
     """The forward and backward time under ``choices``, played out layer by layer (see the
     module docstring); never below :func:`lower_bound_ms`."""
     _check(profile, choices)
+    copied = _copied(profile, choices, mode)
+    return max(_step(profile, choices, mode, copied), _bound(profile, choices, copied))
+
+
+def score(profile: StackProfile, choices: Sequence[str], mode: str) -> tuple[float, float, int]:
+    """:func:`predict_step_ms`, :func:`lower_bound_ms` and :func:`predict_peak_bytes` at
+    once (what the search asks of every plan), sharing the work they have in common."""
+    _check(profile, choices)
+    copied = _copied(profile, choices, mode)
+    bound = _bound(profile, choices, copied)
+    return (max(_step(profile, choices, mode, copied), bound), bound,
+            _peak(profile, choices, mode, copied[0], copied[1]))
+
+
+def _step(profile: StackProfile, choices: Sequence[str], mode: str, copied: Copied) -> float:
+    """:func:`predict_step_ms` before the bound is applied."""
     layers = profile.layers
     nbanks = max(1, banks_for(choices, mode))
-    slots, classes, held, in_place = _copied(profile, choices, mode)
+    slots, classes, held, in_place = copied
     d2h = profile.d2h_gbps * 1e6  # bytes per ms
     h2d = profile.h2d_gbps * 1e6
     # Within a size class the banks alternate in backward order (its last layer: bank 0);
@@ -234,4 +262,4 @@ def predict_step_ms(profile: StackProfile, choices: Sequence[str], mode: str = "
         bwd_end[i] = t
         if i in bank:
             above = i
-    return max(t, lower_bound_ms(profile, choices, mode))
+    return t

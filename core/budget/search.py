@@ -14,8 +14,7 @@ from ..sizes import format_bytes
 from .costs import (_ALL_CHOICES, AUTO_SLACK, CHOICES, EXHAUSTIVE_LAYERS, FIT_BUILDS, KEEP, MODES,
                     OFFLOAD, RECOMPUTE, RECOMPUTE_CHEAP, SEARCH_STARTS, BudgetPlan, StackProfile,
                     parse_budget, short)
-from .model import (_has_homes, _public, lower_bound_ms, predict_peak_bytes, predict_step_ms,
-                    slot_bytes)
+from .model import _has_homes, _public, score, slot_bytes
 
 
 @dataclass(frozen=True)
@@ -45,9 +44,7 @@ def _modes(choices: Sequence[str]) -> tuple[str, ...]:
 @functools.lru_cache(maxsize=1 << 16)
 def _scored_all(profile: StackProfile, choices: tuple[str, ...]) -> tuple[_Scored, ...]:
     # (cached: the searches score the same plans over and over)
-    return tuple(_Scored(choices, m, predict_step_ms(profile, choices, m),
-                    lower_bound_ms(profile, choices, m), predict_peak_bytes(profile, choices, m))
-                 for m in _modes(choices))
+    return tuple(_Scored(choices, m, *score(profile, choices, m)) for m in _modes(choices))
 
 
 Objective = Callable[[_Scored], tuple]
