@@ -21,7 +21,6 @@ from .backend import Backend
 from .budget import LayerCost
 from .errors import UsageError
 from .memory import run_counting_saved
-from .recompute import available as cheap_available
 from .recompute import cheap_recompute_contexts, noting_expensive_outputs
 
 __all__ = ["copy_bandwidth", "profile_units", "held_bytes"]
@@ -102,7 +101,6 @@ def profile_units(b: Backend, units: Sequence[torch.nn.Module], sample: torch.Te
         with noting_expensive_outputs(note):
             y, saved = run_counting_saved(lambda: m(x), x.device.type, [m])
         cheap_bytes = sum(kept.values())
-        del kept
         if not isinstance(y, torch.Tensor):
             raise UsageError(f"layer {k} returned {type(y).__name__}; graphed layers must "
                              "return one tensor")
@@ -132,7 +130,7 @@ def profile_units(b: Backend, units: Sequence[torch.nn.Module], sample: torch.Te
         if not sees_peak:
             work = 2 * out.numel() * out.element_size()  # an output's gradient and a temporary
         cheap_ms: float | None = None
-        if cheap_available() and 0 < cheap_bytes < saved and inputs:
+        if 0 < cheap_bytes < saved and inputs:
             # Recomputed cheaply, forward and backward take this much more than plainly.
             both = []
             for _ in range(iters):
@@ -140,8 +138,8 @@ def profile_units(b: Backend, units: Sequence[torch.nn.Module], sample: torch.Te
                 with b.timed() as tc:
                     y = torch.utils.checkpoint.checkpoint(
                         m, x, use_reentrant=False, context_fn=cheap_recompute_contexts())
-                    grads = torch.autograd.grad(y, inputs, torch.ones_like(y), allow_unused=True)
-                    del grads, y
+                    torch.autograd.grad(y, inputs, torch.ones_like(y), allow_unused=True)
+                    del y
                 both.append(tc["device_ms"])
             cheap_ms = min(max(0.0, min(both) - min(fwd_ms) - min(bwd_ms)), min(fwd_ms))
         own = [p for p in params if id(p) not in seen]

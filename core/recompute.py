@@ -16,11 +16,11 @@ Device neutral: the ops are aten's, whatever the device.
 from __future__ import annotations
 
 import contextlib
-import functools
 from typing import Any, Callable, Iterator
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 __all__ = ["EXPENSIVE_OPS", "is_expensive", "cheap_recompute_contexts", "noting_expensive_outputs"]
 
@@ -70,8 +70,7 @@ def noting_expensive_outputs(note: Callable[[torch.Tensor], None]) -> Iterator[N
         yield
 
 
-def _policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
-    from torch.utils.checkpoint import CheckpointPolicy
+def _policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
     return CheckpointPolicy.MUST_SAVE if is_expensive(op) else CheckpointPolicy.PREFER_RECOMPUTE
 
 
@@ -84,8 +83,6 @@ def cheap_recompute_contexts(note: Callable[[torch.Tensor], None] | None = None
         note: called with each output kept (what the layer holds until its backward),
             as the forward makes it.
     """
-    from torch.utils.checkpoint import create_selective_checkpoint_contexts
-
     def contexts() -> tuple[Any, Any]:
         forward, recompute = create_selective_checkpoint_contexts(_policy)
         if note is None:
@@ -99,13 +96,3 @@ def cheap_recompute_contexts(note: Callable[[torch.Tensor], None] | None = None
 def _both(forward: Any, note: Callable[[torch.Tensor], None]) -> Iterator[None]:
     with forward, noting_expensive_outputs(note):
         yield
-
-
-@functools.lru_cache(maxsize=None)
-def available() -> bool:
-    """Whether this torch has selective checkpointing (2.4 and later)."""
-    try:
-        from torch.utils.checkpoint import create_selective_checkpoint_contexts  # noqa: F401
-    except ImportError:
-        return False
-    return True

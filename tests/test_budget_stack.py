@@ -9,7 +9,6 @@ import pytest
 import torch
 
 from graphslot import budget as gb
-from graphslot import recompute as gr
 from graphslot.backend import align_up
 from graphslot.adapters import torch as gt
 from graphslot.errors import UsageError
@@ -52,8 +51,6 @@ def test_a_mixed_plan_trains_as_eager_bitwise(clean, mode):
 @pytest.mark.parametrize("per_graph", [1, None], ids=["graph-per-layer", "joined"])
 def test_recomputed_layers_train_as_eager_with_microbatches_in_flight(clean, per_graph, ops):
     b = clean
-    if ops == "cheap" and not gr.available():
-        pytest.skip("torch without selective checkpointing")
     base = small_gpt(b, 4)
     eager, model = copy.deepcopy(base), copy.deepcopy(base)
     with graphed(model, b, "off", recompute_layers=[0, 1, 3], recompute_ops=ops,

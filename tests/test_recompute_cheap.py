@@ -17,8 +17,6 @@ from stacks import graphed, small_gpt
 from test_graphed_grads import assert_bitwise, run
 from test_recompute_rng import DropScale
 
-pytestmark = pytest.mark.skipif(not gr.available(), reason="torch without selective checkpointing")
-
 
 def test_the_expensive_ops_are_matrix_products_attention_and_convolution():
     aten = torch.ops.aten

@@ -66,7 +66,7 @@ import threading
 import warnings
 import weakref
 from dataclasses import replace
-from typing import Any, Callable, Iterable, Sequence, TypeVar
+from typing import Any, Callable, Iterable, Sequence
 
 import torch
 from torch import nn
@@ -78,7 +78,6 @@ from graphslot.errors import StateError, UsageError
 from graphslot.memory import release_unused, saved_bytes_per_layer
 from graphslot.offload import SECTION_BYTES, Mode, OffloadEngine
 from graphslot.profile import copy_bandwidth, held_bytes, profile_units
-from graphslot.recompute import available as recompute_available
 from graphslot.selection import get_backend
 
 from .grads import _ParamGrad, _shares_storage
@@ -86,8 +85,6 @@ from .plan import _check_layers, _check_main_grads, _check_sample, _layer_set, _
 from .runner import _LayerFunction, _Runner
 
 __all__ = ["GraphedLayers"]
-
-T = TypeVar("T")
 
 
 class GraphedLayers(nn.Module):
@@ -165,10 +162,6 @@ class GraphedLayers(nn.Module):
     (``with GraphedLayers(...) as stack:``) it closes on exit.
     """
 
-    #: bytes the graphs' pool is seeded with before the captures (0: not seeded); see
-    #: :meth:`_seed_pool`
-    _pool_seed_bytes = 0
-
     def __init__(self, layers: Sequence[nn.Module], sample_input: torch.Tensor, *,
                  mode: Mode | str | None = None, min_offload_bytes: int = 0,
                  section_bytes: int = SECTION_BYTES,
@@ -205,9 +198,6 @@ class GraphedLayers(nn.Module):
         if cheap & offload:
             raise UsageError(f"layers {sorted(cheap & offload)} are recomputed cheaply, which "
                              "keeps their input on the device, and in offload_layers too")
-        if cheap and not recompute_available():
-            raise UsageError("recompute_ops='cheap' needs torch's selective checkpointing "
-                             "(torch 2.4 or later)")
         if layers_per_graph is not None and (isinstance(layers_per_graph, bool)
                                              or not isinstance(layers_per_graph, int)
                                              or layers_per_graph < 1):
@@ -392,8 +382,6 @@ class GraphedLayers(nn.Module):
 
     def _build(self, sample: torch.Tensor) -> None:
         runners = self._runners
-        if self._pool_seed_bytes:
-            self._seed_pool(self._pool_seed_bytes)
         # The first layer reads the stack's input from a buffer of its own. When that layer
         # offloads what it saves (a saved input goes to its slot), the buffer is read by
         # its forward graph alone: it comes from the graphs' pool and goes back to it once
@@ -444,28 +432,14 @@ class GraphedLayers(nn.Module):
         if self._input_grad is not None:
             self._input_grad.count_own_refs()
 
-    def _seed_pool(self, nbytes: int) -> bool:
-        """Before the captures: the graphs' pool holds one free block of ``nbytes`` that
-        their allocations split (see :meth:`DeviceGraph.seed_pool`); the pool's first
-        owner is an empty graph then."""
-        if self._pool_owner is None:
-            self._captured_alone(lambda: None)
-        assert self._pool_owner is not None
-        return self._pool_owner.seed_pool(nbytes, self._warmup_stream)
-
-    def _captured_alone(self, allocate: Callable[[], T]) -> T:
-        """What ``allocate`` returns, allocated in the graphs' shared pool: captured into a
-        graph of its own that runs nothing (the pool's first owner, when it is the first)."""
+    def _pool_buffer(self, like: torch.Tensor) -> torch.Tensor:
+        """A copy of ``like`` in memory of the graphs' shared pool (an allocation captured
+        into an otherwise empty graph, which stays the pool's first owner)."""
         g = self._new_graph()
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # torch warns that the captured graph is empty
             with g.capture(self._warmup_stream):
-                return allocate()
-
-    def _pool_buffer(self, like: torch.Tensor) -> torch.Tensor:
-        """A copy of ``like`` in memory of the graphs' shared pool (an allocation captured
-        into an otherwise empty graph, which stays the pool's first owner)."""
-        buf = self._captured_alone(lambda: torch.empty_like(like))
+                buf = torch.empty_like(like)
         with torch.no_grad():
             buf.copy_(like.detach())
         return buf

@@ -248,27 +248,6 @@ class CudaGraph(DeviceGraph):
     def replay(self) -> None:
         self.graph.replay()
 
-    def seed_pool(self, nbytes: int, stream: Any = None) -> bool:
-        # Allocating into a private pool outside capture has no public torch call; the
-        # three below are what torch.cuda.use_mem_pool runs. The pool must exist and be
-        # in use (a captured graph holds it), else the release would let it go.
-        begin = getattr(torch._C, "_cuda_beginAllocateCurrentThreadToPool", None)
-        end = getattr(torch._C, "_cuda_endAllocateToPool", None)
-        release = getattr(torch._C, "_cuda_releasePool", None)
-        if nbytes <= 0 or self.pool is None or begin is None or end is None or release is None:
-            return False
-        index = self._backend.device.index
-        index = torch.cuda.current_device() if index is None else index
-        with torch.cuda.stream(stream if stream is not None else torch.cuda.current_stream()):
-            begin(index, self.pool)
-            try:
-                block = torch.empty(nbytes, dtype=torch.uint8, device=self._backend.device)
-            finally:
-                end(index, self.pool)
-                release(index, self.pool)
-            del block  # (its segment stays in the pool, free)
-        return True
-
     @property
     def pool_bytes(self) -> int:
         pool = tuple(self.pool) if self.pool is not None else None

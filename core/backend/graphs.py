@@ -56,14 +56,6 @@ class DeviceGraph(abc.ABC):
         """Bytes reserved by this graph's private memory pool (shared pools count fully)."""
         return None
 
-    def seed_pool(self, nbytes: int, stream: Any = None) -> bool:
-        """Outside capture, after this graph's own: make its pool hold one free block of
-        ``nbytes`` for captures on ``stream`` that share the pool to split, instead of
-        each capture's large requests reserving segments of their own sizes, which later
-        requests of other sizes cannot reuse. True where the backend did it; the default
-        does nothing."""
-        return False
-
 
 class RngStream(abc.ABC):
     """A random stream of graphs' own, which two graphs can draw the same numbers from.

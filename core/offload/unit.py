@@ -173,10 +173,8 @@ class OffloadUnit:
             kept: dict[int, tuple[int, int]] = {}  # storage pointer -> (pointer, bytes)
 
             def note(t: torch.Tensor) -> torch.Tensor:
-                # What the backward graph will read from the graph's own memory.
                 if not leave(t):
-                    s = t.untyped_storage()
-                    kept.setdefault(s.data_ptr(), (s.data_ptr(), s.nbytes()))
+                    self.keep_also(t)  # what the backward graph will read from the graph's memory
                 return t.detach()  # the same memory, no grad_fn: no cycle (see recording_saved_tensors)
 
             self._keeping = kept
