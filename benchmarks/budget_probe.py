@@ -20,8 +20,10 @@ import statistics
 import subprocess
 import sys
 import time
+from typing import Any
 
 GiB = 1 << 30
+SHAPE = ("layers", "seq")  # (the preset's fields this script's options override)
 
 
 def train(b, stack, opt, x, gy, steps: int) -> tuple[list[float], int | None]:
@@ -61,6 +63,36 @@ def child_result(argv: list[str], env: dict[str, str], label: dict) -> dict:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
+def probe_args(ap: argparse.ArgumentParser, steps: int, shape: tuple[str, ...]) -> argparse.Namespace:
+    """Add what every probe script takes (``--steps``, an integer override for each field
+    of the preset's shape in ``shape``, ``--json``, and its children's ``--run``), then parse."""
+    ap.add_argument("--steps", type=int, default=steps)
+    for k in shape:
+        ap.add_argument(f"--{k}", type=int, default=None)
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--run", default=None, help=argparse.SUPPRESS)
+    return ap.parse_args()
+
+
+def child_argv(script: str, args: argparse.Namespace, shape: tuple[str, ...], run: str) -> list[str]:
+    """The command line of ``script``'s child for ``run``, with the parent's preset, steps
+    and shape overrides."""
+    argv = [sys.executable, script, "--preset", args.preset, "--steps", str(args.steps), "--run", run]
+    return argv + [a for k in shape if getattr(args, k) for a in (f"--{k}", str(getattr(args, k)))]
+
+
+def probe_shape(args: argparse.Namespace, shape: tuple[str, ...]) -> Any:
+    """The preset's :class:`~graphslot.cli.bench_models.BenchShape`, with the fields in
+    ``shape`` the command line overrides."""
+    from graphslot.cli.bench_models import BenchShape
+
+    s = BenchShape.preset(args.preset)
+    for k in shape:
+        if getattr(args, k):
+            setattr(s, k, getattr(args, k))
+    return s
+
+
 def record(results: list[dict], r: dict, path: str | None, line: dict | None = None) -> None:
     """Keep a child's result: append it, print ``line`` (default: the result) as JSON and
     write every result so far to ``path`` (so a run cut short keeps what it had)."""
@@ -76,14 +108,10 @@ def child(args: argparse.Namespace) -> dict:
 
     from graphslot import get_backend
     from graphslot.adapters.torch import GraphedLayers
-    from graphslot.cli.bench_models import BenchShape, training_data
+    from graphslot.cli.bench_models import training_data
 
     b = get_backend()
-    shape = BenchShape.preset(args.preset)
-    for k in ("layers", "seq"):
-        if getattr(args, k):
-            setattr(shape, k, getattr(args, k))
-    layers, x, gy = training_data(shape, b.device)
+    layers, x, gy = training_data(probe_shape(args, SHAPE), b.device)
     params = [p for m in layers for p in m.parameters()]
     opt = torch.optim.SGD(params, lr=1e-6)
     kw: dict = {}
@@ -116,23 +144,13 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--preset", default="llama")
     ap.add_argument("--budgets", default="auto")
-    ap.add_argument("--layers", type=int, default=None)
-    ap.add_argument("--seq", type=int, default=None)
-    ap.add_argument("--steps", type=int, default=5)
-    ap.add_argument("--json", default=None)
-    ap.add_argument("--run", default=None, help=argparse.SUPPRESS)
-    args = ap.parse_args()
+    args = probe_args(ap, 5, SHAPE)
     if args.run:
         print(json.dumps(child(args)))
         return 0
     results = []
     for run in ["keep", "recompute", *args.budgets.split(",")]:
-        argv = [sys.executable, __file__, "--preset", args.preset, "--steps", str(args.steps),
-                "--run", run]
-        for k in ("layers", "seq"):
-            if getattr(args, k):
-                argv += [f"--{k}", str(getattr(args, k))]
-        r = child_result(argv, dict(os.environ), {"run": run})
+        r = child_result(child_argv(__file__, args, SHAPE, run), dict(os.environ), {"run": run})
         line = {k: r.get(k) for k in ("run", "step_ms", "peak_gib", "build_s", "error")}
         if "plan" in r:
             p = r["plan"]

@@ -26,9 +26,10 @@ import statistics
 import sys
 import time
 
-from budget_probe import child_result, record, train
+from budget_probe import child_argv, child_result, probe_args, probe_shape, record, train
 
 MiB = 1 << 20
+SHAPE = ("hidden", "ffn", "seq")  # (smaller shapes for a quick look)
 UNLIMITED = "max_split_size_mb:17592186044415"  # (SIZE_MAX / MiB: the allocator's default)
 
 
@@ -38,14 +39,10 @@ def child(args: argparse.Namespace) -> dict:
 
     from graphslot import get_backend
     from graphslot.adapters.torch import GraphedLayers
-    from graphslot.cli.bench_models import BenchShape, CheckpointedLayer, training_data
+    from graphslot.cli.bench_models import CheckpointedLayer, training_data
 
     b = get_backend()
-    shape = BenchShape.preset(args.preset)
-    for k in ("hidden", "ffn", "seq"):  # (smaller shapes for a quick look)
-        if getattr(args, k):
-            setattr(shape, k, getattr(args, k))
-    layers, x, gy = training_data(shape, b.device)
+    layers, x, gy = training_data(probe_shape(args, SHAPE), b.device)
     n = len(layers)
     params = [p for m in layers for p in m.parameters()]
     opt = torch.optim.SGD(params, lr=1e-6)
@@ -86,22 +83,14 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--preset", default="llama")
     ap.add_argument("--runs", default="checkpoint,least,least@32,least@72,least@240,mixed,mixed@32,mixed@72")
-    ap.add_argument("--steps", type=int, default=3)
-    ap.add_argument("--hidden", type=int, default=None)
-    ap.add_argument("--ffn", type=int, default=None)
-    ap.add_argument("--seq", type=int, default=None)
-    ap.add_argument("--json", default=None)
-    ap.add_argument("--run", default=None, help=argparse.SUPPRESS)
-    args = ap.parse_args()
+    args = probe_args(ap, 3, SHAPE)
     if args.run:
         print(json.dumps(child(args)))
         return 0
     results = []
     for run in args.runs.split(","):
-        argv = [sys.executable, __file__, "--preset", args.preset, "--steps", str(args.steps), "--run", run]
-        argv += [a for k in ("hidden", "ffn", "seq") if getattr(args, k)
-                 for a in (f"--{k}", str(getattr(args, k)))]
-        record(results, child_result(argv, dict(os.environ), {"run": run}), args.json)
+        record(results, child_result(child_argv(__file__, args, SHAPE, run), dict(os.environ),
+                                     {"run": run}), args.json)
     return 0
 
 
