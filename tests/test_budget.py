@@ -366,7 +366,7 @@ def test_before_refusing_the_least_plan_that_stores_gradients_the_other_way_is_b
     layer = LayerCost(8.25, 16.5, int(1.5 * GiB), recompute_ms=6.25, work_bytes=400 * MiB,
                       input_bytes=64 * MiB, grad_bytes=416 * MiB)
     p = StackProfile((layer,) * 8, 55.0, 55.0, fixed_bytes=7 * GiB)
-    homes = budget._has_homes
+    homes = budget.model._has_homes
     least = plan_budget(p, smallest_peak(p))
     assert homes(p, least.choices, least.mode)
     pool_least = min(predict_peak_bytes(p, ch, m)

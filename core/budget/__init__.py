@@ -37,7 +37,7 @@ from __future__ import annotations
 from .costs import (AUTO_SLACK, CHOICES, EXHAUSTIVE_LAYERS, FIT_BUILDS, KEEP, MODES, OFFLOAD,
                     RECOMPUTE, RECOMPUTE_CHEAP, SEARCH_STARTS, BudgetPlan, LayerCost,
                     StackProfile, parse_budget)
-from .model import (_has_homes, banks_bytes, banks_for, bound_ms, gradient_homes, lower_bound_ms,
+from .model import (banks_bytes, banks_for, bound_ms, gradient_homes, lower_bound_ms,
                     predict_peak_bytes, predict_step_ms, slot_bytes)
 from .search import fit_budget, plan_budget, smallest_peak
 
