@@ -235,6 +235,14 @@ class BudgetPlan:
                 f"{self.reason}")
 
 
+def reported(choices: Sequence[str]) -> tuple[tuple[str, ...], tuple[str | None, ...]]:
+    """``choices`` as a plan reports them (the inverse of :attr:`BudgetPlan.detailed`): (choices, recompute_ops)."""
+    ops = tuple("cheap" if c == RECOMPUTE_CHEAP else "all" if c == RECOMPUTE else None
+                for c in choices)
+    return (tuple(RECOMPUTE if c == RECOMPUTE_CHEAP else c for c in choices),
+            ops if any(o == "cheap" for o in ops) else ())
+
+
 def short(choices: Sequence[str]) -> str:
     return "".join({KEEP: "K", OFFLOAD: "O", RECOMPUTE: "R", RECOMPUTE_CHEAP: "C"}[c]
                    for c in choices)

@@ -25,14 +25,6 @@ def _check(profile: StackProfile, choices: Sequence[str]) -> None:
                          "cheap_recompute_ms in their profile")
 
 
-def _public(choices: Sequence[str]) -> tuple[tuple[str, ...], tuple[str | None, ...]]:
-    """``choices`` as a plan reports them: (choices, recompute_ops)."""
-    ops = tuple("cheap" if c == RECOMPUTE_CHEAP else "all" if c == RECOMPUTE else None
-                for c in choices)
-    return (tuple(RECOMPUTE if c == RECOMPUTE_CHEAP else c for c in choices),
-            ops if any(o == "cheap" for o in ops) else ())
-
-
 def banks_for(choices: Sequence[str], mode: str) -> int:
     """Staging banks per size class of slots: two in resident, one in remap, none off."""
     if mode == "off" or not any(c in (OFFLOAD, RECOMPUTE) for c in choices):

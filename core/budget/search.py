@@ -13,8 +13,8 @@ from ..errors import UsageError
 from ..sizes import format_bytes
 from .costs import (_ALL_CHOICES, AUTO_SLACK, CHOICES, EXHAUSTIVE_LAYERS, FIT_BUILDS, KEEP, MODES,
                     OFFLOAD, RECOMPUTE, RECOMPUTE_CHEAP, SEARCH_STARTS, BudgetPlan, StackProfile,
-                    parse_budget, short)
-from .model import _has_homes, _public, score, slot_bytes
+                    parse_budget, reported, short)
+from .model import _has_homes, score, slot_bytes
 
 
 @dataclass(frozen=True)
@@ -318,7 +318,7 @@ def _plan(profile: StackProfile, s: _Scored, budget: int | None, reason: str,
     # that fit the chosen plan's peak).
     fit = budget if budget is not None else s.peak
     bound = _search(profile, _fastest_within(fit, bound=True), exhaustive, modes).bound
-    choices, ops = _public(s.choices)
+    choices, ops = reported(s.choices)
     return BudgetPlan(
         choices=choices, recompute_ops=ops, mode=s.mode, budget_bytes=budget, predicted_peak_bytes=s.peak,
         predicted_step_ms=s.step, lower_bound_ms=min(bound, s.bound),
