@@ -236,7 +236,8 @@ class BudgetPlan:
 
 
 def reported(choices: Sequence[str]) -> tuple[tuple[str, ...], tuple[str | None, ...]]:
-    """``choices`` as a plan reports them (the inverse of :attr:`BudgetPlan.detailed`): (choices, recompute_ops)."""
+    """``choices`` as a plan reports them, ``(choices, recompute_ops)``: the inverse of
+    :attr:`BudgetPlan.detailed`."""
     ops = tuple("cheap" if c == RECOMPUTE_CHEAP else "all" if c == RECOMPUTE else None
                 for c in choices)
     return (tuple(RECOMPUTE if c == RECOMPUTE_CHEAP else c for c in choices),
