@@ -1,7 +1,9 @@
 """Measuring what a layer stack costs, for the budget planner (:mod:`graphslot.budget`).
 
 :func:`profile_units` runs each unit (a layer, or a run of joined layers) eagerly on the
-device: its forward and backward time from device events, what its forward saves for
+device: its forward and backward time from device events (where the backend can keep the
+device busy while the host queues the work, the device's time alone, as a graph of it
+runs), what its forward saves for
 backward, the working memory its backward needs beyond that, what recomputing it cheaply
 keeps and costs (:mod:`graphslot.recompute`), and the copy bandwidth to and from pinned
 host memory. It costs a couple of eager steps of the stack, one unit's
@@ -68,6 +70,30 @@ def held_bytes(b: Backend) -> int | None:
     return None if reserved is None else reserved + b.ledger.mapped_bytes
 
 
+class _Ahead:
+    """How long :meth:`Backend.timed <graphslot.backend.Backend.timed>` keeps the device
+    busy before each kind of timed region (``ahead_ms``), so the host queues all of it
+    first: twice the host time it took before plus a ms, doubled while the device still
+    started early. Zero where the backend cannot."""
+
+    LIMIT_MS = 2000.0
+
+    def __init__(self, b: Backend, first_ms: float) -> None:
+        self.on = b.capabilities.spin
+        self.first_ms = min(first_ms, self.LIMIT_MS)
+        self.ms: dict[str, float] = {}
+
+    def __call__(self, kind: str) -> float:
+        return self.ms.get(kind, self.first_ms) if self.on else 0.0
+
+    def saw(self, kind: str, t: dict[str, float]) -> None:
+        if self.on:
+            need = 2 * t["host_ms"] + 1
+            if not t["device_alone"]:
+                need = max(need, 2 * self(kind))
+            self.ms[kind] = min(need, self.LIMIT_MS)
+
+
 def profile_units(b: Backend, units: Sequence[torch.nn.Module], sample: torch.Tensor, *,
                   iters: int = 2) -> list[LayerCost]:
     """Each unit's :class:`~graphslot.budget.LayerCost`, measured eagerly on ``b``'s device.
@@ -76,7 +102,9 @@ def profile_units(b: Backend, units: Sequence[torch.nn.Module], sample: torch.Te
         b: the backend.
         units: modules applied in order, each one tensor to one tensor.
         sample: the stack's input (shape, dtype and device as at run time).
-        iters: timed repetitions per unit after one warm-up (the least is taken).
+        iters: timed repetitions per unit after one warm-up (the least is taken; one
+            more where the backend times the device alone, the first finding how long
+            the host takes).
 
     Raises:
         UsageError: a unit does not return one tensor.
@@ -98,8 +126,12 @@ def profile_units(b: Backend, units: Sequence[torch.nn.Module], sample: torch.Te
                 s = t.untyped_storage()
                 kept[s.data_ptr()] = s.nbytes()
 
+        t0 = time.perf_counter()
         with noting_expensive_outputs(note):
             y, saved = run_counting_saved(lambda: m(x), x.device.type, [m])
+        # (the host's time for a forward, counting hooks and all: enough to start with)
+        ahead = _Ahead(b, 4 * (time.perf_counter() - t0) * 1e3 + 2)
+        reps = iters + 1 if ahead.on else iters
         cheap_bytes = sum(kept.values())
         if not isinstance(y, torch.Tensor):
             raise UsageError(f"layer {k} returned {type(y).__name__}; graphed layers must "
@@ -107,17 +139,19 @@ def profile_units(b: Backend, units: Sequence[torch.nn.Module], sample: torch.Te
         del y
         fwd_ms, bwd_ms = [], []
         work = 0
-        for _ in range(iters):
+        for _ in range(reps):
             b.synchronize()
             b.allocator_stats(reset_peak=True)
-            with b.timed() as tf:
+            with b.timed(ahead_ms=ahead("forward")) as tf:
                 y = m(x)
             gy = torch.ones_like(y)
             after_fwd = b.allocator_stats()["allocated_bytes"]
-            with b.timed() as tb:
+            with b.timed(ahead_ms=ahead("backward")) as tb:
                 if inputs and y.requires_grad:
                     grads = torch.autograd.grad(y, inputs, gy, allow_unused=True)
                     del grads
+            ahead.saw("forward", tf)
+            ahead.saw("backward", tb)
             fwd_ms.append(tf["device_ms"])
             bwd_ms.append(tb["device_ms"])
             peak = b.allocator_stats()["peak_allocated_bytes"]
@@ -133,13 +167,14 @@ def profile_units(b: Backend, units: Sequence[torch.nn.Module], sample: torch.Te
         if 0 < cheap_bytes < saved and inputs:
             # Recomputed cheaply, forward and backward take this much more than plainly.
             both = []
-            for _ in range(iters):
+            for _ in range(reps):
                 b.synchronize()
-                with b.timed() as tc:
+                with b.timed(ahead_ms=ahead("cheap")) as tc:
                     y = torch.utils.checkpoint.checkpoint(
                         m, x, use_reentrant=False, context_fn=cheap_recompute_contexts())
                     torch.autograd.grad(y, inputs, torch.ones_like(y), allow_unused=True)
                     del y
+                ahead.saw("cheap", tc)
                 both.append(tc["device_ms"])
             cheap_ms = min(max(0.0, min(both) - min(fwd_ms) - min(bwd_ms)), min(fwd_ms))
         own = [p for p in params if id(p) not in seen]

@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
+import time
+
+import pytest
 import torch
 from torch import nn
 
+from graphslot.errors import UsageError
 from graphslot.profile import copy_bandwidth, profile_units
 
 
@@ -30,3 +35,84 @@ def test_each_unit_costs_its_time_saved_bytes_and_gradients(clean):
         assert k.input_bytes == x.numel() * 4
         # a linear saves its input; a ReLU its output: at least one activation each
         assert k.saved_bytes >= x.numel() * 4
+
+
+def test_timed_says_whether_the_device_ran_the_block_alone(clean):
+    b = clean
+    x = torch.zeros(4, device=b.device)
+    with b.timed() as t:
+        x.add_(1)
+    assert t["device_alone"] == 0.0  # nothing kept the device busy: host gaps may count
+    assert t["host_ms"] >= 0 and t["device_ms"] >= 0
+    with pytest.raises(UsageError, match="ahead_ms"):
+        with b.timed(ahead_ms=-1):
+            pass
+
+
+def test_a_block_queued_behind_a_spin_is_timed_without_the_hosts_gaps(clean):
+    """Where the backend can keep the device busy (Capabilities.spin), a block whose host
+    side is slow (it sleeps between its kernels) times as the device's work alone."""
+    b = clean
+    if not b.capabilities.spin:
+        pytest.skip(f"{b.name} cannot keep its device busy")
+    x = torch.zeros(1 << 10, device=b.device)
+
+    def slow_host() -> None:
+        for _ in range(40):
+            time.sleep(0.002)
+            x.add_(1)
+
+    with b.timed() as plain:
+        slow_host()
+    with b.timed(ahead_ms=2 * plain["host_ms"] + 10) as alone:
+        slow_host()
+    assert plain["host_ms"] >= 80 and plain["device_ms"] >= 60, plain
+    assert alone["device_alone"] == 1.0, alone
+    assert alone["device_ms"] < 10, alone
+    assert torch.equal(x, torch.full_like(x, 80))
+
+
+class _HostHeavy(nn.Module):
+    """A layer whose host side sleeps between its kernels: eager, the device waits."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(64, 64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for _ in range(10):
+            time.sleep(0.002)
+            x = torch.tanh(x)
+        return self.lin(x)
+
+
+def test_the_profile_times_what_the_device_runs_not_the_hosts_gaps(clean):
+    b = clean
+    if not b.capabilities.spin:
+        pytest.skip(f"{b.name} cannot keep its device busy")
+    torch.manual_seed(0)
+    x = torch.randn(16, 64, device=b.device, requires_grad=True)
+    (cost,) = profile_units(b, [_HostHeavy().to(b.device)], x)
+    # Eager, the forward takes the host's 20 ms of sleep; its kernels take microseconds.
+    assert 0 < cost.forward_ms < 5, cost
+
+
+def test_the_profile_keeps_the_device_busy_longer_until_the_host_queues_ahead(clean, monkeypatch):
+    """On a backend that declares spin, each timed region asks for a longer spin while
+    the device still started before the host finished queuing (here it always does: the
+    cpu's own stream runs work as it is queued)."""
+    b = clean
+    if b.name != "cpu":
+        pytest.skip("the inline stream of the cpu backend starts every block at once")
+    asked: list[float] = []
+    monkeypatch.setattr(b, "capabilities", dataclasses.replace(b.capabilities, spin=True))
+    monkeypatch.setattr(b, "vendor_spin", lambda ms, stream: asked.append(ms), raising=False)
+    torch.manual_seed(0)
+    x = torch.randn(16, 64, device=b.device, requires_grad=True)
+    (cost,) = profile_units(b, [nn.Sequential(nn.Linear(64, 64), nn.ReLU())], x, iters=2)
+    assert cost.forward_ms > 0 and cost.backward_ms > 0 and cost.cheap
+    # a forward and a backward, each three times (iters + 1), then three cheap recomputes
+    assert len(asked) == 3 * 3
+    forward, backward, cheap = asked[0:6:2], asked[1:6:2], asked[6:]
+    for spins in (forward, backward, cheap):
+        assert all(later >= 2 * earlier for earlier, later in zip(spins, spins[1:])), spins

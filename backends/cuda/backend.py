@@ -46,7 +46,8 @@ class CudaBackend(Backend, RegionGraphBackend):
     # Graph events besides, where this torch has external events (known in __init__);
     # this process's own footprint cannot be told apart from the driver's figure.
     capabilities = Capabilities(graphed_callables=True, rng_streams=True, pool_return=True,
-                                pool_segments=True, allocator_stats=True)
+                                pool_segments=True, allocator_stats=True,
+                                spin=hasattr(torch.cuda, "_sleep"))
 
     def __init__(self, device: int | None = None) -> None:
         super().__init__()
@@ -61,6 +62,7 @@ class CudaBackend(Backend, RegionGraphBackend):
             torch.empty(1, device=self._torch_device)
         self.driver = CudaDriver(self._index)
         self._streams: dict[int, torch.cuda.Stream] = {}
+        self._spin_cycles_per_ms: float | None = None
         self.capabilities = dataclasses.replace(self.capabilities, graph_events=_external_events())
 
     def vendor_empty_cache(self) -> None:
@@ -150,6 +152,20 @@ class CudaBackend(Backend, RegionGraphBackend):
 
     def vendor_graph_wait(self, event: Any) -> None:
         self.current_stream().wait_event(event)
+
+    def vendor_spin(self, ms: float, stream: Any) -> None:
+        # torch.cuda._sleep spins for a count of clock cycles: what one ms is, measured once.
+        if self._spin_cycles_per_ms is None:
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            with torch.cuda.stream(stream):
+                torch.cuda._sleep(1 << 20)  # (the first launch loads the kernel)
+                a.record()
+                torch.cuda._sleep(1 << 24)
+                b.record()
+            b.synchronize()
+            self._spin_cycles_per_ms = (1 << 24) / max(a.elapsed_time(b), 1e-3)
+        with torch.cuda.stream(stream):
+            torch.cuda._sleep(max(1, int(ms * self._spin_cycles_per_ms)))
 
     def vendor_synchronize(self) -> None:
         torch.cuda.synchronize(self._torch_device)

@@ -75,6 +75,11 @@ class Capabilities:
     #: The framework allocator keeps figures. Without: every figure of ``allocator_stats``
     #: is None.
     allocator_stats: bool = False
+    #: A stream can be kept busy for a given time (a kernel that spins), so that the host
+    #: queues the work after it before the device starts on it, and events then time the
+    #: device alone, without the host's launch gaps (``timed(ahead_ms=...)``): what a graph
+    #: replay of that work takes. Without: ``timed`` counts those gaps.
+    spin: bool = False
 
 
 #: The hooks a vendor implements for each feature it declares in :class:`Capabilities`.
@@ -86,6 +91,7 @@ FEATURE_HOOKS: dict[str, tuple[str, ...]] = {
     "pool_segments": ("vendor_graph_pool_segments",),
     "footprint": ("vendor_footprint_bytes",),
     "allocator_stats": ("vendor_allocator_stats",),
+    "spin": ("vendor_spin",),
 }
 
 
@@ -213,6 +219,10 @@ class DeviceVendor(abc.ABC):
     def vendor_allocator_stats(self, reset_peak: bool) -> dict[str, int | None]:
         """[allocator_stats] The figures of :data:`ALLOCATOR_STATS_KEYS` (``allocator_stats``)."""
         raise self._undeclared("allocator_stats")
+
+    def vendor_spin(self, ms: float, stream: Any) -> None:
+        """[spin] Queue on ``stream`` work that keeps the device busy about ``ms`` (``timed``)."""
+        raise self._undeclared("spin")
 
     def _undeclared(self, feature: str) -> NotImplementedError:
         return NotImplementedError(
