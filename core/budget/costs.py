@@ -5,7 +5,7 @@ as sizes (:func:`parse_budget`). Imports nothing of the package but errors and s
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Sequence
 
 from ..errors import UsageError
@@ -31,6 +31,9 @@ AUTO_SLACK = 0.01
 EXHAUSTIVE_LAYERS = 8
 #: the local search starts from this many of the best position patterns
 SEARCH_STARTS = 12
+#: the search for a budget's lower bound (a figure a plan reports) starts from the plan
+#: and this many of the best position patterns
+BOUND_STARTS = 12
 #: :func:`fit_budget` builds at most this many plans (then the one that fitted, again, or
 #: before a refusal the least plan that stores the gradients the other way)
 FIT_BUILDS = 4
@@ -152,6 +155,14 @@ class StackProfile:
         if self.granularity < 1 or self.section_bytes < 1 or self.fixed_bytes < 0:
             raise UsageError("StackProfile: granularity and section_bytes must be >= 1, "
                              "fixed_bytes >= 0")
+
+    def __hash__(self) -> int:
+        # (the planner looks plans up by profile tens of thousands of times: hashed once)
+        h = self.__dict__.get("_hash")
+        if h is None:
+            h = hash(tuple(getattr(self, f.name) for f in fields(self)))
+            object.__setattr__(self, "_hash", h)
+        return h
 
     @property
     def forward_ms(self) -> float:

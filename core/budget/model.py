@@ -4,12 +4,51 @@ package's docstring describes them. Imports the costs."""
 
 from __future__ import annotations
 
+import functools
+from dataclasses import dataclass
 from typing import Sequence
 
 from ..backend import align_up
 from ..errors import UsageError
-from .costs import (_ALL_CHOICES, OFFLOAD, RECOMPUTE, RECOMPUTE_CHEAP,
+from .costs import (_ALL_CHOICES, KEEP, OFFLOAD, RECOMPUTE, RECOMPUTE_CHEAP,
                     StackProfile)
+
+
+@dataclass(frozen=True)
+class _Table:
+    """A profile's figures by layer, and by choice where they depend on it: what the
+    search scores tens of thousands of plans from, without a method call per layer."""
+
+    forward: tuple[float, ...]
+    backward: tuple[float, ...]
+    saved: tuple[int, ...]
+    work: tuple[int, ...]
+    input: tuple[int, ...]
+    grad: tuple[int, ...]
+    #: ``LayerCost.kept_for(choice, mode)`` by choice, in a mode that offloads
+    kept: dict[str, tuple[int, ...]]
+    #: ``LayerCost.recompute_for(choice)`` by choice
+    recompute: dict[str, tuple[float, ...]]
+    grads: int
+
+
+@functools.lru_cache(maxsize=16)
+def _table(profile: StackProfile) -> _Table:
+    ls = profile.layers
+    return _Table(tuple(c.forward_ms for c in ls), tuple(c.backward_ms for c in ls),
+                  tuple(c.saved_bytes for c in ls), tuple(c.work_bytes for c in ls),
+                  tuple(c.input_bytes for c in ls), tuple(c.grad_bytes for c in ls),
+                  {ch: tuple(c.kept_for(ch, "remap") for c in ls) for ch in _ALL_CHOICES},
+                  {ch: tuple(c.recompute_for(ch) for c in ls) for ch in _ALL_CHOICES},
+                  sum(c.grad_bytes for c in ls))
+
+
+def _kept(t: _Table, choices: Sequence[str], mode: str) -> list[int]:
+    """What each layer keeps in the graphs' pool (``LayerCost.kept_for``)."""
+    if mode == "off":  # (offloading nothing, an offloaded layer keeps what it saves)
+        return [t.saved[i] if ch in (KEEP, OFFLOAD) else t.kept[ch][i]
+                for i, ch in enumerate(choices)]
+    return [t.kept[ch][i] for i, ch in enumerate(choices)]
 
 
 def _check(profile: StackProfile, choices: Sequence[str]) -> None:
@@ -38,8 +77,9 @@ def slot_bytes(profile: StackProfile, choices: Sequence[str], mode: str) -> list
     saves nothing else, and its input buffer then goes back to the graphs' pool)."""
     if mode == "off":
         return [0] * len(choices)
-    return [c.saved_bytes if ch == OFFLOAD else c.input_bytes if ch == RECOMPUTE else 0
-            for c, ch in zip(profile.layers, choices)]
+    t = _table(profile)
+    return [t.saved[i] if ch == OFFLOAD else t.input[i] if ch == RECOMPUTE else 0
+            for i, ch in enumerate(choices)]
 
 
 def _classes(profile: StackProfile, slots: Sequence[int]) -> dict[int, list[int]]:
@@ -63,12 +103,13 @@ def _boundaries_held(profile: StackProfile, slots: Sequence[int]) -> int:
     layer and the last one's output, except where the layers on both sides put what they
     save in slots (nothing then reads the buffer after the forward graph that reads it)."""
     n = len(slots)
+    inputs = _table(profile).input
     held = 0
     for k in range(n + 1):
         before = slots[k - 1] > 0 if k > 0 else True  # the stack's input: its reader decides
         after = slots[k] > 0 if k < n else True  # the stack's output: its writer decides
         if not (before and after):
-            held += profile.layers[min(k, n - 1)].input_bytes
+            held += inputs[min(k, n - 1)]
     return held
 
 
@@ -91,28 +132,28 @@ def _peak(profile: StackProfile, choices: Sequence[str], mode: str, slots: Seque
     # pool beside what the layers before it keep, then copied to its slot.
     # Where the stack gives the gradients homes of their own (see gradient_homes), they
     # sit outside the pool for good and the pool holds none.
-    layers = profile.layers
-    grads = sum(c.grad_bytes for c in layers)
-    homes = _has_homes(profile, choices, mode)
+    t = _table(profile)
+    kept = _kept(t, choices, mode)
+    homes = gradient_homes(sum(kept), t.grads)
     kept_below = 0
-    grads_above = 0 if homes else grads
+    grads_above = 0 if homes else t.grads
     pool = 0
-    for c, ch in zip(layers, choices):
-        kept_below += c.kept_for(ch, mode)
-        forward = kept_below + (c.saved_bytes if ch == OFFLOAD else 0)
-        backward = (kept_below + grads_above + c.work_bytes
-                    + (c.saved_bytes - c.kept_for(ch, mode) if ch in (RECOMPUTE, RECOMPUTE_CHEAP)
-                       else 0))
+    for i, ch in enumerate(choices):
+        kept_below += kept[i]
+        forward = kept_below + (t.saved[i] if ch == OFFLOAD else 0)
+        backward = (kept_below + grads_above + t.work[i]
+                    + (t.saved[i] - kept[i] if ch in (RECOMPUTE, RECOMPUTE_CHEAP) else 0))
         pool = max(pool, forward, backward)
-        grads_above -= 0 if homes else c.grad_bytes
-    return (profile.fixed_bytes + pool + (grads if homes else 0)
+        if not homes:
+            grads_above -= t.grad[i]
+    return (profile.fixed_bytes + pool + (t.grads if homes else 0)
             + banks_for(choices, mode) * sum(classes) + _boundaries_held(profile, slots))
 
 
 def _has_homes(profile: StackProfile, choices: Sequence[str], mode: str) -> bool:
     """Does the stack give gradients homes under ``choices`` (see :func:`gradient_homes`)?"""
-    kept = sum(c.kept_for(ch, mode) for c, ch in zip(profile.layers, choices))
-    return gradient_homes(kept, sum(c.grad_bytes for c in profile.layers))
+    t = _table(profile)
+    return gradient_homes(sum(_kept(t, choices, mode)), t.grads)
 
 
 def gradient_homes(kept_bytes: int, grad_bytes: int) -> bool:
@@ -153,7 +194,8 @@ def _bound(profile: StackProfile, choices: Sequence[str], copied: Copied) -> flo
     slots, _, held, in_place = copied
     out = sum(n for i, n in enumerate(slots) if i not in held)
     back = sum(n for i, n in enumerate(slots) if i not in in_place)
-    t_r = sum(c.recompute_for(ch) for c, ch in zip(profile.layers, choices))
+    rec = _table(profile).recompute
+    t_r = sum(rec[ch][i] for i, ch in enumerate(choices))
     return bound_ms(profile.forward_ms, profile.backward_ms, t_r, out, back,
                     profile.d2h_gbps, profile.h2d_gbps)
 
@@ -189,7 +231,8 @@ def score(profile: StackProfile, choices: Sequence[str], mode: str) -> tuple[flo
 
 def _step(profile: StackProfile, choices: Sequence[str], mode: str, copied: Copied) -> float:
     """:func:`predict_step_ms` before the bound is applied."""
-    layers = profile.layers
+    tab = _table(profile)
+    forward, backward = tab.forward, tab.backward
     nbanks = max(1, banks_for(choices, mode))
     slots, classes, held, in_place = copied
     d2h = profile.d2h_gbps * 1e6  # bytes per ms
@@ -216,18 +259,20 @@ def _step(profile: StackProfile, choices: Sequence[str], mode: str, copied: Copi
     t = 0.0
     d2h_free = 0.0
     out_done: dict[int, float] = {}
-    for i, c in enumerate(layers):
+    for i in range(len(choices)):
+        if i not in bank:
+            t += forward[i]
+            continue
         start = t
-        end = start + c.forward_ms + (slots[i] / d2d if i in bank and d2d else 0.0)
-        if i in bank:
-            if i in prev:
-                end = max(end, out_done.get(prev[i], 0.0) + section_ms(i, d2h))
-            if i not in held:  # sections leave as they are written
-                cstart = max(d2h_free, start)
-                cend = cstart + slots[i] / d2h
-                if choices[i] != RECOMPUTE:  # (a recomputed layer's slot is its input,
-                    cend = max(cend, end + section_ms(i, d2h))  # there from its start)
-                d2h_free = out_done[i] = cend
+        end = start + forward[i] + (slots[i] / d2d if d2d else 0.0)
+        if i in prev:
+            end = max(end, out_done.get(prev[i], 0.0) + section_ms(i, d2h))
+        if i not in held:  # sections leave as they are written
+            cstart = max(d2h_free, start)
+            cend = cstart + slots[i] / d2h
+            if choices[i] != RECOMPUTE:  # (a recomputed layer's slot is its input,
+                cend = max(cend, end + section_ms(i, d2h))  # there from its start)
+            d2h_free = out_done[i] = cend
         t = end
     # Backward: an offloaded layer's restore is queued once the backward of the offloading
     # layer above it has begun, and fills its bank as the bank's occupant (the next layer
@@ -236,10 +281,12 @@ def _step(profile: StackProfile, choices: Sequence[str], mode: str, copied: Copi
     bwd_start: dict[int, float] = {}
     bwd_end: dict[int, float] = {}
     above: int | None = None  # the offloading layer above, in backward order
-    for i in reversed(range(len(layers))):
-        c = layers[i]
+    for i in reversed(range(len(choices))):
+        if i not in bank:
+            t += backward[i] + tab.recompute[choices[i]][i]
+            continue
         ready = t
-        if i in bank and i not in in_place:
+        if i not in in_place:
             queued = bwd_start[above] if above is not None else t
             # (a recomputed layer reads its input first, for the recompute: it lets go of
             # its bank as its backward begins; an offloaded one as its backward ends)
@@ -250,8 +297,7 @@ def _step(profile: StackProfile, choices: Sequence[str], mode: str, copied: Copi
             h2d_free = cend
             ready = max(t, cend)
         bwd_start[i] = ready
-        t = ready + c.backward_ms + c.recompute_for(choices[i])
+        t = ready + backward[i] + tab.recompute[choices[i]][i]
         bwd_end[i] = t
-        if i in bank:
-            above = i
+        above = i
     return t

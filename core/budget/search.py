@@ -11,9 +11,9 @@ from typing import Callable, Iterable, Sequence
 
 from ..errors import UsageError
 from ..sizes import format_bytes
-from .costs import (_ALL_CHOICES, AUTO_SLACK, CHOICES, EXHAUSTIVE_LAYERS, FIT_BUILDS, KEEP, MODES,
-                    OFFLOAD, RECOMPUTE, RECOMPUTE_CHEAP, SEARCH_STARTS, BudgetPlan, StackProfile,
-                    parse_budget, reported, short)
+from .costs import (_ALL_CHOICES, AUTO_SLACK, BOUND_STARTS, CHOICES, EXHAUSTIVE_LAYERS,
+                    FIT_BUILDS, KEEP, MODES, OFFLOAD, RECOMPUTE, RECOMPUTE_CHEAP, SEARCH_STARTS,
+                    BudgetPlan, StackProfile, parse_budget, reported, short)
 from .model import _has_homes, score, slot_bytes
 
 
@@ -88,15 +88,19 @@ def _seeds(n: int, cheap: bool = False) -> list[tuple[str, ...]]:
     return sorted(seeds)
 
 
-def _neighbours(cur: tuple[str, ...], options: Sequence[tuple[str, ...]]
-                ) -> Iterable[tuple[str, ...]]:
-    """Every plan one layer's choice, or one swap of two layers' choices, away (each
-    layer's choice among its ``options``)."""
-    n = len(cur)
-    for i in range(n):
+def _changes(cur: tuple[str, ...], options: Sequence[tuple[str, ...]]
+             ) -> Iterable[tuple[str, ...]]:
+    """Every plan one layer's choice away (each layer's choice among its ``options``)."""
+    for i in range(len(cur)):
         for c in options[i]:
             if c != cur[i]:
                 yield cur[:i] + (c,) + cur[i + 1:]
+
+
+def _swaps(cur: tuple[str, ...], options: Sequence[tuple[str, ...]]
+           ) -> Iterable[tuple[str, ...]]:
+    """Every plan one swap of two layers' choices away."""
+    n = len(cur)
     for i in range(n):
         for j in range(i + 1, n):
             if cur[i] != cur[j] and cur[i] in options[j] and cur[j] in options[i]:
@@ -106,9 +110,11 @@ def _neighbours(cur: tuple[str, ...], options: Sequence[tuple[str, ...]]
 
 
 def _search(profile: StackProfile, key: Objective, exhaustive: bool | None = None,
-            modes: Sequence[str] = MODES) -> _Scored:
+            modes: Sequence[str] = MODES, starts: int = SEARCH_STARTS,
+            also: Sequence[tuple[str, ...]] = ()) -> _Scored:
     """The candidate with the least ``key`` among those in ``modes``: every combination for
-    small stacks, else a local search from the best few position patterns."""
+    small stacks, else a local search from the best ``starts`` position patterns (and the
+    plans in ``also``)."""
     n = len(profile.layers)
 
     def _scored(profile: StackProfile, choices: tuple[str, ...]) -> list[_Scored]:
@@ -124,21 +130,34 @@ def _search(profile: StackProfile, key: Objective, exhaustive: bool | None = Non
                    key=key)
     seeds = [ch for ch in _seeds(n, any(c.cheap for c in profile.layers))
              if all(c in o for c, o in zip(ch, options))]
-    starts = sorted((s for ch in seeds for s in _scored(profile, ch)), key=key)
+    firsts = sorted((s for ch in seeds for s in _scored(profile, ch)), key=key)[:starts]
+    firsts += [s for ch in also for s in _scored(profile, tuple(ch))]
     best: _Scored | None = None
     seen: set[tuple[str, ...]] = set()
-    for s in starts[:SEARCH_STARTS]:
+    # Plans an earlier start's climb stood on: a climb that reaches one would mostly
+    # retrace that climb, so it stops there.
+    climbed: set[tuple[tuple[str, ...], str]] = set()
+    for s in firsts:
         cur = s
-        improved = True
-        while improved:
-            improved = False
-            for m in _neighbours(cur.choices, options):
-                if m in seen:
+
+        def climb(near: Callable[..., Iterable[tuple[str, ...]]]) -> bool:
+            """One pass over ``near``'s plans from ``cur``, moving to each better one."""
+            nonlocal cur
+            was = cur
+            for m in near(cur.choices, options):
+                if m in seen:  # (it lost to a plan no better than ``cur``)
                     continue
                 seen.add(m)
                 for cand in _scored(profile, m):
                     if key(cand) < key(cur):
-                        cur, improved = cand, True
+                        cur = cand
+            return cur is not was
+
+        # Single changes until none helps, then swaps (n times as many) until one does.
+        while (cur.choices, cur.mode) not in climbed:
+            climbed.add((cur.choices, cur.mode))
+            if not climb(_changes) and not climb(_swaps):
+                break
         if best is None or key(cur) < key(best):
             best = cur
         seen.clear()
@@ -317,7 +336,9 @@ def _plan(profile: StackProfile, s: _Scored, budget: int | None, reason: str,
     # The budget's bound: the least bound over the plans that fit it (for "auto", those
     # that fit the chosen plan's peak).
     fit = budget if budget is not None else s.peak
-    bound = _search(profile, _fastest_within(fit, bound=True), exhaustive, modes).bound
+    # (a figure to report, not a choice: a shorter search, from the plan and a few patterns)
+    bound = _search(profile, _fastest_within(fit, bound=True), exhaustive, modes,
+                    starts=BOUND_STARTS, also=[s.choices]).bound
     choices, ops = reported(s.choices)
     return BudgetPlan(
         choices=choices, recompute_ops=ops, mode=s.mode, budget_bytes=budget, predicted_peak_bytes=s.peak,
