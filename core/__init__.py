@@ -16,6 +16,11 @@ The public surface:
   (:class:`~graphslot.arena.IOArena`).
 * :mod:`graphslot.planner` - plan and verify fixed arenas for tensors with known lifetimes,
   mutually exclusive branches and alias groups.
+
+Dependencies run one way (import-linter contract ``layers``; docs/architecture.md draws
+them): the commands (:mod:`graphslot.cli`) over the adapters over the library (arena,
+budget, memory, offload, paged, planner, profile, recompute, selection, trace) over the
+backends over the interface (backend, errors, regions, sizes).
 """
 
 from __future__ import annotations

@@ -37,7 +37,7 @@ from .backend import Backend
 from .errors import UsageError
 from .offload import SavedTensorSpec, never_offloaded, recording_saved_tensors, state_storages
 
-__all__ = ["MemoryReport", "report", "measure", "release_unused", "settle", "used_bytes", "saved_activation_bytes",
+__all__ = ["MemoryReport", "report", "measure", "release_unused", "used_bytes", "saved_activation_bytes",
            "run_counting_saved",
            "saved_bytes_per_layer"]
 
@@ -116,9 +116,6 @@ def release_unused(backend: Backend) -> None:
     gc.collect()
     backend.synchronize()
     backend.empty_cache()
-
-
-settle = release_unused  #: its name before 2026-12-03
 
 
 def used_bytes(backend: Backend) -> int:

@@ -271,8 +271,6 @@ class PagedPool:
                 chunks.extend(self._split(c, parts))
         self._chunks = chunks
 
-    settle = split_free  #: its name before 2026-12-03
-
     def _split(self, c: _Chunk, parts: list[tuple[int, int]]) -> list[_Chunk]:
         b, res = self._backend, self.reservation
         b.synchronize()

@@ -52,4 +52,4 @@ def view_extent(shape: Sequence[int], stride: Sequence[int], itemsize: int) -> i
     """
     if not all(shape):
         return 0
-    return (1 + sum((int(s) - 1) * int(st) for s, st in zip(shape, stride))) * itemsize
+    return (1 + sum((int(s) - 1) * int(step) for s, step in zip(shape, stride))) * itemsize

@@ -1,6 +1,7 @@
 """The cpu backend: real VMM semantics on host memory (mmap, memfd, worker-thread streams).
 
-It is the default where no GPU is present, and what CI runs.
+It is the default where no GPU is present, and what CI runs. It imports the interface
+only (see :mod:`graphslot.backends`).
 """
 
 from __future__ import annotations

@@ -197,8 +197,8 @@ class RegionPool:
         def move(x: Any) -> Any:
             if not isinstance(x, torch.Tensor) or x.layout != torch.strided or x.device.type != "cpu":
                 return x
-            st = x.untyped_storage()
-            ptr, nbytes = st.data_ptr(), st.nbytes()
+            storage = x.untyped_storage()
+            ptr, nbytes = storage.data_ptr(), storage.nbytes()
             if nbytes == 0 or ptr in seen or self.va <= ptr < self.va + self.size:
                 return x  # an alias of an input (view, in place, out=): it already has its address
             if ptr not in moved:
@@ -206,7 +206,7 @@ class RegionPool:
                 buf = (ctypes.c_uint8 * nbytes).from_address(addr)
                 self._bufs.append(weakref.ref(buf))
                 dst = torch.frombuffer(buf, dtype=torch.uint8, count=nbytes)
-                dst.copy_(torch.empty(0, dtype=torch.uint8).set_(st))
+                dst.copy_(torch.empty(0, dtype=torch.uint8).set_(storage))
                 moved[ptr] = dst.untyped_storage()
             # set_ rather than a view op: the result must not look like a view to autograd.
             return torch.empty(0, dtype=x.dtype).set_(moved[ptr], x.storage_offset(),
@@ -288,8 +288,8 @@ class CpuGraph(DeviceGraph):
         storages it keeps alive; a pool region is graphslot's memory, not counted here)."""
         seen: dict[int, int] = {}
         for t in self._pool:
-            st = t.untyped_storage()
-            seen[st.data_ptr()] = st.nbytes()
+            storage = t.untyped_storage()
+            seen[storage.data_ptr()] = storage.nbytes()
         return sum(seen.values())
 
     def release_pool(self) -> int:

@@ -1,4 +1,7 @@
-"""The cuda backend: VMM through cuda-python's driver bindings, the rest through torch.cuda."""
+"""The cuda backend: VMM through cuda-python's driver bindings, the rest through torch.cuda.
+
+It imports torch, cuda-python and the interface only (see :mod:`graphslot.backends`).
+"""
 
 from __future__ import annotations
 

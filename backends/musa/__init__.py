@@ -2,7 +2,8 @@
 
 Driver virtual memory management goes through libmusa.so by ctypes
 (:mod:`.driver`, usable without torch_musa); streams, events, pinned memory and
-graphs go through torch_musa (``torch.musa``), in :mod:`.backend`.
+graphs go through torch_musa (``torch.musa``), in :mod:`.backend`. It imports those and
+the interface only (see :mod:`graphslot.backends`).
 """
 
 from __future__ import annotations

@@ -29,7 +29,10 @@ The model behind it:
 search from position patterns above that (tested against the exhaustive search).
 
 The package: :mod:`.costs` (what it plans from and returns), :mod:`.model` (peak, step and
-bound of a plan) and :mod:`.search` (the planning), each importing only those before it.
+bound of a plan) and :mod:`.search` (the planning), each importing only those before it
+(contract ``budget-layers``). Of the rest of graphslot it imports only the interface's
+:mod:`~graphslot.backend` (granule sizes), :mod:`~graphslot.errors` and
+:mod:`~graphslot.sizes`; :mod:`graphslot.profile`, the adapters and the commands import it.
 """
 
 from __future__ import annotations

@@ -6,6 +6,9 @@ on stderr, ``graphslot <command>: error: <message>``, and exit status 2. An inte
 (Ctrl-C) is one line and exit status 130. Subcommands take their numeric arguments with
 :func:`positive_int` or :func:`int_range`, so a bad number is an argparse error naming
 the argument.
+
+The commands import the adapters and the library; nothing in graphslot imports them
+(import-linter contract ``layers``), and ``import graphslot`` loads none of them.
 """
 
 from __future__ import annotations

@@ -321,8 +321,8 @@ def memory_breakdown(b: Backend, layers: Sequence[torch.nn.Module], stack: Any =
     for m in layers:
         for p in m.parameters():
             if p.grad is not None:
-                st = p.grad.untyped_storage()
-                grads[st.data_ptr()] = st.nbytes()
+                storage = p.grad.untyped_storage()
+                grads[storage.data_ptr()] = storage.nbytes()
     stats = b.allocator_stats()
     pool = stats["graph_pool_reserved_bytes"]
     segments = b.graph_pool_segments()

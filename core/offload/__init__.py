@@ -48,8 +48,9 @@ keeps the tickets and decides when; the residency does the copies, fences and pa
 is all that differs between the modes.
 
 Adapters use :class:`OffloadUnit` (:mod:`.unit`), one per graphed unit with its policy
-(keep, offload, recompute), and nothing below it but the engine's construction, ``wait_idle``
-and ``close``: the unit holds the order of engine calls around a unit's capture, its
+(keep, offload, recompute), and of the engine below it only its construction, ``wait_idle``,
+``close`` and what it reports (``mode``, ``stats``, ``offloads``, ``timeline``, its
+``backend``, ``worker`` and copy streams): the unit holds the order of engine calls around a unit's capture, its
 forward replay (offload, prefetch of the next unit) and its backward replay (restore, look
 ahead to the next unit, free). Tickets, states, residencies and groups are the package's
 own (an import-linter contract keeps the rest of graphslot off them).

@@ -331,8 +331,6 @@ class OffloadEngine:
         finally:
             self.backend.synchronize()
 
-    settle = wait_idle  #: its name before 2026-12-03
-
     def abandon(self, t: Ticket[OffloadGroup]) -> None:
         """``t``'s backward will never run: give back its host buffer and slot, in any state.
 
