@@ -30,6 +30,8 @@ class _Table:
     #: ``LayerCost.recompute_for(choice)`` by choice
     recompute: dict[str, tuple[float, ...]]
     grads: int
+    forward_ms: float
+    backward_ms: float
 
 
 @functools.lru_cache(maxsize=16)
@@ -40,7 +42,7 @@ def _table(profile: StackProfile) -> _Table:
                   tuple(c.input_bytes for c in ls), tuple(c.grad_bytes for c in ls),
                   {ch: tuple(c.kept_for(ch, "remap") for c in ls) for ch in _ALL_CHOICES},
                   {ch: tuple(c.recompute_for(ch) for c in ls) for ch in _ALL_CHOICES},
-                  sum(c.grad_bytes for c in ls))
+                  sum(c.grad_bytes for c in ls), profile.forward_ms, profile.backward_ms)
 
 
 def _kept(t: _Table, choices: Sequence[str], mode: str) -> list[int]:
@@ -104,12 +106,11 @@ def _boundaries_held(profile: StackProfile, slots: Sequence[int]) -> int:
     save in slots (nothing then reads the buffer after the forward graph that reads it)."""
     n = len(slots)
     inputs = _table(profile).input
-    held = 0
-    for k in range(n + 1):
-        before = slots[k - 1] > 0 if k > 0 else True  # the stack's input: its reader decides
-        after = slots[k] > 0 if k < n else True  # the stack's output: its writer decides
-        if not (before and after):
-            held += inputs[min(k, n - 1)]
+    held = 0 if slots[0] else inputs[0]  # the stack's input: its reader decides
+    held += 0 if slots[n - 1] else inputs[n - 1]  # the stack's output: its writer decides
+    for k in range(1, n):
+        if not (slots[k - 1] and slots[k]):
+            held += inputs[k]
     return held
 
 
@@ -135,17 +136,24 @@ def _peak(profile: StackProfile, choices: Sequence[str], mode: str, slots: Seque
     t = _table(profile)
     kept = _kept(t, choices, mode)
     homes = gradient_homes(sum(kept), t.grads)
+    saved, work, grad = t.saved, t.work, t.grad
     kept_below = 0
     grads_above = 0 if homes else t.grads
     pool = 0
     for i, ch in enumerate(choices):
-        kept_below += kept[i]
-        forward = kept_below + (t.saved[i] if ch == OFFLOAD else 0)
-        backward = (kept_below + grads_above + t.work[i]
-                    + (t.saved[i] - kept[i] if ch in (RECOMPUTE, RECOMPUTE_CHEAP) else 0))
-        pool = max(pool, forward, backward)
+        k = kept[i]
+        kept_below += k
+        if ch == OFFLOAD:  # (elsewhere the forward's figure is below the backward's)
+            v = kept_below + saved[i]
+            if v > pool:
+                pool = v
+        v = kept_below + grads_above + work[i]
+        if ch == RECOMPUTE or ch == RECOMPUTE_CHEAP:
+            v += saved[i] - k
+        if v > pool:
+            pool = v
         if not homes:
-            grads_above -= t.grad[i]
+            grads_above -= grad[i]
     return (profile.fixed_bytes + pool + (t.grads if homes else 0)
             + banks_for(choices, mode) * sum(classes) + _boundaries_held(profile, slots))
 
@@ -192,11 +200,13 @@ Copied = tuple[list[int], dict[int, list[int]], set[int], set[int]]
 
 def _bound(profile: StackProfile, choices: Sequence[str], copied: Copied) -> float:
     slots, _, held, in_place = copied
-    out = sum(n for i, n in enumerate(slots) if i not in held)
-    back = sum(n for i, n in enumerate(slots) if i not in in_place)
-    rec = _table(profile).recompute
+    total = sum(slots)
+    out = total - sum(slots[i] for i in held)
+    back = total - sum(slots[i] for i in in_place)
+    t = _table(profile)
+    rec = t.recompute
     t_r = sum(rec[ch][i] for i, ch in enumerate(choices))
-    return bound_ms(profile.forward_ms, profile.backward_ms, t_r, out, back,
+    return bound_ms(t.forward_ms, t.backward_ms, t_r, out, back,
                     profile.d2h_gbps, profile.h2d_gbps)
 
 
@@ -232,25 +242,25 @@ def score(profile: StackProfile, choices: Sequence[str], mode: str) -> tuple[flo
 def _step(profile: StackProfile, choices: Sequence[str], mode: str, copied: Copied) -> float:
     """:func:`predict_step_ms` before the bound is applied."""
     tab = _table(profile)
-    forward, backward = tab.forward, tab.backward
-    nbanks = max(1, banks_for(choices, mode))
+    forward, backward, recompute = tab.forward, tab.backward, tab.recompute
     slots, classes, held, in_place = copied
+    if not classes:  # nothing leaves the device: compute alone
+        return tab.forward_ms + tab.backward_ms + sum(recompute[ch][i]
+                                                      for i, ch in enumerate(choices))
+    nbanks = max(1, banks_for(choices, mode))
     d2h = profile.d2h_gbps * 1e6  # bytes per ms
     h2d = profile.h2d_gbps * 1e6
-    # Within a size class the banks alternate in backward order (its last layer: bank 0);
-    # ``prev[i]``: the layer that used i's bank before it, ``nxt[i]``: the one after it.
-    bank: dict[int, tuple[int, int]] = {}
+    section = profile.section_bytes
+    # Within a size class the banks alternate in backward order; ``prev[i]``: the layer
+    # that used i's bank before it, ``nxt[i]``: the one after it.
+    banked: set[int] = set()
     prev: dict[int, int] = {}
     nxt: dict[int, int] = {}
-    for size, members in classes.items():
-        for k, i in enumerate(members):
-            bank[i] = (size, (len(members) - 1 - k) % nbanks)
-            if k >= nbanks:
-                prev[i] = members[k - nbanks]
-                nxt[members[k - nbanks]] = i
-
-    def section_ms(i: int, rate: float) -> float:
-        return min(slots[i], profile.section_bytes) / rate
+    for members in classes.values():
+        banked.update(members)
+        for k in range(nbanks, len(members)):
+            prev[members[k]] = members[k - nbanks]
+            nxt[members[k - nbanks]] = members[k]
 
     # Forward: a layer writes its bank once the bank's last occupant has gone out (section
     # by section: it ends one section after that copy), and copies what it saves into its
@@ -260,18 +270,18 @@ def _step(profile: StackProfile, choices: Sequence[str], mode: str, copied: Copi
     d2h_free = 0.0
     out_done: dict[int, float] = {}
     for i in range(len(choices)):
-        if i not in bank:
+        if i not in banked:
             t += forward[i]
             continue
         start = t
         end = start + forward[i] + (slots[i] / d2d if d2d else 0.0)
+        first_out = min(slots[i], section) / d2h  # (one section's copy out)
         if i in prev:
-            end = max(end, out_done.get(prev[i], 0.0) + section_ms(i, d2h))
+            end = max(end, out_done.get(prev[i], 0.0) + first_out)
         if i not in held:  # sections leave as they are written
-            cstart = max(d2h_free, start)
-            cend = cstart + slots[i] / d2h
+            cend = max(d2h_free, start) + slots[i] / d2h
             if choices[i] != RECOMPUTE:  # (a recomputed layer's slot is its input,
-                cend = max(cend, end + section_ms(i, d2h))  # there from its start)
+                cend = max(cend, end + first_out)  # there from its start)
             d2h_free = out_done[i] = cend
         t = end
     # Backward: an offloaded layer's restore is queued once the backward of the offloading
@@ -282,8 +292,8 @@ def _step(profile: StackProfile, choices: Sequence[str], mode: str, copied: Copi
     bwd_end: dict[int, float] = {}
     above: int | None = None  # the offloading layer above, in backward order
     for i in reversed(range(len(choices))):
-        if i not in bank:
-            t += backward[i] + tab.recompute[choices[i]][i]
+        if i not in banked:
+            t += backward[i] + recompute[choices[i]][i]
             continue
         ready = t
         if i not in in_place:
@@ -293,11 +303,11 @@ def _step(profile: StackProfile, choices: Sequence[str], mode: str, copied: Copi
             freed = queued if i not in nxt else (
                 bwd_start[nxt[i]] if choices[nxt[i]] == RECOMPUTE else bwd_end[nxt[i]])
             cstart = max(h2d_free, queued, out_done.get(i, 0.0))
-            cend = max(cstart + slots[i] / h2d, freed + section_ms(i, h2d))
+            cend = max(cstart + slots[i] / h2d, freed + min(slots[i], section) / h2d)
             h2d_free = cend
             ready = max(t, cend)
         bwd_start[i] = ready
-        t = ready + backward[i] + tab.recompute[choices[i]][i]
+        t = ready + backward[i] + recompute[choices[i]][i]
         bwd_end[i] = t
         above = i
     return t

@@ -41,8 +41,25 @@ def _modes(choices: Sequence[str]) -> tuple[str, ...]:
     return ("off", "resident", "remap") if RECOMPUTE in choices else ("off",)
 
 
-@functools.lru_cache(maxsize=1 << 16)
 def _scored_all(profile: StackProfile, choices: tuple[str, ...]) -> tuple[_Scored, ...]:
+    """``choices`` scored in each engine mode it may run in."""
+    scored = _scored_unfixed(_unfixed(profile), choices)
+    if not profile.fixed_bytes:
+        return scored
+    fixed = profile.fixed_bytes
+    return tuple(_Scored(s.choices, s.mode, s.step, s.bound, s.peak + fixed) for s in scored)
+
+
+@functools.lru_cache(maxsize=16)
+def _unfixed(profile: StackProfile) -> StackProfile:
+    # A plan's peak is the profile's fixed memory plus what the plan adds, and nothing
+    # else depends on that memory: plans are scored once for every correction of it that
+    # fit_budget makes (one object per profile, so that its hash is computed once).
+    return replace(profile, fixed_bytes=0)
+
+
+@functools.lru_cache(maxsize=1 << 17)
+def _scored_unfixed(profile: StackProfile, choices: tuple[str, ...]) -> tuple[_Scored, ...]:
     # (cached: the searches score the same plans over and over)
     return tuple(_Scored(choices, m, *score(profile, choices, m)) for m in _modes(choices))
 
