@@ -218,6 +218,30 @@ def test_the_local_search_finds_plans_as_fast_as_the_exhaustive_search():
     assert sorted(ratios)[len(ratios) // 2] == pytest.approx(1.0)
 
 
+def test_plans_scored_for_one_fixed_memory_serve_another_alike():
+    """The search keeps each plan's scores across corrections of the profile's fixed memory
+    (a plan's peak moves with it, nothing else does): planning after another correction
+    gives what planning from nothing gives."""
+    from dataclasses import replace
+
+    from graphslot.budget.search import _scored_unfixed
+
+    rng = random.Random(5)
+    for _ in range(6):
+        p = random_profile(rng, rng.randint(9, 11))  # (a local search: 3**9 and more plans)
+        q = replace(p, fixed_bytes=p.fixed_bytes + rng.randint(1, 900) * MiB)
+        limit = (smallest_peak(q) + predict_peak_bytes(q, (KEEP,) * len(q.layers), "off")) // 2
+        _scored_unfixed.cache_clear()
+        fresh = plan_budget(q, limit)
+        plan_budget(p, limit - (q.fixed_bytes - p.fixed_bytes))  # the scores, cached for p
+        again = plan_budget(q, limit)
+        assert (again.choices, again.recompute_ops, again.mode) == (
+            fresh.choices, fresh.recompute_ops, fresh.mode)
+        assert again.predicted_peak_bytes == fresh.predicted_peak_bytes <= limit
+        assert again.predicted_peak_bytes == predict_peak_bytes(
+            q, again.detailed, again.mode)
+
+
 def test_a_large_stack_is_planned_quickly():
     p = StackProfile((LayerCost(0.3, 0.6, 8 * MiB),) * 32, 55, 55, fixed_bytes=GiB)
     plan = plan_budget(p, GiB + 160 * MiB)
