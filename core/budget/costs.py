@@ -31,9 +31,6 @@ AUTO_SLACK = 0.01
 EXHAUSTIVE_LAYERS = 8
 #: the local search starts from this many of the best position patterns
 SEARCH_STARTS = 12
-#: the search for a budget's lower bound (a figure a plan reports) starts from the plan
-#: and this many of the best position patterns
-BOUND_STARTS = 12
 #: :func:`fit_budget` builds at most this many plans (then the one that fitted, again, or
 #: before a refusal the least plan that stores the gradients the other way)
 FIT_BUILDS = 4

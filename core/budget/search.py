@@ -11,9 +11,9 @@ from typing import Callable, Iterable, Sequence
 
 from ..errors import UsageError
 from ..sizes import format_bytes
-from .costs import (_ALL_CHOICES, AUTO_SLACK, BOUND_STARTS, CHOICES, EXHAUSTIVE_LAYERS,
-                    FIT_BUILDS, KEEP, MODES, OFFLOAD, RECOMPUTE, RECOMPUTE_CHEAP, SEARCH_STARTS,
-                    BudgetPlan, StackProfile, parse_budget, reported, short)
+from .costs import (_ALL_CHOICES, AUTO_SLACK, CHOICES, EXHAUSTIVE_LAYERS, FIT_BUILDS, KEEP, MODES,
+                    OFFLOAD, RECOMPUTE, RECOMPUTE_CHEAP, SEARCH_STARTS, BudgetPlan, StackProfile,
+                    parse_budget, reported, short)
 from .model import _has_homes, score, slot_bytes
 
 
@@ -130,8 +130,8 @@ def _search(profile: StackProfile, key: Objective, exhaustive: bool | None = Non
             modes: Sequence[str] = MODES, starts: int = SEARCH_STARTS,
             also: Sequence[tuple[str, ...]] = ()) -> _Scored:
     """The candidate with the least ``key`` among those in ``modes``: every combination for
-    small stacks, else a local search from the best ``starts`` position patterns (and the
-    plans in ``also``)."""
+    small stacks, else a local search from the best ``starts`` position patterns and the
+    plans in ``also``."""
     n = len(profile.layers)
 
     def _scored(profile: StackProfile, choices: tuple[str, ...]) -> list[_Scored]:
@@ -154,22 +154,23 @@ def _search(profile: StackProfile, key: Objective, exhaustive: bool | None = Non
     # Plans an earlier start's climb stood on: a climb that reaches one would mostly
     # retrace that climb, so it stops there.
     climbed: set[tuple[tuple[str, ...], str]] = set()
+    cur = firsts[0]
+
+    def climb(near: Callable[..., Iterable[tuple[str, ...]]]) -> bool:
+        """One pass over ``near``'s plans from ``cur``, moving to each better one."""
+        nonlocal cur
+        was = cur
+        for m in near(cur.choices, options):
+            if m in seen:  # (it lost to a plan no better than ``cur``)
+                continue
+            seen.add(m)
+            for cand in _scored(profile, m):
+                if key(cand) < key(cur):
+                    cur = cand
+        return cur is not was
+
     for s in firsts:
         cur = s
-
-        def climb(near: Callable[..., Iterable[tuple[str, ...]]]) -> bool:
-            """One pass over ``near``'s plans from ``cur``, moving to each better one."""
-            nonlocal cur
-            was = cur
-            for m in near(cur.choices, options):
-                if m in seen:  # (it lost to a plan no better than ``cur``)
-                    continue
-                seen.add(m)
-                for cand in _scored(profile, m):
-                    if key(cand) < key(cur):
-                        cur = cand
-            return cur is not was
-
         # Single changes until none helps, then swaps (n times as many) until one does.
         while (cur.choices, cur.mode) not in climbed:
             climbed.add((cur.choices, cur.mode))
@@ -353,9 +354,9 @@ def _plan(profile: StackProfile, s: _Scored, budget: int | None, reason: str,
     # The budget's bound: the least bound over the plans that fit it (for "auto", those
     # that fit the chosen plan's peak).
     fit = budget if budget is not None else s.peak
-    # (a figure to report, not a choice: a shorter search, from the plan and a few patterns)
+    # (from the plan itself too: its bound is one that the budget allows)
     bound = _search(profile, _fastest_within(fit, bound=True), exhaustive, modes,
-                    starts=BOUND_STARTS, also=[s.choices]).bound
+                    also=[s.choices]).bound
     choices, ops = reported(s.choices)
     return BudgetPlan(
         choices=choices, recompute_ops=ops, mode=s.mode, budget_bytes=budget, predicted_peak_bytes=s.peak,
