@@ -74,24 +74,30 @@ class _Ahead:
     """How long :meth:`Backend.timed <graphslot.backend.Backend.timed>` keeps the device
     busy before each kind of timed region (``ahead_ms``), so the host queues all of it
     first: twice the host time it took before plus a ms, doubled while the device still
-    started early. Zero where the backend cannot."""
+    started early. Zero where the backend cannot, and for a kind whose host waited out
+    the whole spin and still did not get ahead: its region waits for the device itself
+    (a synchronising call), and a longer spin would only cost time."""
 
     LIMIT_MS = 2000.0
 
-    def __init__(self, b: Backend, first_ms: float) -> None:
+    def __init__(self, b: Backend, first_ms: dict[str, float]) -> None:
         self.on = b.capabilities.spin
-        self.first_ms = min(first_ms, self.LIMIT_MS)
-        self.ms: dict[str, float] = {}
+        self.ms = {k: min(v, self.LIMIT_MS) for k, v in first_ms.items()}
 
     def __call__(self, kind: str) -> float:
-        return self.ms.get(kind, self.first_ms) if self.on else 0.0
+        return self.ms[kind] if self.on else 0.0
 
     def saw(self, kind: str, t: dict[str, float]) -> None:
-        if self.on:
+        if not self.on or self.ms[kind] == 0.0:
+            return
+        given = self(kind)
+        if t["device_alone"]:
             need = 2 * t["host_ms"] + 1
-            if not t["device_alone"]:
-                need = max(need, 2 * self(kind))
-            self.ms[kind] = min(need, self.LIMIT_MS)
+        elif t["host_ms"] >= given:
+            need = 0.0  # (the host waited for the device: it syncs inside the region)
+        else:
+            need = max(2 * t["host_ms"] + 1, 2 * given)
+        self.ms[kind] = min(need, self.LIMIT_MS)
 
 
 def profile_units(b: Backend, units: Sequence[torch.nn.Module], sample: torch.Tensor, *,
@@ -129,8 +135,11 @@ def profile_units(b: Backend, units: Sequence[torch.nn.Module], sample: torch.Te
         t0 = time.perf_counter()
         with noting_expensive_outputs(note):
             y, saved = run_counting_saved(lambda: m(x), x.device.type, [m])
-        # (the host's time for a forward, counting hooks and all: enough to start with)
-        ahead = _Ahead(b, 4 * (time.perf_counter() - t0) * 1e3 + 2)
+        # (the host's time for a forward, counting hooks and all, is the measure to start
+        # with; a cheap recompute runs a forward twice and dispatches each op in Python)
+        host = (time.perf_counter() - t0) * 1e3
+        ahead = _Ahead(b, {"forward": 4 * host + 2, "backward": 4 * host + 2,
+                           "cheap": 8 * host + 2})
         reps = iters + 1 if ahead.on else iters
         cheap_bytes = sum(kept.values())
         if not isinstance(y, torch.Tensor):

@@ -116,3 +116,38 @@ def test_the_profile_keeps_the_device_busy_longer_until_the_host_queues_ahead(cl
     forward, backward, cheap = asked[0:6:2], asked[1:6:2], asked[6:]
     for spins in (forward, backward, cheap):
         assert all(later >= 2 * earlier for earlier, later in zip(spins, spins[1:])), spins
+
+
+def test_the_profile_stops_spinning_for_a_region_that_waits_for_the_device(clean, monkeypatch):
+    """A region that synchronises (its host waits out the whole spin, as ``.item()`` would)
+    cannot get ahead of the device however long the spin: the profile stops spinning for
+    that kind of region instead of doubling the spin each time."""
+    b = clean
+    if b.name != "cpu":
+        pytest.skip("the stand-in spin below is the cpu backend's")
+    torch.manual_seed(0)
+    x = torch.randn(16, 64, device=b.device, requires_grad=True)
+    # (warm: a process's first profile pays one-off costs that would set the first spins)
+    profile_units(b, [nn.Sequential(nn.Linear(64, 64), nn.ReLU())], x)
+    asked: list[float] = []
+    monkeypatch.setattr(b, "capabilities", dataclasses.replace(b.capabilities, spin=True))
+    monkeypatch.setattr(b, "vendor_spin", lambda ms, stream: asked.append(ms), raising=False)
+
+    class Syncs(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(64, 64)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            if asked:  # the host waits until the device is through the last spin
+                time.sleep(asked[-1] / 1e3)
+            return torch.relu(self.lin(x))
+
+    (cost,) = profile_units(b, [Syncs().to(b.device)], x, iters=2)
+    assert cost.forward_ms > 0 and cost.cheap
+    # the forward and the cheap recompute (it runs the forward): asked once each; the
+    # backward (no sync): three times, doubling
+    forward, backward, cheap = asked[0], asked[1:4], asked[4:]
+    assert len(asked) == 5 and len(cheap) == 1, asked
+    assert all(later >= 2 * earlier for earlier, later in zip(backward, backward[1:])), asked
+    assert forward > 0 and cheap[0] > 0
