@@ -10,7 +10,7 @@ from typing import Sequence
 
 from ..backend import align_up
 from ..errors import UsageError
-from .costs import (_ALL_CHOICES, KEEP, OFFLOAD, RECOMPUTE, RECOMPUTE_CHEAP,
+from .costs import (_ALL_CHOICES, OFFLOAD, RECOMPUTE, RECOMPUTE_CHEAP,
                     StackProfile)
 
 
@@ -25,8 +25,8 @@ class _Table:
     work: tuple[int, ...]
     input: tuple[int, ...]
     grad: tuple[int, ...]
-    #: ``LayerCost.kept_for(choice, mode)`` by choice, in a mode that offloads
-    kept: dict[str, tuple[int, ...]]
+    #: ``LayerCost.kept_for(choice, mode)`` by ``(choice, mode == "off")``
+    kept: dict[tuple[str, bool], tuple[int, ...]]
     #: ``LayerCost.recompute_for(choice)`` by choice
     recompute: dict[str, tuple[float, ...]]
     grads: int
@@ -40,17 +40,22 @@ def _table(profile: StackProfile) -> _Table:
     return _Table(tuple(c.forward_ms for c in ls), tuple(c.backward_ms for c in ls),
                   tuple(c.saved_bytes for c in ls), tuple(c.work_bytes for c in ls),
                   tuple(c.input_bytes for c in ls), tuple(c.grad_bytes for c in ls),
-                  {ch: tuple(c.kept_for(ch, "remap") for c in ls) for ch in _ALL_CHOICES},
+                  {(ch, off): tuple(c.kept_for(ch, "off" if off else "remap") for c in ls)
+                   for ch in _ALL_CHOICES for off in (False, True)},
                   {ch: tuple(c.recompute_for(ch) for c in ls) for ch in _ALL_CHOICES},
                   sum(c.grad_bytes for c in ls), profile.forward_ms, profile.backward_ms)
 
 
 def _kept(t: _Table, choices: Sequence[str], mode: str) -> list[int]:
     """What each layer keeps in the graphs' pool (``LayerCost.kept_for``)."""
-    if mode == "off":  # (offloading nothing, an offloaded layer keeps what it saves)
-        return [t.saved[i] if ch in (KEEP, OFFLOAD) else t.kept[ch][i]
-                for i, ch in enumerate(choices)]
-    return [t.kept[ch][i] for i, ch in enumerate(choices)]
+    off = mode == "off"
+    return [t.kept[ch, off][i] for i, ch in enumerate(choices)]
+
+
+def recompute_ms(profile: StackProfile, choices: Sequence[str]) -> float:
+    """The backward time ``choices`` add by recomputing (``LayerCost.recompute_for``)."""
+    rec = _table(profile).recompute
+    return sum(rec[ch][i] for i, ch in enumerate(choices))
 
 
 def _check(profile: StackProfile, choices: Sequence[str]) -> None:
@@ -204,9 +209,7 @@ def _bound(profile: StackProfile, choices: Sequence[str], copied: Copied) -> flo
     out = total - sum(slots[i] for i in held)
     back = total - sum(slots[i] for i in in_place)
     t = _table(profile)
-    rec = t.recompute
-    t_r = sum(rec[ch][i] for i, ch in enumerate(choices))
-    return bound_ms(t.forward_ms, t.backward_ms, t_r, out, back,
+    return bound_ms(t.forward_ms, t.backward_ms, recompute_ms(profile, choices), out, back,
                     profile.d2h_gbps, profile.h2d_gbps)
 
 
@@ -245,8 +248,7 @@ def _step(profile: StackProfile, choices: Sequence[str], mode: str, copied: Copi
     forward, backward, recompute = tab.forward, tab.backward, tab.recompute
     slots, classes, held, in_place = copied
     if not classes:  # nothing leaves the device: compute alone
-        return tab.forward_ms + tab.backward_ms + sum(recompute[ch][i]
-                                                      for i, ch in enumerate(choices))
+        return tab.forward_ms + tab.backward_ms + recompute_ms(profile, choices)
     nbanks = max(1, banks_for(choices, mode))
     d2h = profile.d2h_gbps * 1e6  # bytes per ms
     h2d = profile.h2d_gbps * 1e6

@@ -14,7 +14,7 @@ from ..sizes import format_bytes
 from .costs import (_ALL_CHOICES, AUTO_SLACK, CHOICES, EXHAUSTIVE_LAYERS, FIT_BUILDS, KEEP, MODES,
                     OFFLOAD, RECOMPUTE, RECOMPUTE_CHEAP, SEARCH_STARTS, BudgetPlan, StackProfile,
                     parse_budget, reported, short)
-from .model import _has_homes, score, slot_bytes
+from .model import _has_homes, recompute_ms, score, slot_bytes
 
 
 @dataclass(frozen=True)
@@ -362,5 +362,5 @@ def _plan(profile: StackProfile, s: _Scored, budget: int | None, reason: str,
         choices=choices, recompute_ops=ops, mode=s.mode, budget_bytes=budget, predicted_peak_bytes=s.peak,
         predicted_step_ms=s.step, lower_bound_ms=min(bound, s.bound),
         offloaded_bytes=sum(slot_bytes(profile, s.choices, s.mode)),
-        recompute_ms=sum(c.recompute_for(ch) for c, ch in zip(profile.layers, s.choices)),
+        recompute_ms=recompute_ms(profile, s.choices),
         reason=reason, profile=profile)
