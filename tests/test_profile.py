@@ -97,16 +97,23 @@ def test_the_profile_times_what_the_device_runs_not_the_hosts_gaps(clean):
     assert 0 < cost.forward_ms < 5, cost
 
 
+def _stand_in_spin(b, monkeypatch) -> list[float]:
+    """The cpu backend declared to spin, its spins only written down (the ms each asks)."""
+    if b.name != "cpu":
+        pytest.skip("the stand-in spin is the cpu backend's, whose own stream runs work as "
+                    "it is queued")
+    asked: list[float] = []
+    monkeypatch.setattr(b, "capabilities", dataclasses.replace(b.capabilities, spin=True))
+    monkeypatch.setattr(b, "vendor_spin", lambda ms, stream: asked.append(ms), raising=False)
+    return asked
+
+
 def test_the_profile_keeps_the_device_busy_longer_until_the_host_queues_ahead(clean, monkeypatch):
     """On a backend that declares spin, each timed region asks for a longer spin while
     the device still started before the host finished queuing (here it always does: the
     cpu's own stream runs work as it is queued)."""
     b = clean
-    if b.name != "cpu":
-        pytest.skip("the inline stream of the cpu backend starts every block at once")
-    asked: list[float] = []
-    monkeypatch.setattr(b, "capabilities", dataclasses.replace(b.capabilities, spin=True))
-    monkeypatch.setattr(b, "vendor_spin", lambda ms, stream: asked.append(ms), raising=False)
+    asked = _stand_in_spin(b, monkeypatch)
     torch.manual_seed(0)
     x = torch.randn(16, 64, device=b.device, requires_grad=True)
     (cost,) = profile_units(b, [nn.Sequential(nn.Linear(64, 64), nn.ReLU())], x, iters=2)
@@ -123,15 +130,11 @@ def test_the_profile_stops_spinning_for_a_region_that_waits_for_the_device(clean
     cannot get ahead of the device however long the spin: the profile stops spinning for
     that kind of region instead of doubling the spin each time."""
     b = clean
-    if b.name != "cpu":
-        pytest.skip("the stand-in spin below is the cpu backend's")
     torch.manual_seed(0)
     x = torch.randn(16, 64, device=b.device, requires_grad=True)
-    # (warm: a process's first profile pays one-off costs that would set the first spins)
-    profile_units(b, [nn.Sequential(nn.Linear(64, 64), nn.ReLU())], x)
-    asked: list[float] = []
-    monkeypatch.setattr(b, "capabilities", dataclasses.replace(b.capabilities, spin=True))
-    monkeypatch.setattr(b, "vendor_spin", lambda ms, stream: asked.append(ms), raising=False)
+    if b.name == "cpu":  # (warm: a process's first profile pays one-off costs that would
+        profile_units(b, [nn.Sequential(nn.Linear(64, 64), nn.ReLU())], x)  # set the spins)
+    asked = _stand_in_spin(b, monkeypatch)
 
     class Syncs(nn.Module):
         def __init__(self) -> None:
