@@ -75,14 +75,16 @@ class _Ahead:
     busy before each kind of timed region (``ahead_ms``), so the host queues all of it
     first: twice the host time it took before plus a ms, doubled while the device still
     started early. Zero where the backend cannot, and for a kind whose host waited out
-    the whole spin and still did not get ahead: its region waits for the device itself
-    (a synchronising call), and a longer spin would only cost time."""
+    the whole spin twice running and still did not get ahead: its region waits for the
+    device itself (a synchronising call), and a longer spin would only cost time. Once
+    may be a stall of the host's own (a busy machine), so the first time keeps the spin."""
 
     LIMIT_MS = 2000.0
 
     def __init__(self, b: Backend, first_ms: dict[str, float]) -> None:
         self.on = b.capabilities.spin
         self.ms = {k: min(v, self.LIMIT_MS) for k, v in first_ms.items()}
+        self.waited: set[str] = set()  # kinds whose host sat out the last spin
 
     def __call__(self, kind: str) -> float:
         return self.ms[kind] if self.on else 0.0
@@ -91,12 +93,17 @@ class _Ahead:
         if not self.on or self.ms[kind] == 0.0:
             return
         given = self(kind)
+        sat_out = not t["device_alone"] and t["host_ms"] >= given
         if t["device_alone"]:
             need = 2 * t["host_ms"] + 1
-        elif t["host_ms"] >= given:
-            need = 0.0  # (the host waited for the device: it syncs inside the region)
+        elif sat_out:
+            need = 0.0 if kind in self.waited else given
         else:
             need = max(2 * t["host_ms"] + 1, 2 * given)
+        if sat_out:
+            self.waited.add(kind)
+        else:
+            self.waited.discard(kind)
         self.ms[kind] = min(need, self.LIMIT_MS)
 
 

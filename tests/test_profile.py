@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from graphslot.errors import UsageError
-from graphslot.profile import copy_bandwidth, profile_units
+from graphslot.profile import _Ahead, copy_bandwidth, profile_units
 
 
 def test_copy_bandwidth_measures_every_direction(clean):
@@ -108,6 +108,26 @@ def _stand_in_spin(b, monkeypatch) -> list[float]:
     return asked
 
 
+class _SlowFirst(nn.Module):
+    """A linear layer whose first forward (the profile's untimed one, which sets the first
+    spins) sleeps 50 ms: the spins start at about 200 ms, beyond any stall of a busy
+    machine's host, so what the tests see is the profile's rule alone. ``stall`` may make
+    a later forward sleep through its whole spin (as a synchronising call would)."""
+
+    def __init__(self, asked: list[float], stall=lambda calls: False) -> None:
+        super().__init__()
+        self.lin = nn.Linear(64, 64)
+        self.asked, self.stall, self.calls = asked, stall, 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        if self.calls == 1:
+            time.sleep(0.05)
+        elif self.stall(self.calls):  # the host waits until the device is through the spin
+            time.sleep(self.asked[-1] / 1e3)
+        return torch.relu(self.lin(x))
+
+
 def test_the_profile_keeps_the_device_busy_longer_until_the_host_queues_ahead(clean, monkeypatch):
     """On a backend that declares spin, each timed region asks for a longer spin while
     the device still started before the host finished queuing (here it always does: the
@@ -116,41 +136,50 @@ def test_the_profile_keeps_the_device_busy_longer_until_the_host_queues_ahead(cl
     asked = _stand_in_spin(b, monkeypatch)
     torch.manual_seed(0)
     x = torch.randn(16, 64, device=b.device, requires_grad=True)
-    (cost,) = profile_units(b, [nn.Sequential(nn.Linear(64, 64), nn.ReLU())], x, iters=2)
+    (cost,) = profile_units(b, [_SlowFirst(asked).to(b.device)], x, iters=2)
     assert cost.forward_ms > 0 and cost.backward_ms > 0 and cost.cheap
     # a forward and a backward, each three times (iters + 1), then three cheap recomputes
-    assert len(asked) == 3 * 3
+    assert len(asked) == 3 * 3, asked
     forward, backward, cheap = asked[0:6:2], asked[1:6:2], asked[6:]
-    for spins in (forward, backward, cheap):
-        assert all(later >= 2 * earlier for earlier, later in zip(spins, spins[1:])), spins
+    assert forward[0] >= 200 and cheap[0] >= 400, asked
+    for spins in (forward, backward, cheap):  # (a spin stops growing at the limit)
+        assert all(later >= min(2 * earlier, _Ahead.LIMIT_MS)
+                   for earlier, later in zip(spins, spins[1:])), spins
 
 
 def test_the_profile_stops_spinning_for_a_region_that_waits_for_the_device(clean, monkeypatch):
     """A region that synchronises (its host waits out the whole spin, as ``.item()`` would)
-    cannot get ahead of the device however long the spin: the profile stops spinning for
-    that kind of region instead of doubling the spin each time."""
+    cannot get ahead of the device however long the spin: after the second such region
+    running, the profile stops spinning for that kind instead of doubling the spin each
+    time."""
     b = clean
+    asked = _stand_in_spin(b, monkeypatch)
     torch.manual_seed(0)
     x = torch.randn(16, 64, device=b.device, requires_grad=True)
-    if b.name == "cpu":  # (warm: a process's first profile pays one-off costs that would
-        profile_units(b, [nn.Sequential(nn.Linear(64, 64), nn.ReLU())], x)  # set the spins)
-    asked = _stand_in_spin(b, monkeypatch)
-
-    class Syncs(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.lin = nn.Linear(64, 64)
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            if asked:  # the host waits until the device is through the last spin
-                time.sleep(asked[-1] / 1e3)
-            return torch.relu(self.lin(x))
-
-    (cost,) = profile_units(b, [Syncs().to(b.device)], x, iters=2)
+    unit = _SlowFirst(asked, stall=lambda calls: True).to(b.device)
+    (cost,) = profile_units(b, [unit], x, iters=2)
     assert cost.forward_ms > 0 and cost.cheap
-    # the forward and the cheap recompute (it runs the forward): asked once each; the
-    # backward (no sync): three times, doubling
-    forward, backward, cheap = asked[0], asked[1:4], asked[4:]
-    assert len(asked) == 5 and len(cheap) == 1, asked
-    assert all(later >= 2 * earlier for earlier, later in zip(backward, backward[1:])), asked
-    assert forward > 0 and cheap[0] > 0
+    # forward, backward; forward, backward; backward; then the cheap recompute (it runs
+    # the forward) twice: the forward's spin and the cheap one asked twice each and
+    # kept; the backward's (no sync) three times, doubling
+    assert len(asked) == 7, asked
+    forward, backward, cheap = asked[0:4:2], [asked[1], asked[3], asked[4]], asked[5:]
+    assert forward[0] == forward[1] > 0 and cheap[0] == cheap[1] > 0, asked
+    assert all(later >= min(2 * earlier, _Ahead.LIMIT_MS)
+               for earlier, later in zip(backward, backward[1:])), asked
+
+
+def test_one_stall_of_the_host_keeps_the_spin_instead_of_ending_it(clean, monkeypatch):
+    """A host that sits out one spin by a stall of its own (a busy machine) is not taken
+    for a region that synchronises: the spin stays, and doubles again after."""
+    b = clean
+    asked = _stand_in_spin(b, monkeypatch)
+    torch.manual_seed(0)
+    x = torch.randn(16, 64, device=b.device, requires_grad=True)
+    # calls: 1 untimed, 2-4 timed forwards, 5+ the cheap recompute's: the first stalls
+    unit = _SlowFirst(asked, stall=lambda calls: calls == 2).to(b.device)
+    profile_units(b, [unit], x, iters=2)
+    forward = asked[0:6:2]
+    assert len(asked) == 9, asked
+    assert forward[1] == forward[0], asked
+    assert forward[2] >= min(2 * forward[1], _Ahead.LIMIT_MS), asked
