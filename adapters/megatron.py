@@ -69,7 +69,6 @@ from graphslot.backend import Backend, align_up
 from graphslot.errors import IncompatibleError, StateError, UsageError
 from graphslot.offload import Mode, OffloadEngine, OffloadUnit, SavedTensorSpec, leaves_on_device
 from graphslot.paged import PagedPool
-from graphslot.regions import RegionGraphBackend
 from graphslot.selection import get_backend
 
 from .megatron_checks import (_RUNNER_NEEDS, FP8_RECIPES_SERVED, MIN_VERSION, MegatronInfo,  # noqa: F401
@@ -323,7 +322,7 @@ class MegatronOffload:
     def _page_pool(self) -> None:
         """Make Megatron's global graph pool a :class:`PagedPool` (see the module docs)."""
         cg, b = self._cg, self.backend
-        if not isinstance(b, RegionGraphBackend):
+        if not b.capabilities.region_graphs:
             raise IncompatibleError(f"release_graph_pool needs a backend whose graphs draw their pool "
                                     f"from a region; the {b.name} backend's do not (pass "
                                     "release_graph_pool=False)")

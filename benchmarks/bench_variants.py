@@ -35,8 +35,7 @@ import torch
 import torch.nn.functional as F
 
 import graphslot
-from graphslot.arena import (IOArena, IOTensor, Step, VariantGraphs, ordinary_capture_kwargs,
-                             warm_first_capture)
+from graphslot.arena import IOArena, IOTensor, Step, VariantGraphs, warm_first_capture
 from graphslot.memory import measure, release_unused, used_bytes
 
 MiB = 1 << 20
@@ -94,7 +93,7 @@ def variants(b: graphslot.Backend, hidden: int, seqs: tuple[int, ...], dtype: to
     g = torch.Generator().manual_seed(1)
     xs = {p: torch.randn(s, hidden, generator=g).to(b.device, dtype) for p, s in zip(PATHS, seqs)}
     want = {p: getattr(layer, p)(xs[p]) for p in PATHS}  # also the eager warm-up
-    kw = ordinary_capture_kwargs(b)
+    kw = b.ordinary_capture_kwargs()
     warm_first_capture(b)
 
     before = used_bytes(b)
@@ -176,7 +175,7 @@ def partial_io(b: graphslot.Backend, hidden: int, seq: int, dtype: torch.dtype, 
     gen = torch.Generator().manual_seed(5)
     x0 = torch.randn(seq, hidden, generator=gen).to(b.device, dtype)
     want = eager(x0)
-    kw = ordinary_capture_kwargs(b)
+    kw = b.ordinary_capture_kwargs()
     buf = seq * hidden * torch.empty((), dtype=dtype).element_size()
 
     release_unused(b)

@@ -48,13 +48,13 @@ from typing import TYPE_CHECKING, Any, Callable, Hashable, Iterable, Iterator, S
 from .backend import Allocation, Backend, DeviceGraph, Reservation, align_up
 from .errors import PoolFullError, StateError, UsageError
 from .planner import Plan, PlanError, TensorSpec, plan, verify
-from .regions import RegionGraph, ordinary_capture_kwargs
+from .regions import RegionGraph
 
 if TYPE_CHECKING:
     import torch
 
 __all__ = ["PoolFullError", "SharedArena", "VariantGraphs", "IOTensor", "Step", "io_specs",
-           "IOArena", "ordinary_capture_kwargs", "warm_first_capture"]
+           "IOArena", "warm_first_capture"]
 
 GiB = 1 << 30
 
@@ -712,7 +712,7 @@ def warm_first_capture(backend: Backend) -> None:
 
     g = backend.new_graph()
     x = torch.ones(4, device=backend.device)
-    with g.capture(**ordinary_capture_kwargs(backend)):
+    with g.capture(**backend.ordinary_capture_kwargs()):
         x * 2
     del g
     release_unused(backend)

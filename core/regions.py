@@ -1,7 +1,7 @@
 """The region-graph interface: device graphs whose private pool is a graphslot VA region.
 
 A backend that can draw a graph's private pool from a range of a graphslot reservation
-is a :class:`RegionGraphBackend`; its ``new_graph(pool_region=(va, size))`` (and
+declares ``Capabilities.region_graphs``; its ``new_graph(pool_region=(va, size))`` (and
 ``new_graph(share_pool_with=g)`` for such a ``g``) returns a :class:`RegionGraph`.
 :mod:`graphslot.arena` and :mod:`graphslot.adapters.te` use region graphs only through
 this interface, so neither asks a backend its name:
@@ -13,8 +13,8 @@ this interface, so neither asks a backend its name:
 * :attr:`RegionGraph.pool_handle` and :meth:`RegionGraph.lend`: what other code that
   captures its own graphs into the pool (TransformerEngine) is given, and the routing of
   the pool's allocations into the region while that code runs;
-* :meth:`RegionGraphBackend.ordinary_capture_kwargs`: the ``capture()`` arguments under
-  which an ordinary graph captures as region graphs do, for fair comparisons.
+* ``Backend.ordinary_capture_kwargs()``: the ``capture()`` arguments under which an
+  ordinary graph captures as region graphs do, for fair comparisons.
 
 This module belongs to the interface layer: it imports only :mod:`graphslot.backend`.
 """
@@ -25,9 +25,9 @@ import abc
 import contextlib
 from typing import Any, ContextManager
 
-from .backend import Backend, DeviceGraph
+from .backend import DeviceGraph
 
-__all__ = ["RegionGraph", "RegionGraphBackend", "ordinary_capture_kwargs"]
+__all__ = ["RegionGraph"]
 
 
 class RegionGraph(DeviceGraph):
@@ -87,35 +87,3 @@ class RegionGraph(DeviceGraph):
             StateError: the pool was released.
         """
         return contextlib.nullcontext()
-
-
-class RegionGraphBackend(abc.ABC):
-    """A backend whose ``new_graph`` takes ``pool_region=(va, size)`` and returns a
-    :class:`RegionGraph`; backends mix it in next to :class:`~graphslot.backend.Backend`."""
-
-    def ordinary_capture_kwargs(self) -> dict[str, Any]:
-        """``capture()`` arguments under which an ordinary graph captures as region graphs do.
-
-        Returns:
-            Keyword arguments for :meth:`DeviceGraph.capture` (default: none).
-        """
-        return {}
-
-
-def ordinary_capture_kwargs(backend: Backend) -> dict[str, Any]:
-    """``capture()`` arguments under which an ordinary graph of ``backend`` captures as its
-    region graphs do.
-
-    On cuda, region graphs capture on graphslot's warmed stream (so per-stream library
-    workspaces stay out of shared pages); a baseline captured on that stream too makes
-    memory comparisons attribute those workspaces alike.
-
-    Args:
-        backend: any backend.
-
-    Returns:
-        The arguments (none on a backend without region graphs).
-    """
-    if isinstance(backend, RegionGraphBackend):
-        return backend.ordinary_capture_kwargs()
-    return {}

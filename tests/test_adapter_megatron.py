@@ -8,6 +8,7 @@ local CUDA graphs plus graphslot offload runs on the cuda backend.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -224,7 +225,7 @@ def test_enable_installs_its_hooks_and_disable_removes_every_one(local_gpt, host
     assert host.ledger.mapped_bytes == 0
 
 
-def test_remap_pages_megatrons_graph_pool_and_disable_gives_it_back(local_gpt, host):
+def test_remap_pages_megatrons_graph_pool_and_disable_gives_it_back(local_gpt, host, monkeypatch):
     """remap (by default) makes Megatron's global graph pool a graphslot paged pool and
     wraps what allocates into it or replays from it; disable() restores every one and
     frees the region. resident leaves the pool alone unless asked."""
@@ -253,6 +254,12 @@ def test_remap_pages_megatrons_graph_pool_and_disable_gives_it_back(local_gpt, h
     off = gsm.enable(local_gpt, mode="resident", backend=host, release_graph_pool=True)
     assert off.pool is not None
     off.disable()
+    # a backend whose graphs cannot draw their pool from a region is refused, naming it
+    monkeypatch.setattr(host, "capabilities",
+                        dataclasses.replace(host.capabilities, region_graphs=False))
+    with pytest.raises(IncompatibleError, match="release_graph_pool=False"):
+        gsm.enable(local_gpt, mode="resident", backend=host, release_graph_pool=True)
+    assert manager.__dict__.get("global_mempool") is pool_before
 
 
 def test_the_graph_pool_is_paged_with_gtp_importable_but_unused(local_gpt, host, monkeypatch):

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 import graphslot
 from graphslot import align_up
 from graphslot.arena import (IOArena, IOTensor, PoolFullError, SharedArena, Step, VariantGraphs,
-                             io_specs, ordinary_capture_kwargs, warm_first_capture)
+                             io_specs, warm_first_capture)
 from graphslot.errors import InjectedFault, StateError, UsageError
 from graphslot.memory import measure, used_bytes
 from graphslot.planner import PlanError
@@ -222,7 +222,7 @@ def test_shared_variants_cost_the_largest_not_the_sum(regions):
     """Driver-level memory of three variants in one arena against three separate captures."""
     b = regions
     layer, xs = variants(b, seed=3)
-    kw = ordinary_capture_kwargs(b)
+    kw = b.ordinary_capture_kwargs()
     slack = 48 * MiB if b.name == "cuda" else 8 * MiB
     before = used_bytes(b)
     vg = VariantGraphs(b, capacity=512 * MiB)
@@ -396,7 +396,7 @@ def test_partial_graph_io_shares_bytes_and_replays_correctly(clean):
     tensors, steps = chain(hidden, seq)
     buf = seq * hidden * 4
     reference(torch.randn(seq, hidden, device=b.device))  # eager warm-up
-    kw = ordinary_capture_kwargs(b)
+    kw = b.ordinary_capture_kwargs()
 
     warm_first_capture(b)
 
@@ -479,11 +479,11 @@ def test_io_of_exclusive_variants_shares_bytes_across_branches(clean):
 
 def test_region_graphs_implement_the_declared_interface(regions):
     """Region graphs are :class:`graphslot.regions.RegionGraph` (what the arena and the TE
-    adapter use), ordinary graphs are not, and the backend declares the interface."""
-    from graphslot.regions import RegionGraph, RegionGraphBackend
+    adapter use), ordinary graphs are not, and the backend declares the capability."""
+    from graphslot.regions import RegionGraph
 
     b = regions
-    assert isinstance(b, RegionGraphBackend)
+    assert b.capabilities.region_graphs
     assert not isinstance(b.new_graph(), RegionGraph)
     with VariantGraphs(b, capacity=64 * MiB) as vg:
         with vg.lend_pool("v") as g:
@@ -495,4 +495,4 @@ def test_region_graphs_implement_the_declared_interface(regions):
             shared = b.new_graph(share_pool_with=g)
             assert isinstance(shared, RegionGraph) and shared.pool_region == g.pool_region
             assert isinstance(shared.release_pool(), int)  # g still holds the pool
-    assert isinstance(ordinary_capture_kwargs(b), dict)
+    assert isinstance(b.ordinary_capture_kwargs(), dict)

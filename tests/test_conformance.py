@@ -287,6 +287,26 @@ def test_graph_events_are_refused_where_they_cannot_be(clean, monkeypatch):
         b.new_graph_event()
 
 
+def test_ordinary_capture_arguments_follow_the_region_graphs_capability(clean, monkeypatch):
+    """Where the backend declares region graphs, an ordinary graph captures with the
+    arguments the vendor gives (and captures); elsewhere there are none, and the vendor's
+    hook is never asked."""
+    b = clean
+    if b.capabilities.region_graphs:
+        kw = b.ordinary_capture_kwargs()
+        assert isinstance(kw, dict)
+        x = torch.zeros(4, device=b.device)
+        g = b.new_graph()
+        with g.capture(**kw):
+            x.add_(1)
+        g.replay()
+        b.synchronize()
+        assert torch.all(x.cpu() >= 1)
+    monkeypatch.setattr(b, "capabilities", dataclasses.replace(b.capabilities, region_graphs=False))
+    monkeypatch.setattr(b, "vendor_region_capture_kwargs", lambda: pytest.fail("asked"), raising=False)
+    assert b.ordinary_capture_kwargs() == {}
+
+
 def test_timing_events_measure_queued_work(clean):
     b = clean
     s = b.new_stream()

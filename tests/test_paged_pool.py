@@ -15,7 +15,6 @@ import graphslot
 from graphslot.errors import StateError, UsageError
 from graphslot.offload import DriverWorker
 from graphslot.paged import PagedPool, PoolState
-from graphslot.regions import RegionGraphBackend
 
 from devices import spin
 
@@ -25,7 +24,7 @@ MiB = 1 << 20
 @pytest.fixture
 def pooled(clean):
     b = clean
-    if not isinstance(b, RegionGraphBackend):
+    if not b.capabilities.region_graphs:
         pytest.skip(f"the {b.name} backend's graphs do not draw their pool from a region")
     worker = DriverWorker(b)
     made: list[PagedPool] = []

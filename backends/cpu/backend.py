@@ -20,7 +20,6 @@ import torch
 
 from graphslot.backend import Backend, Capabilities, DeviceGraph, RngStream
 from graphslot.errors import UsageError
-from graphslot.regions import RegionGraphBackend
 
 from . import streams as _s
 from .driver import GRANULARITY_ENV, MAX_GRANULARITY, PAGE, CpuDriver, Quarantine, parse_granularity
@@ -39,7 +38,7 @@ def bytes_at(va: int, nbytes: int) -> torch.Tensor:
 
 
 
-class CpuBackend(Backend, RegionGraphBackend):
+class CpuBackend(Backend):
     """graphslot on host memory; see the module docstring for the mapping to Linux."""
 
     name = "cpu"
@@ -50,7 +49,7 @@ class CpuBackend(Backend, RegionGraphBackend):
     # allocator's figures only graph pools are known (graphslot's own), torch's host
     # allocator keeping no statistics.
     capabilities = Capabilities(graph_events=True, rng_streams=True, footprint=True,
-                                allocator_stats=True)
+                                allocator_stats=True, region_graphs=True)
 
     def __init__(self, granularity: int | None = None) -> None:
         super().__init__(CpuDriver(granularity))
@@ -150,6 +149,9 @@ class CpuBackend(Backend, RegionGraphBackend):
         g = CpuGraph(self) if region is None else RegionCpuGraph(self, region)
         self._graphs.add(g)
         return g
+
+    def vendor_region_capture_kwargs(self) -> dict[str, Any]:
+        return {}  # (a region graph captures on any stream, as an ordinary one does)
 
     def vendor_empty_cache(self) -> None:
         if hasattr(_libc, "malloc_trim"):

@@ -13,7 +13,7 @@ from cuda.bindings import driver as cu
 
 from graphslot.backend import Backend, Capabilities, DeviceGraph, RngStream, no_gc
 from graphslot.errors import BackendUnavailableError, DriverError, UsageError
-from graphslot.regions import RegionGraph, RegionGraphBackend
+from graphslot.regions import RegionGraph
 
 from .driver import CudaDriver, _check
 
@@ -36,7 +36,7 @@ def _external_events() -> bool:
     return True
 
 
-class CudaBackend(Backend, RegionGraphBackend):
+class CudaBackend(Backend):
     """graphslot on an NVIDIA GPU."""
 
     name = "cuda"
@@ -47,7 +47,7 @@ class CudaBackend(Backend, RegionGraphBackend):
     # this process's own footprint cannot be told apart from the driver's figure.
     capabilities = Capabilities(graphed_callables=True, rng_streams=True, pool_return=True,
                                 pool_segments=True, allocator_stats=True,
-                                spin=hasattr(torch.cuda, "_sleep"))
+                                spin=hasattr(torch.cuda, "_sleep"), region_graphs=True)
 
     def __init__(self, device: int | None = None) -> None:
         super().__init__()
@@ -213,7 +213,7 @@ class CudaBackend(Backend, RegionGraphBackend):
         pool = share_pool_with.pool if isinstance(share_pool_with, CudaGraph) else None
         return CudaGraph(self, pool if pool is not None else torch.cuda.graph_pool_handle())
 
-    def ordinary_capture_kwargs(self) -> dict[str, Any]:
+    def vendor_region_capture_kwargs(self) -> dict[str, Any]:
         """Region graphs capture on graphslot's warmed capture stream
         (:func:`graphslot.backends.cuda.pool.capture_stream`): so does an ordinary graph
         captured with these arguments, so per-stream library workspaces count alike."""

@@ -525,6 +525,18 @@ class Backend(DeviceVendor):
         """
         return self.vendor_return_to_pool(t) if self.capabilities.pool_return else None
 
+    def ordinary_capture_kwargs(self) -> dict[str, Any]:
+        """``capture()`` arguments under which an ordinary graph captures as this backend's
+        region graphs do (``Capabilities.region_graphs``), for fair memory comparisons: on
+        cuda, region graphs capture on graphslot's warmed stream, so per-stream library
+        workspaces stay out of shared pages, and a baseline captured there too counts
+        them alike.
+
+        Returns:
+            Keyword arguments for :meth:`DeviceGraph.capture` (none without region graphs).
+        """
+        return self.vendor_region_capture_kwargs() if self.capabilities.region_graphs else {}
+
     # ------------------------------------------------------------------ public: info
 
     def driver_calls(self) -> int:

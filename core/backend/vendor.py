@@ -80,6 +80,12 @@ class Capabilities:
     #: device alone, without the host's launch gaps (``timed(ahead_ms=...)``): what a graph
     #: replay of that work takes. Without: ``timed`` counts those gaps.
     spin: bool = False
+    #: Graphs draw their private pool from a range of a graphslot reservation:
+    #: ``new_graph(pool_region=(va, size))`` (and ``share_pool_with`` such a graph) returns a
+    #: :class:`~graphslot.regions.RegionGraph`, so mutually exclusive graphs can share
+    #: physical memory (:mod:`graphslot.arena`). Without: ``new_graph(pool_region=...)``
+    #: raises ``UsageError``, and ``ordinary_capture_kwargs`` is empty.
+    region_graphs: bool = False
 
 
 #: The hooks a vendor implements for each feature it declares in :class:`Capabilities`.
@@ -92,6 +98,7 @@ FEATURE_HOOKS: dict[str, tuple[str, ...]] = {
     "footprint": ("vendor_footprint_bytes",),
     "allocator_stats": ("vendor_allocator_stats",),
     "spin": ("vendor_spin",),
+    "region_graphs": ("vendor_region_capture_kwargs",),
 }
 
 
@@ -147,9 +154,10 @@ class DeviceVendor(abc.ABC):
         graphs of mutually exclusive variants can then share physical memory. Such a
         graph has ``pool_region``, ``pool_used_bytes`` (the high-water mark) and
         ``executes_during_capture`` (whether the region must be mapped while capturing);
-        its backend mixes in :class:`~graphslot.regions.RegionGraphBackend`. A capture
-        that needs more than ``size`` bytes fails with a
-        :class:`~graphslot.errors.UsageError`. Pass one of the two arguments, not both.
+        only a backend that declares ``Capabilities.region_graphs`` takes it (elsewhere a
+        :class:`~graphslot.errors.UsageError`). A capture that needs more than ``size``
+        bytes fails with a :class:`~graphslot.errors.UsageError`. Pass one of the two
+        arguments, not both.
         """
 
     # ------------------------------------------------------------------ hooks behind the checked API
@@ -223,6 +231,11 @@ class DeviceVendor(abc.ABC):
     def vendor_spin(self, ms: float, stream: Any) -> None:
         """[spin] Queue on ``stream`` work that keeps the device busy about ``ms`` (``timed``)."""
         raise self._undeclared("spin")
+
+    def vendor_region_capture_kwargs(self) -> dict[str, Any]:
+        """[region_graphs] ``capture()`` arguments under which an ordinary graph captures
+        as region graphs do (``ordinary_capture_kwargs``)."""
+        raise self._undeclared("region_graphs")
 
     def _undeclared(self, feature: str) -> NotImplementedError:
         return NotImplementedError(
