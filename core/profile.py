@@ -140,7 +140,7 @@ def profile_units(b: Backend, units: Sequence[torch.nn.Module], sample: torch.Te
                 kept[s.data_ptr()] = s.nbytes()
 
         t0 = time.perf_counter()
-        with noting_expensive_outputs(note):
+        with noting_expensive_outputs(note) as changed:
             y, saved = run_counting_saved(lambda: m(x), x.device.type, [m])
         # (the host's time for a forward, counting hooks and all, is the measure to start
         # with; a cheap recompute runs a forward twice and dispatches each op in Python)
@@ -180,6 +180,15 @@ def profile_units(b: Backend, units: Sequence[torch.nn.Module], sample: torch.Te
         if not sees_peak:
             work = 2 * out.numel() * out.element_size()  # an output's gradient and a temporary
         cheap_ms: float | None = None
+        recompute_calls = frozenset(changed)
+        if cheap_bytes and inputs and recompute_calls:
+            # Outputs the forward changes in place are made again, not kept: count what
+            # the cheap recompute keeps then.
+            kept.clear()
+            y = torch.utils.checkpoint.checkpoint(
+                m, x, use_reentrant=False, context_fn=cheap_recompute_contexts(note, recompute_calls))
+            del y
+            cheap_bytes = sum(kept.values())
         if 0 < cheap_bytes < saved and inputs:
             # Recomputed cheaply, forward and backward take this much more than plainly.
             both = []
@@ -187,7 +196,8 @@ def profile_units(b: Backend, units: Sequence[torch.nn.Module], sample: torch.Te
                 b.synchronize()
                 with b.timed(ahead_ms=ahead("cheap")) as tc:
                     y = torch.utils.checkpoint.checkpoint(
-                        m, x, use_reentrant=False, context_fn=cheap_recompute_contexts())
+                        m, x, use_reentrant=False,
+                        context_fn=cheap_recompute_contexts(recompute_calls=recompute_calls))
                     torch.autograd.grad(y, inputs, torch.ones_like(y), allow_unused=True)
                     del y
                 ahead.saw("cheap", tc)

@@ -22,7 +22,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
-__all__ = ["EXPENSIVE_OPS", "is_expensive", "cheap_recompute_contexts", "noting_expensive_outputs"]
+__all__ = ["EXPENSIVE_OPS", "CallKey", "is_expensive", "cheap_recompute_contexts",
+           "noting_expensive_outputs"]
 
 
 def _packets(*names: str) -> frozenset[Any]:
@@ -47,34 +48,73 @@ def is_expensive(op: Any) -> bool:
     return getattr(op, "overloadpacket", op) in EXPENSIVE_OPS
 
 
-class _NoteOutputs(TorchDispatchMode):
-    """Calls ``note`` with every tensor an expensive op returns."""
+#: One call of an expensive op in a forward: its op packet and how many calls of that op
+#: came before it. A layer's forward makes the same calls in the same order each time
+#: (torch's selective checkpointing relies on it too), so a key names one call.
+CallKey = tuple[Any, int]
 
-    def __init__(self, note: Callable[[torch.Tensor], None]) -> None:
+
+class _Calls:
+    """Numbers each expensive op's calls in one forward (see :data:`CallKey`)."""
+
+    def __init__(self) -> None:
+        self.counts: dict[Any, int] = {}
+
+    def key(self, op: Any) -> CallKey:
+        packet = getattr(op, "overloadpacket", op)
+        k = self.counts.get(packet, 0)
+        self.counts[packet] = k + 1
+        return packet, k
+
+
+class _NoteOutputs(TorchDispatchMode):
+    """Calls ``note`` with every tensor an expensive op returns, except those of the calls
+    in ``skip``; keeps each such output and its version when ``watch`` is set."""
+
+    def __init__(self, note: Callable[[torch.Tensor], None] | None,
+                 skip: frozenset[CallKey] = frozenset(), watch: bool = False) -> None:
         super().__init__()
-        self.note = note
+        self.note, self.skip, self.watch = note, skip, watch
+        self.calls = _Calls()
+        self.outputs: list[tuple[CallKey, torch.Tensor, int]] = []
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))
         if is_expensive(func):
-            for t in (out if isinstance(out, (tuple, list)) else (out,)):
-                if isinstance(t, torch.Tensor):
-                    self.note(t)
+            key = self.calls.key(func)
+            if key not in self.skip:
+                for t in (out if isinstance(out, (tuple, list)) else (out,)):
+                    if isinstance(t, torch.Tensor):
+                        if self.note is not None:
+                            self.note(t)
+                        if self.watch:
+                            self.outputs.append((key, t, t._version))
         return out
 
 
 @contextlib.contextmanager
-def noting_expensive_outputs(note: Callable[[torch.Tensor], None]) -> Iterator[None]:
-    """Within: ``note(t)`` for each tensor an expensive op (:func:`is_expensive`) returns."""
-    with _NoteOutputs(note):
-        yield
+def noting_expensive_outputs(note: Callable[[torch.Tensor], None] | None = None
+                             ) -> Iterator[set[CallKey]]:
+    """Within: ``note(t)`` for each tensor an expensive op (:func:`is_expensive`) returns.
+
+    Yields a set that, on exit, holds the calls whose outputs the code within changed in
+    place (an in-place activation on a matrix product's output, say): a cheap recompute
+    cannot keep those outputs as they were made, and runs those calls again instead
+    (``cheap_recompute_contexts(recompute_calls=...)``). The outputs are kept alive until
+    the exit, to read their versions there.
+    """
+    mode = _NoteOutputs(note, watch=True)
+    changed: set[CallKey] = set()
+    try:
+        with mode:
+            yield changed
+        changed.update(key for key, t, version in mode.outputs if t._version != version)
+    finally:
+        mode.outputs.clear()
 
 
-def _policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
-    return CheckpointPolicy.MUST_SAVE if is_expensive(op) else CheckpointPolicy.PREFER_RECOMPUTE
-
-
-def cheap_recompute_contexts(note: Callable[[torch.Tensor], None] | None = None
+def cheap_recompute_contexts(note: Callable[[torch.Tensor], None] | None = None,
+                             recompute_calls: frozenset[CallKey] = frozenset()
                              ) -> Callable[[], tuple[Any, Any]]:
     """A ``context_fn`` for ``torch.utils.checkpoint.checkpoint(..., use_reentrant=False)``
     that keeps the expensive ops' outputs and recomputes the rest in the backward.
@@ -82,17 +122,27 @@ def cheap_recompute_contexts(note: Callable[[torch.Tensor], None] | None = None
     Args:
         note: called with each output kept (what the layer holds until its backward),
             as the forward makes it.
+        recompute_calls: expensive calls run again all the same: those whose outputs the
+            forward changes in place (:func:`noting_expensive_outputs` finds them), which
+            torch's selective checkpointing refuses to keep.
     """
     def contexts() -> tuple[Any, Any]:
-        forward, recompute = create_selective_checkpoint_contexts(_policy)
+        calls = {False: _Calls(), True: _Calls()}  # the forward's and the recompute's
+
+        def policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+            if not is_expensive(op) or calls[ctx.is_recompute].key(op) in recompute_calls:
+                return CheckpointPolicy.PREFER_RECOMPUTE
+            return CheckpointPolicy.MUST_SAVE
+
+        forward, recompute = create_selective_checkpoint_contexts(policy)
         if note is None:
             return forward, recompute
-        return _both(forward, note), recompute
+        return _both(forward, _NoteOutputs(note, skip=recompute_calls)), recompute
 
     return contexts
 
 
 @contextlib.contextmanager
-def _both(forward: Any, note: Callable[[torch.Tensor], None]) -> Iterator[None]:
-    with forward, noting_expensive_outputs(note):
+def _both(forward: Any, noting: _NoteOutputs) -> Iterator[None]:
+    with forward, noting:
         yield

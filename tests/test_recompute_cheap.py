@@ -145,3 +145,70 @@ def test_the_profile_measures_what_a_cheap_recompute_keeps(clean):
     for c in costs:
         assert c.cheap and 0 < c.cheap_saved_bytes < c.saved_bytes
         assert 0 <= c.cheap_recompute_ms <= c.forward_ms
+
+
+class _InPlaceAct(nn.Module):
+    """A block whose activation changes the first product's output in place (as
+    ``nn.ReLU(inplace=True)`` does): the selective policy cannot keep that output."""
+
+    def __init__(self, h: int = 32) -> None:
+        super().__init__()
+        self.up, self.down = nn.Linear(h, 4 * h), nn.Linear(4 * h, h)
+        self.act = nn.ReLU(inplace=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(self.act(self.up(torch.tanh(x))))
+
+
+def test_an_output_changed_in_place_is_found_and_made_again_instead_of_kept(clean):
+    b = clean
+    torch.manual_seed(0)
+    m = _InPlaceAct().to(b.device)
+    x = torch.randn(8, 32, device=b.device, requires_grad=True)
+    with gr.noting_expensive_outputs() as changed:
+        m(x)
+    addmm = torch.ops.aten.addmm
+    assert changed == {(addmm, 0)}  # the up projection's; the down one's is left as made
+    noted: list[torch.Tensor] = []
+    y = torch.utils.checkpoint.checkpoint(
+        m, x, use_reentrant=False, context_fn=gr.cheap_recompute_contexts(noted.append, frozenset(changed)))
+    assert [t.shape for t in noted] == [torch.Size([8, 32])]  # the down projection's alone
+    y.sum().backward()
+    g = x.grad.clone()
+    x.grad = None
+    m(x).sum().backward()
+    assert torch.equal(g, x.grad)
+
+
+@pytest.mark.parametrize("mode", ["off", "remap"])
+def test_a_layer_with_an_in_place_activation_recomputes_cheaply_as_eager(clean, mode):
+    b = clean
+    torch.manual_seed(0)
+    base = [_InPlaceAct().to(b.device) for _ in range(3)]
+    xs = [torch.randn(8, 32, device=b.device) for _ in range(2)]
+
+    def train(layers, stack=None):
+        f = stack or nn.Sequential(*layers)
+        for x in xs:
+            f(x.clone().requires_grad_()).square().sum().backward()
+        return [p.grad for m in layers for p in m.parameters()]
+
+    want = train(copy.deepcopy(base))
+    layers = copy.deepcopy(base)
+    offload = [0] if mode != "off" else []
+    with GraphedLayers(layers, xs[0].clone().requires_grad_(), mode=mode, offload_layers=offload,
+                       recompute_layers=[1, 2], recompute_ops="cheap", layers_per_graph=1,
+                       backend=b) as stack:
+        assert_bitwise(train(layers, stack), want)
+
+
+def test_the_profile_counts_an_output_changed_in_place_as_made_again(clean):
+    from graphslot.profile import profile_units
+
+    b = clean
+    torch.manual_seed(0)
+    m = _InPlaceAct().to(b.device)
+    x = torch.randn(8, 32, device=b.device, requires_grad=True)
+    (cost,) = profile_units(b, [m], x)
+    assert cost.cheap  # it can still recompute cheaply, keeping the down projection's output
+    assert cost.cheap_saved_bytes == x.numel() * x.element_size()

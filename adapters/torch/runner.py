@@ -17,7 +17,7 @@ from torch import nn
 from graphslot.backend import DeviceGraph, RngStream
 from graphslot.errors import CaptureMismatchError, StateError, UsageError
 from graphslot.offload import KEEP, OFFLOAD, RECOMPUTE, OffloadUnit, leaves_on_device
-from graphslot.recompute import cheap_recompute_contexts
+from graphslot.recompute import CallKey, cheap_recompute_contexts, noting_expensive_outputs
 
 from .grads import _backward_into, _GradHome, _ParamGrad, _give_holders_own_bytes, _use_count
 from .plan import _param_name
@@ -89,6 +89,9 @@ class _Runner:
         #: recomputed cheaply: its forward also keeps its expensive ops' outputs, and its
         #: backward graph runs only the cheap ops again (:mod:`graphslot.recompute`)
         self.cheap = layers[0] in stack.cheap_layers
+        #: the expensive calls a cheap recompute runs again all the same (its forward
+        #: changes their outputs in place), found before the warm-up
+        self.recompute_calls: frozenset[CallKey] = frozenset()
         # A recomputed layer's graphs draw from a random stream of their own, rewound to
         # where each microbatch's forward drew before its backward graph draws it again.
         self.rng: RngStream | None = None
@@ -122,8 +125,8 @@ class _Runner:
                 # own stream (``self.rng``), not from state calls that would run in capture.
                 # Recomputed cheaply, the expensive ops' outputs are kept (``note``d as
                 # the unit's memory in the graphs' pool) and only the rest runs again.
-                kw: dict[str, Any] = ({"context_fn": cheap_recompute_contexts(note)} if self.cheap
-                                      else {})
+                kw: dict[str, Any] = ({"context_fn": cheap_recompute_contexts(
+                    note, self.recompute_calls)} if self.cheap else {})
                 return torch.utils.checkpoint.checkpoint(run, static_in, use_reentrant=False,
                                                          preserve_rng_state=False, **kw)
             return run(static_in)
@@ -142,6 +145,13 @@ class _Runner:
         side = stack._warmup_stream
         b.wait_event(side, b.record_event(b.new_event()))
         with b.stream(side):
+            if self.cheap:
+                # Which expensive outputs the forward changes in place: those are made
+                # again in the backward, not kept (torch's selective policy refuses them).
+                with noting_expensive_outputs() as changed:
+                    out = run(static_in)
+                del out
+                self.recompute_calls = frozenset(changed)
             for _ in range(stack.warmup_iters):
                 out = call()
                 if not isinstance(out, torch.Tensor):
