@@ -11,7 +11,7 @@ import torch
 from graphslot import budget as gb
 from graphslot.backend import align_up
 from graphslot.adapters import torch as gt
-from graphslot.errors import UsageError
+from graphslot.errors import CaptureMismatchError, UsageError
 from stacks import graphed, small_gpt
 from test_graphed_grads import assert_bitwise, run
 
@@ -192,3 +192,175 @@ def test_a_bad_budget_fails_before_the_stack_measures_anything(clean, monkeypatc
     model = small_gpt(clean, 2)
     with pytest.raises(UsageError, match="not a size"):
         graphed(model, clean, None, memory_budget="plenty")
+
+
+class _ConvNorm(torch.nn.Module):
+    """A block with batch norm: its forward moves the running statistics (in place, the
+    means and variances without a new version)."""
+
+    def __init__(self, c: int = 8) -> None:
+        super().__init__()
+        self.conv = torch.nn.Conv1d(c, c, 3, padding=1)
+        self.norm = torch.nn.BatchNorm1d(c)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + torch.relu(self.norm(self.conv(x)))
+
+
+@pytest.mark.parametrize("kw", [
+    dict(mode="off"), dict(mode="remap", offload_layers=[0, 1]),
+    dict(mode="off", recompute_layers=[0, 2]),
+    dict(mode="off", recompute_layers=[0, 2], recompute_ops="cheap"),
+    dict(mode="remap", recompute_layers=[1])], ids=["keep", "offload", "recompute", "cheap",
+                                                   "recompute-input-offloaded"])
+def test_running_statistics_move_once_a_step_as_in_eager(clean, kw):
+    """The build (warm-ups, captures) leaves the buffers as it found them, and a recomputed
+    layer's backward puts back what its recompute moved: the running statistics end as
+    eager's, bit for bit, beside the gradients."""
+    b = clean
+    torch.manual_seed(0)
+    base = [_ConvNorm().to(b.device) for _ in range(3)]
+    xs = [torch.randn(4, 8, 16, device=b.device) for _ in range(3)]
+
+    def train(layers, f):
+        for x in xs:
+            f(x.clone().requires_grad_()).square().sum().backward()
+        return ([t.clone() for m in layers for t in m.buffers()],
+                [p.grad for m in layers for p in m.parameters()])
+
+    eager = copy.deepcopy(base)
+    want = train(eager, torch.nn.Sequential(*eager))
+    layers = copy.deepcopy(base)
+    before = [t.clone() for m in layers for t in m.buffers()]
+    with gt.GraphedLayers(layers, xs[0].clone().requires_grad_(), layers_per_graph=1, backend=b,
+                          **kw) as stack:
+        assert_bitwise([t for m in layers for t in m.buffers()], before)  # the build's left none
+        got = train(layers, stack)
+    assert_bitwise(got[0], want[0])
+    assert_bitwise(got[1], want[1])
+
+
+class _Drop(torch.nn.Module):
+    def __init__(self, h: int = 32) -> None:
+        super().__init__()
+        self.lin, self.drop = torch.nn.Linear(h, h), torch.nn.Dropout(0.3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.drop(self.lin(x))
+
+
+@pytest.mark.parametrize("mode", ["off", "resident"])
+def test_a_seed_set_before_the_build_gives_eagers_dropout_masks(clean, mode):
+    """The build's warm-ups and captures draw from a fork of the generators: training
+    seeded once, before the stack is built, draws what eager seeded alike draws."""
+    b = clean
+    torch.manual_seed(0)
+    base = [_Drop().to(b.device) for _ in range(3)]
+    xs = [torch.randn(4, 32, device=b.device) for _ in range(3)]
+
+    def train(layers, make):
+        torch.manual_seed(1)
+        f = make(layers)
+        for x in xs:
+            f(x.clone().requires_grad_()).square().sum().backward()
+        return [p.grad for m in layers for p in m.parameters()]
+
+    want = train(copy.deepcopy(base), lambda ls: torch.nn.Sequential(*ls))
+    stacks = []
+    got = train(copy.deepcopy(base), lambda ls: stacks.append(gt.GraphedLayers(
+        ls, xs[0].clone().requires_grad_(), mode=mode, layers_per_graph=1, backend=b)) or stacks[0])
+    stacks[0].close()
+    assert_bitwise(got, want)
+
+
+class _NormLinear(torch.nn.Module):
+    def __init__(self, h: int = 32) -> None:
+        super().__init__()
+        self.norm, self.lin = torch.nn.LayerNorm(h), torch.nn.Linear(h, h)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.lin(self.norm(x))
+
+
+@pytest.mark.parametrize("kw", [dict(mode="off"), dict(mode="resident"),
+                                dict(mode="off", recompute_layers=[1])],
+                         ids=["keep", "offload", "recompute"])
+def test_a_stack_built_under_autocast_trains_under_it_as_eager(clean, kw):
+    """Built inside ``torch.autocast``, the graphs run the layers as autocast does (without
+    its cast cache, whose copies would outlive the capture); a forward under another
+    autocast than the capture's is refused before anything runs."""
+    b = clean
+    dt = b.device.type
+    torch.manual_seed(0)
+    base = [_NormLinear().to(b.device) for _ in range(3)]
+    xs = [torch.randn(4, 32, device=b.device) for _ in range(3)]
+
+    def train(layers, f):
+        outs = []
+        for x in xs:
+            with torch.autocast(dt, dtype=torch.bfloat16):
+                y = f(x.clone().requires_grad_())
+            outs.append(y.detach().clone())
+            y.float().square().sum().backward()
+        return outs + [p.grad for m in layers for p in m.parameters()]
+
+    want = train(eager := copy.deepcopy(base), torch.nn.Sequential(*eager))
+    layers = copy.deepcopy(base)
+    with torch.autocast(dt, dtype=torch.bfloat16):
+        stack = gt.GraphedLayers(layers, xs[0].clone().requires_grad_(), layers_per_graph=1,
+                                 backend=b, **kw)
+    with stack:
+        assert stack.autocast_dtype == torch.bfloat16
+        assert_bitwise(train(layers, stack), want)
+        with pytest.raises(CaptureMismatchError, match="captured under autocast to torch.bfloat16, "
+                           "and this forward runs without autocast"):
+            stack(xs[0].clone().requires_grad_())
+    plain = gt.GraphedLayers(copy.deepcopy(base), xs[0].clone().requires_grad_(), mode="off",
+                             layers_per_graph=1, backend=b)
+    with plain, torch.autocast(dt, dtype=torch.bfloat16):
+        with pytest.raises(CaptureMismatchError, match="captured without autocast"):
+            plain(xs[0].clone().requires_grad_())
+
+
+class _DropNorm(torch.nn.Module):
+    def __init__(self, h: int = 32) -> None:
+        super().__init__()
+        self.lin, self.drop, self.norm = torch.nn.Linear(h, h), torch.nn.Dropout(0.5), torch.nn.BatchNorm1d(h)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.drop(self.norm(self.lin(x)))
+
+
+def test_a_forward_in_eval_mode_runs_the_layers_as_eager_evaluates(clean):
+    """Graphs captured in training mode hold its dropout and batch statistics: after
+    ``model.eval()`` the stack runs its layers eagerly (any batch size), and after
+    ``model.train()`` the graphs again, training as eager trains."""
+    b = clean
+    torch.manual_seed(0)
+    base = [_DropNorm().to(b.device) for _ in range(3)]
+    xs = [torch.randn(4, 32, device=b.device) for _ in range(2)]
+    val = torch.randn(7, 32, device=b.device)  # (another batch size)
+
+    def session(layers, f):
+        out = []
+        torch.manual_seed(1)
+        for x in xs:
+            f.train()
+            f(x.clone().requires_grad_()).square().sum().backward()
+            f.eval()
+            with torch.no_grad():
+                out.append(f(val))
+        return out + [t.clone() for m in layers for t in (*(p.grad for p in m.parameters()),
+                                                           *m.buffers())]
+
+    want = session(eager := copy.deepcopy(base), torch.nn.Sequential(*eager))
+    layers = copy.deepcopy(base)
+    with gt.GraphedLayers(layers, xs[0].clone().requires_grad_(), mode="resident",
+                          layers_per_graph=1, backend=b) as stack:
+        got = session(layers, stack)
+        assert stack.engine.stats["offloaded_bytes"] > 0  # (the training forwards were graphed)
+        stack.eval()
+        with pytest.warns(UserWarning, match="not in the training mode their graphs were captured in"):
+            y = stack(xs[0].clone().requires_grad_())
+        y.sum().backward()  # (eagerly, through autograd)
+    assert_bitwise(got, want)

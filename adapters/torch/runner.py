@@ -6,6 +6,7 @@ under (:class:`_LayerFunction`). Imports :mod:`.grads` and :mod:`.plan`."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import warnings
 import weakref
 from typing import TYPE_CHECKING, Any, Callable, ContextManager, Iterator
@@ -44,6 +45,20 @@ def _parameters_as(module: nn.Module, alias_of: dict[int, torch.Tensor]) -> Iter
     finally:
         for params, name, p in reversed(swapped):
             params[name] = p
+
+
+@contextlib.contextmanager
+def _then_restored(inner: ContextManager[Any], tensors: list[torch.Tensor]) -> Iterator[None]:
+    """``inner``, with ``tensors`` holding again on the way out what they held on the way
+    in (copies made inside a capture are part of the graph)."""
+    kept = [t.detach().clone() for t in tensors]
+    try:
+        with inner:
+            yield
+    finally:
+        with torch.no_grad():
+            for t, k in zip(tensors, kept):
+                t.copy_(k)
 
 
 class _Runner:
@@ -92,6 +107,9 @@ class _Runner:
         #: the expensive calls a cheap recompute runs again all the same (its forward
         #: changes their outputs in place), found before the warm-up
         self.recompute_calls: frozenset[CallKey] = frozenset()
+        #: the buffers the forward changes (batch norm's running statistics): the
+        #: recompute puts them back as the forward left them, so they move once a step
+        self.changed_buffers: list[torch.Tensor] = []
         # A recomputed layer's graphs draw from a random stream of their own, rewound to
         # where each microbatch's forward drew before its backward graph draws it again.
         self.rng: RngStream | None = None
@@ -125,10 +143,9 @@ class _Runner:
                 # own stream (``self.rng``), not from state calls that would run in capture.
                 # Recomputed cheaply, the expensive ops' outputs are kept (``note``d as
                 # the unit's memory in the graphs' pool) and only the rest runs again.
-                kw: dict[str, Any] = ({"context_fn": cheap_recompute_contexts(
-                    note, self.recompute_calls)} if self.cheap else {})
-                return torch.utils.checkpoint.checkpoint(run, static_in, use_reentrant=False,
-                                                         preserve_rng_state=False, **kw)
+                return torch.utils.checkpoint.checkpoint(
+                    run, static_in, use_reentrant=False, preserve_rng_state=False,
+                    context_fn=functools.partial(self._recompute_contexts, note))
             return run(static_in)
 
         offload = self.layers[0] in stack.offload_layers
@@ -145,13 +162,19 @@ class _Runner:
         side = stack._warmup_stream
         b.wait_event(side, b.record_event(b.new_event()))
         with b.stream(side):
-            if self.cheap:
-                # Which expensive outputs the forward changes in place: those are made
-                # again in the backward, not kept (torch's selective policy refuses them).
+            if self.recompute:
+                # What the forward changes in place: a cheap recompute makes those expensive
+                # outputs again instead of keeping them (torch's selective policy refuses
+                # them), and every recompute leaves those buffers as the forward left them.
+                # (batch norm's kernel changes its running statistics without a new
+                # version: the values tell)
+                buffers = [(t, t._version, t.detach().clone()) for t in self.module.buffers()]
                 with noting_expensive_outputs() as changed:
                     out = run(static_in)
                 del out
-                self.recompute_calls = frozenset(changed)
+                self.recompute_calls = frozenset(changed) if self.cheap else frozenset()
+                self.changed_buffers = [t for t, v, was in buffers
+                                        if t._version != v or not torch.equal(t, was)]
             for _ in range(stack.warmup_iters):
                 out = call()
                 if not isinstance(out, torch.Tensor):
@@ -265,6 +288,14 @@ class _Runner:
         # Drop the captured autograd graph: its accumulator nodes were made on the capture
         # stream, and training must make its own on the training stream.
         del self._out, self._inputs
+
+    def _recompute_contexts(self, note: Callable[[torch.Tensor], None] | None
+                            ) -> tuple[ContextManager[Any], ContextManager[Any]]:
+        """The checkpoint's ``context_fn``: the cheap policy's contexts where the layer is
+        recomputed cheaply, and around the recompute, its changed buffers put back."""
+        forward, recompute = (cheap_recompute_contexts(note, self.recompute_calls)() if self.cheap
+                              else (contextlib.nullcontext(), contextlib.nullcontext()))
+        return forward, _then_restored(recompute, self.changed_buffers)
 
     def _attach_rng(self, graph: DeviceGraph) -> Callable[[], ContextManager[None]]:
         """Before ``graph``'s capture: what to enter inside it so that its random ops draw

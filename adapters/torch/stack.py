@@ -66,7 +66,7 @@ import threading
 import warnings
 import weakref
 from dataclasses import replace
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import torch
 from torch import nn
@@ -74,7 +74,7 @@ from torch import nn
 from graphslot.backend import Backend, DeviceGraph
 from graphslot.budget import (OFFLOAD, RECOMPUTE, RECOMPUTE_CHEAP, BudgetPlan, StackProfile, banks_bytes,
                               fit_budget, gradient_homes, parse_budget)
-from graphslot.errors import StateError, UsageError
+from graphslot.errors import CaptureMismatchError, StateError, UsageError
 from graphslot.memory import release_unused, saved_bytes_per_layer
 from graphslot.offload import SECTION_BYTES, Mode, OffloadEngine
 from graphslot.profile import copy_bandwidth, held_bytes, profile_units
@@ -235,19 +235,36 @@ class GraphedLayers(nn.Module):
         self._closed = False
         #: microbatches whose autograd graph died without a backward (appended by finalizers)
         self._abandoned: collections.deque[int] = collections.deque()
-        try:
-            saved = None if layers_per_graph is not None else saved_bytes_per_layer(
-                list(self.layers), sample_input.detach().requires_grad_(sample_input.requires_grad))
-            if memory_budget is None:
-                self._make(Mode(modes[0]) if mode is not None else Mode.RESIDENT, offload,
-                           recompute, layers_per_graph, saved, sample_input, cheap)
-            else:
-                self._make_planned(memory_budget, modes, layers_per_graph, saved, sample_input,
-                                   section_bytes)
-        except BaseException:
-            self._unmake()  # what the failed build made goes before the error does
-            self._warmup_stream = None
-            raise
+        #: the autocast dtype the graphs were captured under on the stack's device type
+        #: (None: without autocast); every forward must run under the same
+        self.autocast_dtype = _autocast_dtype(self.backend.device.type)
+        # Warm-ups, the profile and captures run the layers' forwards: the buffers they
+        # change (batch norm's running statistics) are put back after the build, and the
+        # random numbers they draw come from a fork of the generators, so the stack starts
+        # from the state the layers and the caller's seed came with, as eager would.
+        buffers = [(t, t.detach().clone()) for t in self.layers.buffers()]
+        with _building(self.backend.device, self.autocast_dtype):
+            try:
+                saved = None if layers_per_graph is not None else saved_bytes_per_layer(
+                    list(self.layers),
+                    sample_input.detach().requires_grad_(sample_input.requires_grad))
+                if memory_budget is None:
+                    self._make(Mode(modes[0]) if mode is not None else Mode.RESIDENT, offload,
+                               recompute, layers_per_graph, saved, sample_input, cheap)
+                else:
+                    self._make_planned(memory_budget, modes, layers_per_graph, saved,
+                                       sample_input, section_bytes)
+            except BaseException:
+                self._unmake()  # what the failed build made goes before the error does
+                self._warmup_stream = None
+                raise
+            finally:
+                _put_back(self.backend, buffers)
+        #: each layer module's ``training`` flag as captured: a forward with any other
+        #: (``model.eval()`` for validation) runs the layers eagerly, as the graphs hold
+        #: the captured mode's dropout and batch statistics
+        self._captured_modes = [(m, m.training) for m in self.layers.modules()]
+        self._warned_mode = False
         # Dropped without close(): the pages, host buffers and threads go with the stack.
         self._finalizer = weakref.finalize(self, OffloadEngine.close, self.engine)
         self._finalizer.atexit = False
@@ -562,7 +579,16 @@ class GraphedLayers(nn.Module):
         if self._closed:
             raise StateError("GraphedLayers: forward after close(); its slots and graphs are "
                              "released, build a new stack")
+        if any(m.training is not was for m, was in self._captured_modes):
+            return self._eager(x)  # (any input: a validation batch may have its own size)
         self._runners[0].check_input(x)  # (before anything runs: a mismatch loses nothing)
+        if _autocast_dtype(x.device.type) != self.autocast_dtype:
+            def under(dtype: torch.dtype | None) -> str:
+                return "without autocast" if dtype is None else f"under autocast to {dtype}"
+            raise CaptureMismatchError(
+                f"GraphedLayers was captured {under(self.autocast_dtype)}, and this forward "
+                f"runs {under(_autocast_dtype(x.device.type))}: build the stack under the "
+                "autocast its forwards run under")
         if self._abandoned:
             self._reap()
         self._microbatch += 1
@@ -584,6 +610,17 @@ class GraphedLayers(nn.Module):
                 raise
         finally:
             self._leave()
+
+    def _eager(self, x: torch.Tensor) -> torch.Tensor:
+        """The layers run as plain modules (the graphs were captured in another mode)."""
+        if torch.is_grad_enabled() and not self._warned_mode:
+            self._warned_mode = True
+            warnings.warn("GraphedLayers: layers are not in the training mode their graphs "
+                          "were captured in (model.train() / model.eval()); they run eagerly, "
+                          "without graphs or offload, until they are again", stacklevel=3)
+        for m in self.layers:
+            x = m(x)
+        return x
 
     def _enter(self) -> None:
         with self._lock:
@@ -638,6 +675,37 @@ class GraphedLayers(nn.Module):
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+def _autocast_dtype(device_type: str) -> torch.dtype | None:
+    """The dtype autocast casts to on ``device_type`` now, None where it is off."""
+    try:
+        on = torch.is_autocast_enabled(device_type)
+    except (RuntimeError, TypeError):  # (a device type autocast does not know)
+        return None
+    return torch.get_autocast_dtype(device_type) if on else None
+
+
+@contextlib.contextmanager
+def _building(dev: torch.device, autocast_dtype: torch.dtype | None) -> Iterator[None]:
+    """Around a build: the random generators forked (what the build draws is not the
+    caller's), and autocast as the caller has it but without its cast cache, whose copies
+    would outlive the capture that made them while the graphs go on reading them."""
+    with contextlib.ExitStack() as build:
+        build.enter_context(torch.random.fork_rng(
+            devices=[] if dev.type == "cpu" else [dev.index if dev.index is not None else 0],
+            device_type=dev.type))
+        if autocast_dtype is not None:
+            build.enter_context(torch.autocast(dev.type, dtype=autocast_dtype, cache_enabled=False))
+        yield
+
+
+def _put_back(b: Backend, buffers: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """Each buffer holds its copy again, in place (graphs read it where it is)."""
+    b.synchronize()
+    with torch.no_grad():
+        for t, was in buffers:
+            t.copy_(was)
 
 
 def _per_layer(plan: BudgetPlan, units: tuple[tuple[int, ...], ...]) -> BudgetPlan:
