@@ -19,8 +19,8 @@ The public surface:
 
 Dependencies run one way (import-linter contract ``layers``; docs/architecture.md draws
 them): the commands (:mod:`graphslot.cli`) over the adapters over the library (arena,
-budget, memory, offload, paged, planner, profile, recompute, selection, trace) over the
-backends over the interface (backend, errors, regions, sizes).
+budget, memory, offload, paged, planner, precision, profile, recompute, selection,
+trace) over the backends over the interface (backend, errors, regions, sizes).
 """
 
 from __future__ import annotations

@@ -23,6 +23,7 @@ from .backend import Backend
 from .budget import LayerCost
 from .errors import UsageError
 from .memory import run_counting_saved
+from .precision import without_autocast
 from .recompute import cheap_recompute_contexts, noting_expensive_outputs
 
 __all__ = ["copy_bandwidth", "profile_units", "held_bytes"]
@@ -162,7 +163,7 @@ def profile_units(b: Backend, units: Sequence[torch.nn.Module], sample: torch.Te
                 y = m(x)
             gy = torch.ones_like(y)
             after_fwd = b.allocator_stats()["allocated_bytes"]
-            with b.timed(ahead_ms=ahead("backward")) as tb:
+            with b.timed(ahead_ms=ahead("backward")) as tb, without_autocast(x.device.type):
                 if inputs and y.requires_grad:
                     grads = torch.autograd.grad(y, inputs, gy, allow_unused=True)
                     del grads
@@ -198,7 +199,8 @@ def profile_units(b: Backend, units: Sequence[torch.nn.Module], sample: torch.Te
                     y = torch.utils.checkpoint.checkpoint(
                         m, x, use_reentrant=False,
                         context_fn=cheap_recompute_contexts(recompute_calls=recompute_calls))
-                    torch.autograd.grad(y, inputs, torch.ones_like(y), allow_unused=True)
+                    with without_autocast(x.device.type):
+                        torch.autograd.grad(y, inputs, torch.ones_like(y), allow_unused=True)
                     del y
                 ahead.saw("cheap", tc)
                 both.append(tc["device_ms"])

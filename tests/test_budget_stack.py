@@ -282,21 +282,40 @@ class _NormLinear(torch.nn.Module):
         return x + self.lin(self.norm(x))
 
 
+class _Attention(torch.nn.Module):
+    """Self-attention with dropout: under autocast, torch's math path for it runs its
+    products in full precision inside the one op."""
+
+    def __init__(self, h: int = 32, heads: int = 4, dropout: float = 0.25) -> None:
+        super().__init__()
+        self.qkv, self.heads, self.dropout = torch.nn.Linear(h, 3 * h), heads, dropout
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, h = x.shape[0], x.shape[-1]
+        q, k, v = self.qkv(x).view(b, -1, 3, self.heads, h // self.heads).permute(2, 0, 3, 1, 4)
+        o = torch.nn.functional.scaled_dot_product_attention(q, k, v, dropout_p=self.dropout)
+        return x + o.transpose(1, 2).reshape(x.shape)
+
+
+@pytest.mark.parametrize("layer", [_NormLinear, _Attention], ids=["norm-linear", "attention"])
 @pytest.mark.parametrize("kw", [dict(mode="off"), dict(mode="resident"),
                                 dict(mode="off", recompute_layers=[1])],
                          ids=["keep", "offload", "recompute"])
-def test_a_stack_built_under_autocast_trains_under_it_as_eager(clean, kw):
+def test_a_stack_built_under_autocast_trains_under_it_as_eager(clean, kw, layer):
     """Built inside ``torch.autocast``, the graphs run the layers as autocast does (without
     its cast cache, whose copies would outlive the capture); a forward under another
     autocast than the capture's is refused before anything runs."""
     b = clean
     dt = b.device.type
     torch.manual_seed(0)
-    base = [_NormLinear().to(b.device) for _ in range(3)]
-    xs = [torch.randn(4, 32, device=b.device) for _ in range(3)]
+    # (a recomputed layer draws its dropout from a stream of its own, not eager's)
+    mk = (lambda: layer(dropout=0.0)) if layer is _Attention and "recompute_layers" in kw else layer
+    base = [mk().to(b.device) for _ in range(3)]
+    xs = [torch.randn(4, 8, 32, device=b.device) for _ in range(3)]
 
     def train(layers, f):
         outs = []
+        torch.manual_seed(1)
         for x in xs:
             with torch.autocast(dt, dtype=torch.bfloat16):
                 y = f(x.clone().requires_grad_())

@@ -18,6 +18,7 @@ from torch import nn
 from graphslot.backend import DeviceGraph, RngStream
 from graphslot.errors import CaptureMismatchError, StateError, UsageError
 from graphslot.offload import KEEP, OFFLOAD, RECOMPUTE, OffloadUnit, leaves_on_device
+from graphslot.precision import without_autocast
 from graphslot.recompute import CallKey, cheap_recompute_contexts, noting_expensive_outputs
 
 from .grads import _backward_into, _GradHome, _ParamGrad, _give_holders_own_bytes, _use_count
@@ -181,7 +182,8 @@ class _Runner:
                     raise UsageError(f"{self.label} returned {type(out).__name__}; "
                                      "graphed layers must return one tensor")
                 if inputs and out.requires_grad:
-                    torch.autograd.grad(out, inputs, torch.ones_like(out), allow_unused=True)
+                    with without_autocast(b.device.type):
+                        torch.autograd.grad(out, inputs, torch.ones_like(out), allow_unused=True)
                 del out
         b.wait_event(b.current_stream(), b.record_event(b.new_event(), side))
         b.synchronize()
@@ -244,7 +246,7 @@ class _Runner:
                 before = ([None if t is None else t.clone() for t in targets] if targets is not None
                           and getattr(bwd, "executes_during_capture", False) else None)
                 drawing = self._attach_rng(bwd)
-                with bwd.capture(self.stack._warmup_stream), drawing():
+                with bwd.capture(self.stack._warmup_stream), drawing(), without_autocast(b.device.type):
                     if own:
                         # The stack's last gradient buffer, from the graphs' pool: the caller's
                         # gradient is copied in right before each replay and only this graph

@@ -77,6 +77,7 @@ from graphslot.budget import (OFFLOAD, RECOMPUTE, RECOMPUTE_CHEAP, BudgetPlan, S
 from graphslot.errors import CaptureMismatchError, StateError, UsageError
 from graphslot.memory import release_unused, saved_bytes_per_layer
 from graphslot.offload import SECTION_BYTES, Mode, OffloadEngine
+from graphslot.precision import autocast_dtype
 from graphslot.profile import copy_bandwidth, held_bytes, profile_units
 from graphslot.selection import get_backend
 
@@ -237,7 +238,7 @@ class GraphedLayers(nn.Module):
         self._abandoned: collections.deque[int] = collections.deque()
         #: the autocast dtype the graphs were captured under on the stack's device type
         #: (None: without autocast); every forward must run under the same
-        self.autocast_dtype = _autocast_dtype(self.backend.device.type)
+        self.autocast_dtype = autocast_dtype(self.backend.device.type)
         # Warm-ups, the profile and captures run the layers' forwards: the buffers they
         # change (batch norm's running statistics) are put back after the build, and the
         # random numbers they draw come from a fork of the generators, so the stack starts
@@ -582,12 +583,12 @@ class GraphedLayers(nn.Module):
         if any(m.training is not was for m, was in self._captured_modes):
             return self._eager(x)  # (any input: a validation batch may have its own size)
         self._runners[0].check_input(x)  # (before anything runs: a mismatch loses nothing)
-        if _autocast_dtype(x.device.type) != self.autocast_dtype:
+        if autocast_dtype(x.device.type) != self.autocast_dtype:
             def under(dtype: torch.dtype | None) -> str:
                 return "without autocast" if dtype is None else f"under autocast to {dtype}"
             raise CaptureMismatchError(
                 f"GraphedLayers was captured {under(self.autocast_dtype)}, and this forward "
-                f"runs {under(_autocast_dtype(x.device.type))}: build the stack under the "
+                f"runs {under(autocast_dtype(x.device.type))}: build the stack under the "
                 "autocast its forwards run under")
         if self._abandoned:
             self._reap()
@@ -675,15 +676,6 @@ class GraphedLayers(nn.Module):
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
-
-
-def _autocast_dtype(device_type: str) -> torch.dtype | None:
-    """The dtype autocast casts to on ``device_type`` now, None where it is off."""
-    try:
-        on = torch.is_autocast_enabled(device_type)
-    except (RuntimeError, TypeError):  # (a device type autocast does not know)
-        return None
-    return torch.get_autocast_dtype(device_type) if on else None
 
 
 @contextlib.contextmanager

@@ -275,8 +275,12 @@ class CpuGraph(DeviceGraph):
                     raise StateError(
                         f"graph replay would touch 0x{res.va + off:x} ({size} bytes), where nothing "
                         "accessible is mapped; map the slot before replaying")
-        for op in self._ops:
-            op.run()
+        # Each op runs as the kernel the capture recorded, as a device graph's would: not
+        # through autocast again (the caller's, on at replay, would recast what the capture
+        # ran in full precision inside a composite op, such as attention's math path).
+        with torch.autocast("cpu", enabled=False):
+            for op in self._ops:
+                op.run()
 
     @property
     def num_ops(self) -> int:
