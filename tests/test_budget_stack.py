@@ -11,7 +11,7 @@ import torch
 from graphslot import budget as gb
 from graphslot.backend import align_up
 from graphslot.adapters import torch as gt
-from graphslot.errors import CaptureMismatchError, UsageError
+from graphslot.errors import CaptureMismatchError, StateError, UsageError
 from stacks import graphed, small_gpt
 from test_graphed_grads import assert_bitwise, run
 
@@ -383,3 +383,35 @@ def test_a_forward_in_eval_mode_runs_the_layers_as_eager_evaluates(clean):
             y = stack(xs[0].clone().requires_grad_())
         y.sum().backward()  # (eagerly, through autograd)
     assert_bitwise(got, want)
+
+
+class _Routed(torch.nn.Module):
+    """Routes each row to one of two experts by its data (a mixture of experts)."""
+
+    def __init__(self, h: int = 32) -> None:
+        super().__init__()
+        self.router, self.experts = torch.nn.Linear(h, 2), torch.nn.ModuleList(
+            torch.nn.Linear(h, h) for _ in range(2))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        pick = self.router(x).argmax(-1)
+        out = torch.zeros_like(x)
+        for k, expert in enumerate(self.experts):
+            rows = (pick == k).nonzero(as_tuple=True)
+            out[rows] = expert(x[rows])
+        return x + out
+
+
+def test_a_layer_whose_work_depends_on_its_data_is_named_at_build(clean):
+    """Capturing fails for data-dependent work; the error names the layer and the reason,
+    and the build gives back what it made."""
+    b = clean
+    torch.manual_seed(0)
+    layers = [_NormLinear().to(b.device), _Routed().to(b.device)]
+    x = torch.randn(8, 32, device=b.device, requires_grad=True)
+    mapped = b.ledger.mapped_bytes
+    with pytest.raises(StateError, match=r"layer 1: capturing the forward graph failed .* "
+                       "keep such a layer outside GraphedLayers"):
+        gt.GraphedLayers(layers, x, mode="resident", layers_per_graph=1, backend=b)
+    assert b.ledger.mapped_bytes == mapped
+    assert all(p.grad is None for m in layers for p in m.parameters())

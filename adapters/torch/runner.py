@@ -16,7 +16,7 @@ import torch.utils.checkpoint
 from torch import nn
 
 from graphslot.backend import DeviceGraph, RngStream
-from graphslot.errors import CaptureMismatchError, StateError, UsageError
+from graphslot.errors import CaptureMismatchError, DriverError, StateError, UsageError
 from graphslot.offload import KEEP, OFFLOAD, RECOMPUTE, OffloadUnit, leaves_on_device
 from graphslot.precision import without_autocast
 from graphslot.recompute import CallKey, cheap_recompute_contexts, noting_expensive_outputs
@@ -194,7 +194,7 @@ class _Runner:
             # offset as device tensors only under capture), so the slot is laid out from
             # a capture, which is then thrown away.
             probe_graph = b.new_graph()  # a pool of its own, gone with it
-            with probe_graph.capture(side):
+            with self._naming_capture_errors("forward"), probe_graph.capture(side):
                 with unit.discovering(is_state):
                     out = call()
             del out, probe_graph
@@ -212,7 +212,8 @@ class _Runner:
                               "of their own: random ops (dropout) in a recomputed layer draw "
                               "other numbers in its backward than in its forward", stacklevel=2)
         drawing = self._attach_rng(fwd)
-        with fwd.capture(side), drawing(), unit.capture_forward(is_state):
+        with self._naming_capture_errors("forward"), fwd.capture(side), drawing(), \
+                unit.capture_forward(is_state):
             out = call(unit.keep_also if self.cheap else None)
         self.fwd = fwd
         self._out = out  # the captured autograd graph, until the backward graphs exist
@@ -290,6 +291,21 @@ class _Runner:
         # Drop the captured autograd graph: its accumulator nodes were made on the capture
         # stream, and training must make its own on the training stream.
         del self._out, self._inputs
+
+    @contextlib.contextmanager
+    def _naming_capture_errors(self, what: str) -> Iterator[None]:
+        """A capture that fails says which layer and why that usually is."""
+        try:
+            yield
+        except (DriverError, UsageError):
+            raise  # (memory, or a wrong argument: not the layer's work)
+        except Exception as e:
+            raise StateError(
+                f"{self.label}: capturing the {what} graph failed ({type(e).__name__}: "
+                f"{str(e).splitlines()[0] if str(e) else ''}). Work whose shape or path "
+                "depends on the data (nonzero, .item(), a branch on a tensor's value, "
+                "routing tokens by index) cannot be captured: keep such a layer outside "
+                "GraphedLayers.") from e
 
     def _recompute_contexts(self, note: Callable[[torch.Tensor], None] | None
                             ) -> tuple[ContextManager[Any], ContextManager[Any]]:

@@ -258,9 +258,10 @@ class GraphedLayers(nn.Module):
             except BaseException:
                 self._unmake()  # what the failed build made goes before the error does
                 self._warmup_stream = None
+                with contextlib.suppress(Exception):  # (the build's error is the one to see)
+                    _put_back(self.backend, buffers)
                 raise
-            finally:
-                _put_back(self.backend, buffers)
+        _put_back(self.backend, buffers)
         #: each layer module's ``training`` flag as captured: a forward with any other
         #: (``model.eval()`` for validation) runs the layers eagerly, as the graphs hold
         #: the captured mode's dropout and batch statistics
