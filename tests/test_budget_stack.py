@@ -415,3 +415,27 @@ def test_a_layer_whose_work_depends_on_its_data_is_named_at_build(clean):
         gt.GraphedLayers(layers, x, mode="resident", layers_per_graph=1, backend=b)
     assert b.ledger.mapped_bytes == mapped
     assert all(p.grad is None for m in layers for p in m.parameters())
+
+
+def test_weights_loaded_in_place_are_used_and_weights_put_elsewhere_are_refused(clean):
+    """The graphs read the parameters where the capture found them: new values copied in
+    (``load_state_dict``) train as eager with them; a parameter given new memory
+    (``assign=True``) is refused at the next forward, naming it, before anything runs."""
+    b = clean
+    torch.manual_seed(0)
+    layers = [_NormLinear().to(b.device) for _ in range(2)]
+    other = [_NormLinear().to(b.device) for _ in range(2)]
+    x = torch.randn(4, 32, device=b.device)
+    with gt.GraphedLayers(layers, x.clone().requires_grad_(), mode="resident",
+                          layers_per_graph=1, backend=b) as stack:
+        stack(x.clone().requires_grad_()).sum().backward()
+        for m, o in zip(layers, other):
+            m.load_state_dict(o.state_dict())
+            m.zero_grad()
+        stack(x.clone().requires_grad_()).square().sum().backward()
+        torch.nn.Sequential(*other)(x.clone().requires_grad_()).square().sum().backward()
+        assert_bitwise([p.grad for m in layers for p in m.parameters()],
+                       [p.grad for m in other for p in m.parameters()])
+        layers[1].load_state_dict(other[1].state_dict(), assign=True)
+        with pytest.raises(CaptureMismatchError, match=r"layer 1\.norm\.weight lies elsewhere"):
+            stack(x.clone().requires_grad_())

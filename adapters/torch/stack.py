@@ -266,6 +266,12 @@ class GraphedLayers(nn.Module):
         #: (``model.eval()`` for validation) runs the layers eagerly, as the graphs hold
         #: the captured mode's dropout and batch statistics
         self._captured_modes = [(m, m.training) for m in self.layers.modules()]
+        #: where each parameter and buffer lay when the graphs were captured: they read
+        #: that memory, so a tensor put elsewhere since is refused at the next forward
+        self._captured_at = [(m, store, name, f"{prefix}.{name}", t.data_ptr())
+                             for prefix, m in self.layers.named_modules()
+                             for store in ("_parameters", "_buffers")
+                             for name, t in getattr(m, store).items() if t is not None]
         self._warned_mode = False
         # Dropped without close(): the pages, host buffers and threads go with the stack.
         self._finalizer = weakref.finalize(self, OffloadEngine.close, self.engine)
@@ -584,6 +590,7 @@ class GraphedLayers(nn.Module):
         if any(m.training is not was for m, was in self._captured_modes):
             return self._eager(x)  # (any input: a validation batch may have its own size)
         self._runners[0].check_input(x)  # (before anything runs: a mismatch loses nothing)
+        self._check_in_place()
         if autocast_dtype(x.device.type) != self.autocast_dtype:
             def under(dtype: torch.dtype | None) -> str:
                 return "without autocast" if dtype is None else f"under autocast to {dtype}"
@@ -612,6 +619,19 @@ class GraphedLayers(nn.Module):
                 raise
         finally:
             self._leave()
+
+    def _check_in_place(self) -> None:
+        """Every parameter and buffer is where the capture found it."""
+        for m, store, name, where, ptr in self._captured_at:
+            t = getattr(m, store).get(name)
+            if t is None or t.data_ptr() != ptr:
+                what = "is gone" if t is None else "lies elsewhere"
+                raise CaptureMismatchError(
+                    f"GraphedLayers: layer {where} {what} since the graphs were "
+                    "captured, and they read the memory it had (load_state_dict(assign=True), "
+                    ".to() or .half() after the build, or a wrapper that reallocates "
+                    "parameters, put it elsewhere): copy new values in place "
+                    "(load_state_dict without assign=True) or build the stack again")
 
     def _eager(self, x: torch.Tensor) -> torch.Tensor:
         """The layers run as plain modules (the graphs were captured in another mode)."""
