@@ -268,10 +268,10 @@ class GraphedLayers(nn.Module):
         self._captured_modes = [(m, m.training) for m in self.layers.modules()]
         #: where each parameter and buffer lay when the graphs were captured: they read
         #: that memory, so a tensor put elsewhere since is refused at the next forward
-        self._captured_at = [(m, store, name, f"{prefix}.{name}", t.data_ptr())
+        self._captured_at = [(tensors, name, t.data_ptr(), f"{prefix}.{name}")
                              for prefix, m in self.layers.named_modules()
-                             for store in ("_parameters", "_buffers")
-                             for name, t in getattr(m, store).items() if t is not None]
+                             for tensors in (m._parameters, m._buffers)
+                             for name, t in tensors.items() if t is not None]
         self._warned_mode = False
         # Dropped without close(): the pages, host buffers and threads go with the stack.
         self._finalizer = weakref.finalize(self, OffloadEngine.close, self.engine)
@@ -622,8 +622,8 @@ class GraphedLayers(nn.Module):
 
     def _check_in_place(self) -> None:
         """Every parameter and buffer is where the capture found it."""
-        for m, store, name, where, ptr in self._captured_at:
-            t = getattr(m, store).get(name)
+        for tensors, name, ptr, where in self._captured_at:  # (a module's own dicts)
+            t = tensors.get(name)
             if t is None or t.data_ptr() != ptr:
                 what = "is gone" if t is None else "lies elsewhere"
                 raise CaptureMismatchError(
