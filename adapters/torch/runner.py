@@ -9,7 +9,7 @@ import contextlib
 import functools
 import warnings
 import weakref
-from typing import TYPE_CHECKING, Any, Callable, ContextManager, Iterator
+from typing import TYPE_CHECKING, Any, Callable, ContextManager, Iterator, Sequence
 
 import torch
 import torch.utils.checkpoint
@@ -49,17 +49,30 @@ def _parameters_as(module: nn.Module, alias_of: dict[int, torch.Tensor]) -> Iter
 
 
 @contextlib.contextmanager
-def _then_restored(inner: ContextManager[Any], tensors: list[torch.Tensor]) -> Iterator[None]:
-    """``inner``, with ``tensors`` holding again on the way out what they held on the way
-    in (copies made inside a capture are part of the graph)."""
+def _restoring(tensors: Sequence[torch.Tensor], inner: ContextManager[Any] | None = None,
+               settle: Callable[[], None] | None = None) -> Iterator[None]:
+    """``inner`` (if any), with ``tensors`` holding again on the way out what they held on
+    the way in, copied back in place: graphs read them where they are (copies made inside
+    a capture are part of its graph). ``settle`` first waits for work that may still
+    write them. Where the block fails, its error is the one raised."""
     kept = [t.detach().clone() for t in tensors]
+    failed = False
     try:
-        with inner:
+        with inner or contextlib.nullcontext():
             yield
+    except BaseException:
+        failed = True
+        raise
     finally:
-        with torch.no_grad():
-            for t, k in zip(tensors, kept):
-                t.copy_(k)
+        try:
+            if settle is not None:
+                settle()
+            with torch.no_grad():
+                for t, k in zip(tensors, kept):
+                    t.copy_(k)
+        except Exception:
+            if not failed:
+                raise
 
 
 class _Runner:
@@ -170,10 +183,12 @@ class _Runner:
                 # (batch norm's kernel changes its running statistics without a new
                 # version: the values tell)
                 buffers = [(t, t._version, t.detach().clone()) for t in self.module.buffers()]
-                with noting_expensive_outputs() as changed:
+                noting: ContextManager[set[CallKey]] = (
+                    noting_expensive_outputs() if self.cheap else contextlib.nullcontext(set()))
+                with noting as changed:
                     out = run(static_in)
                 del out
-                self.recompute_calls = frozenset(changed) if self.cheap else frozenset()
+                self.recompute_calls = frozenset(changed)
                 self.changed_buffers = [t for t, v, was in buffers
                                         if t._version != v or not torch.equal(t, was)]
             for _ in range(stack.warmup_iters):
@@ -313,7 +328,7 @@ class _Runner:
         recomputed cheaply, and around the recompute, its changed buffers put back."""
         forward, recompute = (cheap_recompute_contexts(note, self.recompute_calls)() if self.cheap
                               else (contextlib.nullcontext(), contextlib.nullcontext()))
-        return forward, _then_restored(recompute, self.changed_buffers)
+        return forward, _restoring(self.changed_buffers, recompute)
 
     def _attach_rng(self, graph: DeviceGraph) -> Callable[[], ContextManager[None]]:
         """Before ``graph``'s capture: what to enter inside it so that its random ops draw

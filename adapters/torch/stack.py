@@ -83,7 +83,7 @@ from graphslot.selection import get_backend
 
 from .grads import _ParamGrad, _shares_storage
 from .plan import _check_layers, _check_main_grads, _check_sample, _layer_set, _param_name, plan_graphs
-from .runner import _LayerFunction, _Runner
+from .runner import _LayerFunction, _restoring, _Runner
 
 __all__ = ["GraphedLayers"]
 
@@ -243,8 +243,8 @@ class GraphedLayers(nn.Module):
         # change (batch norm's running statistics) are put back after the build, and the
         # random numbers they draw come from a fork of the generators, so the stack starts
         # from the state the layers and the caller's seed came with, as eager would.
-        buffers = [(t, t.detach().clone()) for t in self.layers.buffers()]
-        with _building(self.backend.device, self.autocast_dtype):
+        with _restoring(list(self.layers.buffers()), settle=self.backend.synchronize), \
+                _building(self.backend.device, self.autocast_dtype):
             try:
                 saved = None if layers_per_graph is not None else saved_bytes_per_layer(
                     list(self.layers),
@@ -258,10 +258,7 @@ class GraphedLayers(nn.Module):
             except BaseException:
                 self._unmake()  # what the failed build made goes before the error does
                 self._warmup_stream = None
-                with contextlib.suppress(Exception):  # (the build's error is the one to see)
-                    _put_back(self.backend, buffers)
                 raise
-        _put_back(self.backend, buffers)
         #: each layer module's ``training`` flag as captured: a forward with any other
         #: (``model.eval()`` for validation) runs the layers eagerly, as the graphs hold
         #: the captured mode's dropout and batch statistics
@@ -711,14 +708,6 @@ def _building(dev: torch.device, autocast_dtype: torch.dtype | None) -> Iterator
         if autocast_dtype is not None:
             build.enter_context(torch.autocast(dev.type, dtype=autocast_dtype, cache_enabled=False))
         yield
-
-
-def _put_back(b: Backend, buffers: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-    """Each buffer holds its copy again, in place (graphs read it where it is)."""
-    b.synchronize()
-    with torch.no_grad():
-        for t, was in buffers:
-            t.copy_(was)
 
 
 def _per_layer(plan: BudgetPlan, units: tuple[tuple[int, ...], ...]) -> BudgetPlan:
