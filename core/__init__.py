@@ -37,6 +37,7 @@ from .backend import (
 )
 from .errors import (
     BackendUnavailableError,
+    BudgetError,
     CaptureMismatchError,
     DriverError,
     GraphslotError,
@@ -57,6 +58,7 @@ __all__ = [
     "Backend",
     "BACKENDS",
     "BackendUnavailableError",
+    "BudgetError",
     "CaptureMismatchError",
     "DeviceGraph",
     "DriverError",

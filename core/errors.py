@@ -15,6 +15,7 @@ __all__ = [
     "UsageError",
     "IncompatibleError",
     "PoolFullError",
+    "BudgetError",
     "StateError",
     "CaptureMismatchError",
     "StreamError",
@@ -65,6 +66,21 @@ class IncompatibleError(UsageError):
 
 class PoolFullError(UsageError):
     """A graph's capture needed more than its pool region holds."""
+
+
+class BudgetError(UsageError):
+    """A memory budget below the smallest peak any plan reaches.
+
+    Attributes:
+        budget_bytes: the budget asked for.
+        least_bytes: the smallest peak a plan reaches (as modelled, or as built where the
+            model's least plan did not fit once built): a budget of at least this builds.
+    """
+
+    def __init__(self, message: str, *, budget_bytes: int, least_bytes: int) -> None:
+        self.budget_bytes = budget_bytes
+        self.least_bytes = least_bytes
+        super().__init__(message)
 
 
 class StateError(GraphslotError):

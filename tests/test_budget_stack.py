@@ -11,7 +11,7 @@ import torch
 from graphslot import budget as gb
 from graphslot.backend import align_up
 from graphslot.adapters import torch as gt
-from graphslot.errors import CaptureMismatchError, StateError, UsageError
+from graphslot.errors import BudgetError, CaptureMismatchError, StateError, UsageError
 from stacks import graphed, small_gpt
 from test_graphed_grads import assert_bitwise, run
 
@@ -117,8 +117,10 @@ def test_a_budget_below_any_plan_is_refused_at_build_naming_the_least(clean, mon
     b = clean
     fake_profile(monkeypatch, [gb.LayerCost(1.0, 2.0, 8 * MiB)] * 3)
     model = small_gpt(b, 3)
-    with pytest.raises(UsageError, match=r"smallest peak any plan reaches, .* \(\d+ bytes\)"):
+    with pytest.raises(BudgetError, match=r"smallest peak any plan reaches, .* \(\d+ bytes\)") as e:
         graphed(model, b, None, memory_budget=1)
+    assert isinstance(e.value, UsageError) and e.value.budget_bytes == 1
+    assert str(e.value.least_bytes) in str(e.value)
 
 
 def test_a_budget_below_what_the_least_plan_holds_built_is_refused_naming_that(clean, monkeypatch):
@@ -128,9 +130,10 @@ def test_a_budget_below_what_the_least_plan_holds_built_is_refused_naming_that(c
     if gt.stack.held_bytes(b) is None:
         pytest.skip(f"the {b.name} backend's allocator keeps no figure to measure a build by")
     model = small_gpt(b, 3)
-    with pytest.raises(UsageError, match=r"below the smallest peak any plan reaches: built, the "
-                                         r"least plan \([KOR]{3}, \w+\) holds .* \(\d+ bytes\)"):
+    with pytest.raises(BudgetError, match=r"below the smallest peak any plan reaches: built, the "
+                                          r"least plan \([KOR]{3}, \w+\) holds .* \(\d+ bytes\)") as e:
         graphed(model, b, None, memory_budget=1)
+    assert str(e.value.least_bytes) in str(e.value)
 
 
 def test_budget_and_explicit_layer_lists_do_not_mix(clean):
@@ -418,6 +421,18 @@ def test_a_layer_whose_work_depends_on_its_data_is_named_at_build(clean):
         gt.GraphedLayers(layers, x, mode="resident", layers_per_graph=1, backend=b)
     assert b.ledger.mapped_bytes == mapped
     assert all(p.grad is None for m in layers for p in m.parameters())
+    # and the process goes on: random numbers draw, and a stack built next trains (its
+    # bitwise match with eager is the other tests' business)
+    torch.manual_seed(1)
+    drawn = torch.rand(16, device=b.device)
+    torch.manual_seed(1)
+    assert torch.equal(drawn, torch.rand(16, device=b.device))
+    with gt.GraphedLayers(layers[:1], x, mode="resident", backend=b) as stack:
+        stack(x).sum().backward()
+    got = [p.grad.clone() for p in layers[0].parameters()]
+    layers[0].zero_grad(set_to_none=True)
+    layers[0](x).sum().backward()
+    torch.testing.assert_close(got, [p.grad for p in layers[0].parameters()])
 
 
 def test_weights_loaded_in_place_are_used_and_weights_put_elsewhere_are_refused(clean):

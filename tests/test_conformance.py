@@ -287,6 +287,38 @@ def test_graph_events_are_refused_where_they_cannot_be(clean, monkeypatch):
         b.new_graph_event()
 
 
+@pytest.mark.parametrize("shared", [False, True], ids=["own-pool", "shared-pool"])
+def test_a_capture_that_fails_leaves_the_backend_as_it_was(clean, shared):
+    """A capture whose body raises passes the error on and leaves the backend working: the
+    caller's stream is current again, random numbers draw eagerly as before the capture,
+    and a graph captured next (into the same pool, where pools are shared) replays right."""
+    b = clean
+    x = torch.ones(1 << 12, device=b.device)
+    first = _captured(b, lambda: x.mul_(1)) if shared else None
+    before = b.current_stream()
+    g = b.new_graph(share_pool_with=first)
+    with pytest.raises(RuntimeError, match="the body stopped"):
+        with g.capture(b.side_stream()):
+            torch.rand(16, device=b.device)  # the capture takes over the generator
+            held = x * 3  # and its pool holds a block
+            raise RuntimeError("the body stopped")
+    del held
+    assert b.current_stream() == before
+    torch.manual_seed(1)
+    drawn = torch.rand(64, device=b.device)
+    torch.manual_seed(1)
+    assert torch.equal(drawn, torch.rand(64, device=b.device))
+    y = torch.zeros_like(x)
+    g2 = b.new_graph(share_pool_with=first)
+    with g2.capture(b.side_stream()):
+        y.copy_(x * 5 + torch.rand_like(x))
+    for _ in range(2):
+        y.zero_()
+        g2.replay()
+    b.synchronize()
+    assert torch.all((y.cpu() >= 5) & (y.cpu() < 6))
+
+
 def test_ordinary_capture_arguments_follow_the_region_graphs_capability(clean, monkeypatch):
     """Where the backend declares region graphs, an ordinary graph captures with the
     arguments the vendor gives (and captures); elsewhere there are none, and the vendor's

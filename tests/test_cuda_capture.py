@@ -127,3 +127,45 @@ def test_offloaded_layer_boundaries_hold_no_pool_memory_of_their_own(mode):
     two, boundary = _pool_beside_gradients(2, mode)
     six, _ = _pool_beside_gradients(6, mode)
     assert six - two < 2 * boundary, (two, six, boundary)
+
+
+@pytest.mark.parametrize("kind", ["ordinary", "region"])
+def test_a_capture_invalidated_by_host_work_leaves_torch_working(clean, kind):
+    """``.item()`` under capture invalidates it. torch's own capture context then leaves the
+    default generator in capture mode (every later random op raises "Offset increment
+    outside graph capture"), the capture stream current and the allocator routing into
+    the graph's pool; graphslot's graphs give the error and leave none of that behind."""
+    b = clean
+    res = b.reserve(64 << 20) if kind == "region" else None
+    try:
+        x = torch.ones(1 << 12, device=b.device)
+        before = torch.cuda.current_stream()
+        g = b.new_graph(pool_region=(res.va, res.size)) if res is not None else b.new_graph()
+        with pytest.raises(RuntimeError):  # torch words it by where the capture broke
+            with g.capture():
+                torch.nn.functional.dropout(x, 0.5)
+                if (x * 2).sum().item() > 0:  # host work: cannot be captured
+                    pass
+        assert torch.cuda.current_stream() == before
+        assert not torch.cuda.is_current_stream_capturing()
+        torch.manual_seed(3)
+        drawn = torch.rand(64, device=b.device)
+        torch.manual_seed(3)
+        assert torch.equal(drawn, torch.rand(64, device=b.device))
+        later = torch.empty(1 << 20, device=b.device)
+        pools = {tuple(s.get("segment_pool_id", (0, 0))) for s in torch.cuda.memory_snapshot()
+                 if s["address"] <= later.data_ptr() < s["address"] + s["total_size"]}
+        assert pools == {(0, 0)}, f"an eager tensor landed in a graph pool {pools}"
+        del later
+        if res is not None:
+            g.release_pool()
+        y = torch.zeros_like(x)
+        g2 = b.new_graph()
+        with g2.capture():
+            y.copy_(torch.nn.functional.dropout(x, 0.5))
+        g2.replay()
+        b.synchronize()
+        assert set(y.unique().tolist()) <= {0.0, 2.0}
+    finally:
+        if res is not None:
+            b.free(res)

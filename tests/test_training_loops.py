@@ -24,7 +24,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 from graphslot.adapters.torch import GraphedLayers
-from graphslot.errors import UsageError
+from graphslot.errors import BudgetError
 from test_graphed_grads import assert_bitwise
 
 _EXAMPLES = int(os.environ.get("GRAPHSLOT_LOOP_EXAMPLES", "10"))
@@ -154,11 +154,10 @@ def test_a_training_loop_runs_as_eager_bitwise(clean, case, monkeypatch):
     if not case["explicit"]:
         kw["memory_budget"] = "auto"
         if case["budget"] == "least":
-            with pytest.raises(UsageError, match=r"smallest peak any plan reaches") as refused:
+            with pytest.raises(BudgetError, match=r"smallest peak any plan reaches") as refused:
                 with torch.autocast(b.device.type, dtype=torch.bfloat16, enabled=loop["amp"]):
                     GraphedLayers(list(model.blocks), sample, **{**kw, "memory_budget": 1})
-            least = int(str(refused.value).split("reaches, ")[1].split("(")[1].split(" bytes")[0])
-            kw["memory_budget"] = least + (4 << 20)  # (what the process holds moves a little)
+            kw["memory_budget"] = refused.value.least_bytes + (4 << 20)  # (what the process holds moves a little)
     torch.manual_seed(1)
     with torch.autocast(b.device.type, dtype=torch.bfloat16, enabled=loop["amp"]):
         stack = GraphedLayers(list(model.blocks), sample, **kw)

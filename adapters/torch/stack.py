@@ -153,9 +153,10 @@ class GraphedLayers(nn.Module):
             stack gets only the stack's part in ``main_grad``.
 
     Raises:
+        BudgetError: a budget below the least any plan reaches (the message names that
+            least budget; ``least_bytes`` holds it).
         UsageError: no layers, a sample that is not a tensor on the backend's device, a
-            bad layer index or mode, a budget below the least any plan reaches (the
-            message names that least budget), a budget beside explicit layer lists, or
+            bad layer index or mode, a budget beside explicit layer lists, or
             with ``main_grad=True`` a parameter without a fitting ``main_grad``, with
             tensor hooks, or in several graphs.
 

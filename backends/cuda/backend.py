@@ -7,6 +7,7 @@ from typing import Any, ContextManager, Iterator
 
 import contextlib
 import dataclasses
+import warnings
 
 import torch
 from cuda.bindings import driver as cu
@@ -258,8 +259,48 @@ class CudaGraph(DeviceGraph):
         # tensors (a saved-tensor hook that returns its argument makes one) freed
         # mid-capture touches the legacy stream and invalidates the capture.
         with no_gc():
-            with torch.cuda.graph(self.graph, pool=self.pool, stream=stream):
+            capture = torch.cuda.graph(self.graph, pool=self.pool, stream=stream)
+            capture.__enter__()
+            try:
                 yield
+            except BaseException:
+                self._abandon(capture)
+                raise
+            try:
+                capture.__exit__(None, None, None)
+            except BaseException:
+                self._abandon(capture)
+                raise
+
+    def _abandon(self, capture: Any) -> None:
+        """Leave torch as it was before a capture that failed.
+
+        torch's own context manager does not: where the capture was invalidated (work that
+        cannot be captured, such as ``.item()``), ending it raises before the caller's
+        stream is restored, before the allocator stops routing into the graph's pool and
+        before the default generator leaves capture mode, so every later random op fails
+        ("Offset increment outside graph capture") and later allocations can land in a
+        pool that is released under them.
+        """
+        if torch.cuda.is_current_stream_capturing():
+            with contextlib.suppress(Exception):
+                self.graph.capture_end()  # ends the stream's capture, also an invalidated one
+        device = self._backend._index
+        with contextlib.suppress(Exception):  # a no-op where capture_end got that far
+            torch._C._cuda_endAllocateToPool(device, self.pool)
+        capture.stream_ctx.__exit__(None, None, None)
+        try:
+            self.graph.pool()  # answers only after a capture that ended: reset() releases it
+        except Exception:
+            # capture_begin took a reference on the pool that reset() does not give back
+            with contextlib.suppress(Exception):
+                torch._C._cuda_releasePool(device, self.pool)
+        self.graph.reset()
+        # A capture that begins and ends takes the default generator out of capture mode.
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # "The CUDA Graph is empty"
+            with torch.cuda.graph(torch.cuda.CUDAGraph()):
+                pass
 
     def replay(self) -> None:
         self.graph.replay()

@@ -9,7 +9,7 @@ import math
 from dataclasses import dataclass, replace
 from typing import Callable, Iterable, Sequence
 
-from ..errors import UsageError
+from ..errors import BudgetError, UsageError
 from ..sizes import format_bytes
 from .costs import (_ALL_CHOICES, AUTO_SLACK, CHOICES, EXHAUSTIVE_LAYERS, FIT_BUILDS, KEEP, MODES,
                     OFFLOAD, RECOMPUTE, RECOMPUTE_CHEAP, SEARCH_STARTS, BudgetPlan, StackProfile,
@@ -205,8 +205,9 @@ def plan_budget(profile: StackProfile, budget: int | str | None, *,
             recompute only; a plan without offload needs no mode of its own).
 
     Raises:
-        UsageError: ``budget`` is below the smallest peak any plan reaches (the message
-            names that peak), or is not a size.
+        BudgetError: ``budget`` is below the smallest peak any plan reaches (the message
+            names that peak; ``least_bytes`` holds it).
+        UsageError: ``budget`` is not a size.
     """
     bad = [m for m in modes if m not in MODES]
     if bad or not modes:
@@ -227,10 +228,11 @@ def plan_budget(profile: StackProfile, budget: int | str | None, *,
     best = _search(profile, _fastest_within(limit), exhaustive, modes)
     if limit is not None and best.peak > limit:
         least = smallest_peak(profile, exhaustive, modes)
-        raise UsageError(
+        raise BudgetError(
             f"memory budget {format_bytes(limit)} ({limit} bytes) is below the smallest peak "
             f"any plan reaches, {format_bytes(least)} ({least} bytes); of that, the stack's "
-            f"fixed memory (weights, gradients, buffers) is {format_bytes(profile.fixed_bytes)}")
+            f"fixed memory (weights, gradients, buffers) is {format_bytes(profile.fixed_bytes)}",
+            budget_bytes=limit, least_bytes=least)
     if all(c == KEEP for c in best.choices):
         reason = "everything fits on the device: nothing to save"
     elif best.step <= keep_all.step * (1 + AUTO_SLACK):
@@ -334,11 +336,12 @@ def fit_budget(profile: StackProfile, budget: int | str | None,
                 fitted = last
     if fitted is None:
         assert least is not None
-        raise UsageError(
+        raise BudgetError(
             f"memory budget {format_bytes(limit)} ({limit} bytes) is below the smallest peak "
             f"any plan reaches: built, the least plan ({short(least.detailed)}, "
             f"{least.mode}) holds {format_bytes(least.predicted_peak_bytes)} "
-            f"({least.predicted_peak_bytes} bytes)")
+            f"({least.predicted_peak_bytes} bytes)",
+            budget_bytes=limit, least_bytes=least.predicted_peak_bytes)
     if last is not fitted:
         got = build(fitted)  # (the last one built did not fit: back to the one that did)
         if got is not None and got > limit:
