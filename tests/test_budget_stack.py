@@ -457,3 +457,33 @@ def test_weights_loaded_in_place_are_used_and_weights_put_elsewhere_are_refused(
         layers[1].load_state_dict(other[1].state_dict(), assign=True)
         with pytest.raises(CaptureMismatchError, match=r"layer 1\.norm\.weight lies elsewhere"):
             stack(x.clone().requires_grad_())
+
+
+def test_the_stack_where_its_sequential_was_keeps_the_models_checkpoint_keys(clean):
+    """A model whose ``nn.Sequential`` of layers is replaced by the stack keeps its
+    state_dict keys: eager training's checkpoint loads strictly into the graphed model (in
+    place) and trains on as eager; the graphed model's loads strictly into an eager one."""
+    b = clean
+
+    def model() -> torch.nn.Module:
+        m = torch.nn.Module()
+        m.blocks = torch.nn.ModuleList(_NormLinear() for _ in range(3))
+        m.stack = torch.nn.Sequential(*m.blocks)
+        m.head = torch.nn.Linear(32, 1)
+        return m.to(b.device)
+
+    torch.manual_seed(0)
+    eager, graphed_model, other = model(), model(), model()
+    x = torch.randn(4, 32, device=b.device)
+    keys = list(eager.state_dict())
+    with gt.GraphedLayers(list(graphed_model.blocks), x.clone().requires_grad_(),
+                          mode="resident", layers_per_graph=1, backend=b) as stack:
+        graphed_model.stack = stack
+        assert list(graphed_model.state_dict()) == keys
+        graphed_model.load_state_dict(eager.state_dict())
+        for m in (eager, graphed_model):
+            m.head(m.stack(x.clone().requires_grad_())).square().sum().backward()
+        assert_bitwise([p.grad for p in graphed_model.parameters()],
+                       [p.grad for p in eager.parameters()])
+        other.load_state_dict(graphed_model.state_dict())
+        assert_bitwise(list(other.state_dict().values()), list(eager.state_dict().values()))

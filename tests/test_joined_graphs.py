@@ -113,7 +113,7 @@ def test_several_microbatches_in_flight_through_joined_graphs(clean, mode):
 def test_joining_leaves_the_layers_parameters_and_state_dict_alone(clean):
     b = clean
     model = small_gpt(b, 3)
-    keys = [f"layers.{k}" for k in model.blocks.state_dict()]
+    keys = list(model.blocks.state_dict())
     with graphed(model, b, "off", layers_per_graph=None) as stack:
         assert stack.graph_layers == ((0, 1, 2),)
         assert list(stack.state_dict()) == keys

@@ -176,7 +176,15 @@ class GraphedLayers(nn.Module):
                  main_grad: bool = False) -> None:
         super().__init__()
         _check_layers(layers)
-        self.layers = nn.ModuleList(layers)
+        # The layers are this module's children by index, as in nn.Sequential, and not
+        # under a child of their own: the stack put where a Sequential or ModuleList of
+        # them was leaves the model's state_dict keys as they were, so checkpoints load
+        # from eager training into graphed training and back.
+        for i, m in enumerate(layers):
+            self.add_module(str(i), m)
+        #: the layers, in order (the same modules; not registered a second time)
+        self.layers: nn.ModuleList
+        object.__setattr__(self, "layers", nn.ModuleList(layers))
         self.backend = backend or get_backend()
         _check_sample(sample_input, self.backend)
         #: the backward graphs add into the parameters' ``main_grad`` (see ``main_grad``)
