@@ -955,3 +955,61 @@ def test_a_parameter_also_used_outside_the_stack_accumulates_as_in_eager(clean, 
     with GraphedLayers(list(blocks), torch.zeros(32, 64, device=b.device), mode=mode,
                        backend=b, layers_per_graph=1) as stack:
         assert_bitwise(session(blocks, stack), want)
+
+
+class _WithUnused(nn.Module):
+    """A layer with a parameter its forward never uses (a head kept for later, a branch
+    switched off): eager leaves that parameter's ``.grad`` None."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.used, self.unused = nn.Linear(16, 16), nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + torch.tanh(self.used(x))
+
+
+@pytest.mark.parametrize("build", [dict(mode="off"), dict(mode="resident", offload_layers=[0, 1]),
+                                   dict(mode="remap", offload_layers=[0, 1]),
+                                   dict(mode="off", recompute_layers=[0, 1]),
+                                   dict(mode="resident", offload_layers=[1], recompute_layers=[0])],
+                         ids=["keep", "offload-resident", "offload-remap", "recompute", "mixed"])
+def test_a_parameter_the_layers_leave_unused_keeps_grad_none(clean, build):
+    """Gradient homes included: a zero ``.grad`` would not be eager's, since AdamW's weight
+    decay and moments then move the unused parameter."""
+    b = clean
+    torch.manual_seed(0)
+    base = nn.ModuleList([_WithUnused(), _WithUnused()]).to(b.device)
+    xs = [torch.randn(4, 16, device=b.device) for _ in range(3)]
+
+    def train(mods: nn.ModuleList, fwd: Callable[[torch.Tensor], torch.Tensor]) -> list[torch.Tensor]:
+        opt = torch.optim.AdamW(mods.parameters(), lr=1e-2, weight_decay=0.1)
+        seen = []
+        for set_to_none in (True, False, True):
+            for x in xs[:2]:
+                fwd(x).square().mean().backward()
+            assert all(m.unused.weight.grad is None for m in mods), "an unused parameter got a .grad"
+            seen += [p.grad.clone() for p in mods.parameters() if p.grad is not None]
+            opt.step()
+            opt.zero_grad(set_to_none=set_to_none)
+        return seen + [p.detach().clone() for p in mods.parameters()]
+
+    eager, mods = copy.deepcopy(base), copy.deepcopy(base)
+    want = train(eager, nn.Sequential(*eager))
+    with GraphedLayers(list(mods), torch.randn(4, 16, device=b.device), backend=b, **build) as stack:
+        got = train(mods, stack)
+    assert_bitwise(got, want)
+
+
+def test_a_sparse_gradient_is_refused_at_build_naming_the_parameter(clean):
+    """An embedding with ``sparse=True`` makes a sparse gradient, which no device graph can
+    capture: the build says which parameter and gives back what it made."""
+    b = clean
+    layers = [nn.Embedding(50, 16, sparse=True).to(b.device), nn.Linear(16, 16).to(b.device)]
+    mapped = b.ledger.mapped_bytes
+    with pytest.raises(graphslot.UsageError, match=r"layers\[0\]\.weight gets a torch\.sparse_coo "
+                                                   r"gradient .*sparse=False"):
+        GraphedLayers(layers, torch.randint(0, 50, (4, 8), device=b.device), mode="resident",
+                      backend=b)
+    assert b.ledger.mapped_bytes == mapped
+    assert all(p.grad is None for m in layers for p in m.parameters())

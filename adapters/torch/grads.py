@@ -255,22 +255,25 @@ def _accumulator_runs_hooks_on_none() -> bool:
 
 def _backward_into(targets: Sequence[torch.Tensor | None], out: torch.Tensor,
                    inputs: Sequence[torch.Tensor], grad_out: torch.Tensor | None
-                   ) -> tuple[torch.Tensor | None, ...]:
+                   ) -> tuple[tuple[torch.Tensor | None, ...], set[int]]:
     """Under capture: the backward of ``out`` with each parameter alias's gradient added into
     its target as it arrives (Megatron's ``main_grad.add_(grad)``) and dropped at once, so
     the graphs' pool holds one such gradient at a time, none after the replay. ``inputs``
     are the stack input (when it wants a gradient) and then the aliases, one per
     ``targets`` entry (None: that gradient is returned, a buffer of the graphs' pool).
-    Returns what ``torch.autograd.grad`` would, added ones as None."""
+    Returns what ``torch.autograd.grad`` would, added ones as None, and the indices of the
+    targets a gradient was added into (a parameter the layers leave unused gets none)."""
     n_in = len(inputs) - len(targets)
     kept = list(inputs[:n_in]) + [a for a, t in zip(inputs[n_in:], targets) if t is None]
+    reached: set[int] = set()
 
-    def into(target: torch.Tensor, alias: torch.Tensor) -> None:
+    def into(k: int, target: torch.Tensor, alias: torch.Tensor) -> None:
         target.add_(alias.grad)  # type: ignore[arg-type]  # (the hook runs once it is set)
         alias.grad = None
+        reached.add(k)
 
-    handles = [a.register_post_accumulate_grad_hook(lambda a, t=t: into(t, a))
-               for a, t in zip(inputs[n_in:], targets) if t is not None]
+    handles = [a.register_post_accumulate_grad_hook(lambda a, k=k, t=t: into(k, t, a))
+               for k, (a, t) in enumerate(zip(inputs[n_in:], targets)) if t is not None]
     try:
         torch.autograd.backward(out, grad_out, inputs=list(inputs))
     finally:
@@ -280,5 +283,5 @@ def _backward_into(targets: Sequence[torch.Tensor | None], out: torch.Tensor,
     for x in kept:
         x.grad = None
     return tuple(got.get(id(x)) for x in inputs[:n_in]) + tuple(
-        None if t is not None else got[id(a)] for a, t in zip(inputs[n_in:], targets))
+        None if t is not None else got[id(a)] for a, t in zip(inputs[n_in:], targets)), reached
 

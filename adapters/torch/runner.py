@@ -198,7 +198,19 @@ class _Runner:
                                      "graphed layers must return one tensor")
                 if inputs and out.requires_grad:
                     with without_autocast(b.device.type):
-                        torch.autograd.grad(out, inputs, torch.ones_like(out), allow_unused=True)
+                        warm = torch.autograd.grad(out, inputs, torch.ones_like(out),
+                                                   allow_unused=True)
+                    n_in = len(inputs) - len(aliases)
+                    sparse = [p for p, g in zip(self.params, warm[n_in:])
+                              if g is not None and g.layout != torch.strided]
+                    if sparse:
+                        raise UsageError(
+                            f"{self.label}: parameter {_param_name(stack.layers, sparse[0])} "
+                            f"gets a {warm[n_in + self.params.index(sparse[0])].layout} "
+                            "gradient (an embedding with sparse=True), which a device graph "
+                            "cannot capture: give it dense gradients (sparse=False) or keep "
+                            "the layer outside GraphedLayers")
+                    del warm
                 del out
         b.wait_event(b.current_stream(), b.record_event(b.new_event(), side))
         b.synchronize()
@@ -272,7 +284,10 @@ class _Runner:
                     if targets is None:
                         grads = torch.autograd.grad(out, inputs, static_grad_out, allow_unused=True)
                     else:
-                        grads = _backward_into(targets, out, inputs, static_grad_out)
+                        grads, reached = _backward_into(targets, out, inputs, static_grad_out)
+                        # A parameter the layers leave unused keeps .grad None, as in eager
+                        # (a home would hand it zeros, which an optimizer then steps on).
+                        self.homes = [(k, h) for k, h in self.homes if k in reached]
                 if before is not None:
                     with torch.no_grad():
                         for target, was in zip(targets or [], before):
