@@ -4,6 +4,7 @@ recomputed inside the graphs, as the planner chose, training bit for bit as eage
 from __future__ import annotations
 
 import copy
+import warnings
 
 import pytest
 import torch
@@ -487,3 +488,24 @@ def test_the_stack_where_its_sequential_was_keeps_the_models_checkpoint_keys(cle
                        [p.grad for p in eager.parameters()])
         other.load_state_dict(graphed_model.state_dict())
         assert_bitwise(list(other.state_dict().values()), list(eager.state_dict().values()))
+
+
+def test_module_hooks_are_named_at_build_since_they_do_not_run_at_each_replay(clean):
+    """A forward hook's Python runs while the graphs are built and not at the replays (its
+    tensor work is in the graphs): the build warns, naming the hooked modules; a stack
+    without hooks builds without that warning."""
+    b = clean
+    layers = [_NormLinear().to(b.device) for _ in range(2)]
+    calls: list[int] = []
+    layers[1].lin.register_forward_hook(lambda m, i, o: calls.append(1))
+    x = torch.randn(4, 32, device=b.device)
+    with pytest.warns(UserWarning, match=r"layers\[1\]\.lin have module hooks\. They run while "
+                                         r"the graphs are built, not at each replay"):
+        stack = gt.GraphedLayers(layers, x, mode="resident", backend=b)
+    with stack:
+        built = len(calls)
+        stack(x).sum().backward()
+        assert len(calls) == built  # what the warning says
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        gt.GraphedLayers([_NormLinear().to(b.device)], x, mode="resident", backend=b).close()

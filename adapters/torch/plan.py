@@ -77,6 +77,18 @@ def _check_layers(layers: Any) -> None:
         raise UsageError(f"layers must be torch.nn.Module instances: {', '.join(bad[:3])}")
 
 
+def _hooked_modules(layers: Sequence[nn.Module]) -> list[str]:
+    """The layers' modules with forward or backward hooks (``layers[i].name``), and
+    ``"every module"`` where global module hooks are registered."""
+    kinds = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
+    found = [f"layers[{i}]{'.' + n if n else ''}" for i, layer in enumerate(layers)
+             for n, m in layer.named_modules() if any(getattr(m, k, None) for k in kinds)]
+    glob = torch.nn.modules.module
+    if any(getattr(glob, f"_global{k}", None) for k in kinds):
+        found.insert(0, "every module (global module hooks)")
+    return found
+
+
 def _param_name(layers: Iterable[nn.Module], p: torch.Tensor) -> str:
     """``layers[i].name`` of parameter ``p`` (its first place), for messages."""
     for i, m in enumerate(layers):

@@ -82,7 +82,8 @@ from graphslot.profile import copy_bandwidth, held_bytes, profile_units
 from graphslot.selection import get_backend
 
 from .grads import _ParamGrad, _shares_storage
-from .plan import _check_layers, _check_main_grads, _check_sample, _layer_set, _param_name, plan_graphs
+from .plan import (_check_layers, _check_main_grads, _check_sample, _hooked_modules, _layer_set,
+                   _param_name, plan_graphs)
 from .runner import _LayerFunction, _restoring, _Runner
 
 __all__ = ["GraphedLayers"]
@@ -176,6 +177,13 @@ class GraphedLayers(nn.Module):
                  main_grad: bool = False) -> None:
         super().__init__()
         _check_layers(layers)
+        hooked = _hooked_modules(list(layers))
+        if hooked:
+            warnings.warn(
+                f"GraphedLayers: {', '.join(hooked[:3])}{' and others' if len(hooked) > 3 else ''} "
+                "have module hooks. They run while the graphs are built, not at each replay: "
+                "their tensor work is captured into the graphs, their Python side effects "
+                "(logging, counting, changing state) happen only at build", stacklevel=2)
         # The layers are this module's children by index, as in nn.Sequential, and not
         # under a child of their own: the stack put where a Sequential or ModuleList of
         # them was leaves the model's state_dict keys as they were, so checkpoints load
