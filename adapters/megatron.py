@@ -67,7 +67,8 @@ import torch
 
 from graphslot.backend import Backend, align_up
 from graphslot.errors import IncompatibleError, StateError, UsageError
-from graphslot.offload import Mode, OffloadEngine, OffloadUnit, SavedTensorSpec, leaves_on_device
+from graphslot.offload import (Mode, OffloadEngine, OffloadUnit, SavedTensorSpec, leaves_on_device,
+                               ping_pong_banks)
 from graphslot.paged import PagedPool
 from graphslot.selection import get_backend
 
@@ -513,11 +514,12 @@ class MegatronOffload:
         # A runner with no recorded forward goes last, in reverse backward order.
         order = sorted(range(len(chosen)), key=lambda i: (first_fwd.get(id(chosen[i][0]), len(record)), -i))
         placed: dict[int, _Runner] = {}
+        banks = ping_pong_banks([True] * len(chosen))  # (chosen is in backward order)
         for i in order:
             runner, L, k, specs = chosen[i]
             unit = OffloadUnit(self.engine, f"layer{L.number}.graph{k}")
             unit.adopt(specs)
-            bank = i % 2  # ping-pong in backward order
+            bank = banks[i]
             unit.allocate(bank)
             placed[i] = _Runner(runner, L, unit, bank)
         for i in range(len(chosen)):

@@ -320,7 +320,7 @@ class VariantGraphs:
                 cannot draw their pool from a region.
             StateError: the arena was closed.
         """
-        widen = lambda g: not isinstance(g, RegionGraph) or g.executes_during_capture  # noqa: E731
+        widen = lambda g: g.executes_during_capture  # noqa: E731
         with self._new_graph("capture", name, part, widen) as (v, g):
             with g.capture(stream):
                 out = fn(*args, **kwargs)

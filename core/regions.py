@@ -8,8 +8,9 @@ this interface, so neither asks a backend its name:
 
 * :attr:`RegionGraph.pool_region`, :attr:`RegionGraph.pool_used_bytes` and
   :meth:`RegionGraph.release_pool`: where the pool lies, its high-water mark and its end;
-* :attr:`RegionGraph.executes_during_capture`: whether the region must be mapped while
-  capturing (the cpu backend runs the work as it records it; cuda launches nothing);
+* ``executes_during_capture`` (declared on every :class:`~graphslot.backend.DeviceGraph`):
+  whether the region must be mapped while capturing (the cpu backend runs the work as it
+  records it; cuda launches nothing);
 * :attr:`RegionGraph.pool_handle` and :meth:`RegionGraph.lend`: what other code that
   captures its own graphs into the pool (TransformerEngine) is given, and the routing of
   the pool's allocations into the region while that code runs;
@@ -36,9 +37,6 @@ class RegionGraph(DeviceGraph):
     The caller reserves the region and maps physical memory behind it (see
     :class:`graphslot.arena.SharedArena`); graphs made with ``share_pool_with`` share it.
     """
-
-    #: Whether capture runs the work, so the region must be mapped while capturing.
-    executes_during_capture: bool = True
 
     @property
     @abc.abstractmethod

@@ -16,6 +16,7 @@ from graphslot.adapters import torch as gt
 from graphslot.adapters.torch import GraphedLayers, plan_graphs
 from graphslot.errors import UsageError
 from graphslot.memory import saved_bytes_per_layer
+from graphslot.offload import ping_pong_banks
 from stacks import graphed, small_gpt
 from test_graphed_grads import assert_bitwise, run
 
@@ -164,3 +165,17 @@ def test_building_keeps_tied_parameters_the_same_objects(clean, per_graph):
             y.square().sum().backward()
         assert_bitwise([p.grad for m in layers for p in m.parameters()],
                        [p.grad for m in eager for p in m.parameters()])
+
+
+def test_the_graphs_that_offload_alternate_banks_in_backward_order(clean):
+    """One rule for every adapter (graphslot.offload.ping_pong_banks): among the units that
+    offload, in backward order, banks go 0, 1, 0, ...; a unit that keeps gets the bank the
+    next offloading one takes."""
+    assert ping_pong_banks([]) == []
+    assert ping_pong_banks([True, True, True]) == [0, 1, 0]
+    assert ping_pong_banks([True, False, True, True]) == [0, 1, 1, 0]
+    b = clean
+    model = small_gpt(b, 5)
+    with graphed(model, b, "resident", offload_layers=[0, 2, 3, 4], layers_per_graph=1) as stack:
+        # backward order: 4, 3, 2, (1 keeps), 0
+        assert [stack.bank_index(i) for i in (4, 3, 2, 1, 0)] == [0, 1, 0, 1, 1]

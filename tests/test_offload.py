@@ -436,7 +436,7 @@ def test_restore_ahead_starts_only_a_restore_the_slot_can_take(engine_clean):
         eng = stack.engine
         loss = model(*model.batch(0, b.device))
         eng.wait_idle()
-        g0, g1, g2 = (r.group for r in stack._runners)
+        g0, g1, g2 = (r.unit.group for r in stack._runners)
         assert g0.bank is g2.bank and g1.bank is not g0.bank
         mb = stack._microbatch
         t0, t1, t2 = (eng.find(g, mb) for g in (g0, g1, g2))
@@ -1241,7 +1241,7 @@ def test_views_of_one_storage_share_one_region_and_train_bitwise(engine_clean, m
     sample = torch.randn(n, d, device=b.device, requires_grad=True)
     with GraphedLayers(layers, sample, mode=mode, backend=b, debug_checksums=True,
                        layers_per_graph=1) as stack:
-        g = stack._runners[0].group
+        g = stack._runners[0].unit.group
         assert g is not None
         per_tensor = sum(s.nbytes for s in g.specs)
         # q, k, v live in one qkv region; 'a' saved twice is held once.
@@ -1563,7 +1563,7 @@ def test_the_backward_graph_lets_go_of_a_section_only_after_its_last_reader(engi
     with GraphedLayers([_Wrap(fn, d), _Wrap(fn, d)], x, mode="remap", backend=b, layers_per_graph=1,
                        section_bytes=256) as stack:
         for r in stack._runners:
-            g = r.group
+            g = r.unit.group
             base = g.reservation.va + g.slot_offset
             by_event: dict[int, list[int]] = {}
             for k, ev in enumerate(g.done_events):

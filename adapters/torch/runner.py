@@ -50,10 +50,10 @@ def _parameters_as(module: nn.Module, alias_of: dict[int, torch.Tensor]) -> Iter
 
 @contextlib.contextmanager
 def _restoring(tensors: Sequence[torch.Tensor], inner: ContextManager[Any] | None = None,
-               settle: Callable[[], None] | None = None) -> Iterator[None]:
+               wait_first: Callable[[], None] | None = None) -> Iterator[None]:
     """``inner`` (if any), with ``tensors`` holding again on the way out what they held on
     the way in, copied back in place: graphs read them where they are (copies made inside
-    a capture are part of its graph). ``settle`` first waits for work that may still
+    a capture are part of its graph). ``wait_first`` waits first for work that may still
     write them. Where the block fails, its error is the one raised."""
     kept = [t.detach().clone() for t in tensors]
     failed = False
@@ -65,8 +65,8 @@ def _restoring(tensors: Sequence[torch.Tensor], inner: ContextManager[Any] | Non
         raise
     finally:
         try:
-            if settle is not None:
-                settle()
+            if wait_first is not None:
+                wait_first()
             with torch.no_grad():
                 for t, k in zip(tensors, kept):
                     t.copy_(k)
@@ -128,11 +128,6 @@ class _Runner:
         # where each microbatch's forward drew before its backward graph draws it again.
         self.rng: RngStream | None = None
         self._rng_at: dict[int, Any] = {}  # microbatch -> the stream before its forward
-
-    @property
-    def group(self) -> Any:
-        """Its unit's offload group, for inspection (tests)."""
-        return self.unit.group
 
     # -- build ---------------------------------------------------------------------------
 
@@ -272,7 +267,7 @@ class _Runner:
                 # A backend whose capture runs the work (cpu) would add the capture's gradient
                 # (from whatever the static buffers hold) into the targets: put them back after.
                 before = ([None if t is None else t.clone() for t in targets] if targets is not None
-                          and getattr(bwd, "executes_during_capture", False) else None)
+                          and bwd.executes_during_capture else None)
                 drawing = self._attach_rng(bwd)
                 with bwd.capture(self.stack._warmup_stream), drawing(), without_autocast(b.device.type):
                     if own:

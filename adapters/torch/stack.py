@@ -76,7 +76,7 @@ from graphslot.budget import (OFFLOAD, RECOMPUTE, RECOMPUTE_CHEAP, BudgetPlan, S
                               fit_budget, gradient_homes, parse_budget)
 from graphslot.errors import CaptureMismatchError, StateError, UsageError
 from graphslot.memory import release_unused, saved_bytes_per_layer
-from graphslot.offload import SECTION_BYTES, Mode, OffloadEngine
+from graphslot.offload import SECTION_BYTES, Mode, OffloadEngine, ping_pong_banks
 from graphslot.precision import autocast_dtype
 from graphslot.profile import copy_bandwidth, held_bytes, profile_units
 from graphslot.selection import get_backend
@@ -260,7 +260,7 @@ class GraphedLayers(nn.Module):
         # change (batch norm's running statistics) are put back after the build, and the
         # random numbers they draw come from a fork of the generators, so the stack starts
         # from the state the layers and the caller's seed came with, as eager would.
-        with _restoring(list(self.layers.buffers()), settle=self.backend.synchronize), \
+        with _restoring(list(self.layers.buffers()), wait_first=self.backend.synchronize), \
                 _building(self.backend.device, self.autocast_dtype):
             try:
                 saved = None if layers_per_graph is not None else saved_bytes_per_layer(
@@ -539,10 +539,11 @@ class GraphedLayers(nn.Module):
         return self.engine.mode
 
     def bank_index(self, layer: int) -> int:
-        """Ping-pong bank of ``layer``'s graph: the graphs that offload alternate, in
-        backward order."""
+        """Ping-pong bank of ``layer``'s graph (:func:`graphslot.offload.ping_pong_banks`)."""
         k = next(k for k, ls in enumerate(self.graph_layers) if layer in ls)
-        return sum(1 for ls in self.graph_layers[k + 1:] if ls[0] in self.offload_layers) % 2
+        backward = self.graph_layers[::-1]
+        banks = ping_pong_banks(ls[0] in self.offload_layers for ls in backward)
+        return banks[len(backward) - 1 - k]
 
     @property
     def timeline(self) -> Any:

@@ -70,7 +70,7 @@ class CudaBackend(Backend):
         torch.cuda.empty_cache()
 
     def vendor_allocator_stats(self, reset_peak: bool) -> dict[str, int | None]:
-        st = torch.cuda.memory_stats(self._torch_device)
+        stats = torch.cuda.memory_stats(self._torch_device)
         pool_reserved = pool_allocated = 0
         for seg in torch.cuda.memory_snapshot():
             if seg.get("device", self._index) != self._index:
@@ -79,10 +79,10 @@ class CudaBackend(Backend):
                 pool_reserved += int(seg["total_size"])
                 pool_allocated += int(seg["allocated_size"])
         out: dict[str, int | None] = {
-            "allocated_bytes": int(st.get("allocated_bytes.all.current", 0)),
-            "reserved_bytes": int(st.get("reserved_bytes.all.current", 0)),
-            "peak_reserved_bytes": int(st.get("reserved_bytes.all.peak", 0)),
-            "peak_allocated_bytes": int(st.get("allocated_bytes.all.peak", 0)),
+            "allocated_bytes": int(stats.get("allocated_bytes.all.current", 0)),
+            "reserved_bytes": int(stats.get("reserved_bytes.all.current", 0)),
+            "peak_reserved_bytes": int(stats.get("reserved_bytes.all.peak", 0)),
+            "peak_allocated_bytes": int(stats.get("allocated_bytes.all.peak", 0)),
             "graph_pool_reserved_bytes": pool_reserved,
             "graph_pool_allocated_bytes": pool_allocated,
         }
@@ -96,12 +96,12 @@ class CudaBackend(Backend):
     def vendor_return_to_pool(self, t: torch.Tensor) -> torch.Tensor | None:
         if self.vendor_is_capturing():
             raise UsageError("return_to_pool runs between captures, not inside one")
-        st = t.untyped_storage()
-        if st.nbytes() == 0:
+        storage = t.untyped_storage()
+        if storage.nbytes() == 0:
             return None
-        view = self.alias_bytes(st.data_ptr(), st.nbytes()).view(t.dtype)
+        view = self.alias_bytes(storage.data_ptr(), storage.nbytes()).view(t.dtype)
         view = view.as_strided(t.shape, t.stride(), t.storage_offset())
-        st.resize_(0)  # the caching allocator frees the block into the private pool it came from
+        storage.resize_(0)  # the caching allocator frees the block into the private pool it came from
         return view
 
     def vendor_graph_pool_segments(self) -> list[tuple[int, int]]:
@@ -247,6 +247,8 @@ class CudaBackend(Backend):
 
 class CudaGraph(DeviceGraph):
     """torch.cuda.CUDAGraph behind the device-neutral interface."""
+
+    executes_during_capture = False  # (stream capture records; nothing runs)
 
     def __init__(self, backend: CudaBackend, pool: Any = None) -> None:
         self._backend = backend

@@ -337,13 +337,13 @@ def _define() -> type:
             try:
                 yield
             except BaseException as e:
-                st = r.shim.stats(r.id)
+                counts = r.shim.stats(r.id)
                 # torch reports the NULL from gs_malloc as an out-of-memory error (or, if
                 # its error path trips over the capture, as another one): the shim knows.
-                if st["failed"] and not isinstance(e, PoolFullError):
+                if counts["failed"] and not isinstance(e, PoolFullError):
                     raise PoolFullError(
                         f"graph pool region [0x{r.va:x}, 0x{r.va + r.size:x}) is full: the "
-                        f"capture asked for a {st['failed']}-byte segment with {st['live']} "
+                        f"capture asked for a {counts['failed']}-byte segment with {counts['live']} "
                         f"of {r.size} bytes in use; give the pool a larger region") from e
                 raise
             finally:

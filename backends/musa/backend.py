@@ -154,6 +154,8 @@ class MusaBackend(Backend):
 class MusaGraph(DeviceGraph):
     """``torch.musa.MUSAGraph`` behind the device-neutral interface."""
 
+    executes_during_capture = False  # (stream capture records; nothing runs)
+
     def __init__(self, backend: MusaBackend, pool: Any = None) -> None:
         self._backend = backend
         self.graph = tmusa.MUSAGraph()

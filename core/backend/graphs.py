@@ -43,6 +43,11 @@ class DeviceGraph(abc.ABC):
     memory is mapped there at replay time is what the graph sees.
     """
 
+    #: Whether capture also runs the work it records (the cpu backend's graphs do), so
+    #: what it touches must be mapped, and what it writes is written, while capturing. A
+    #: vendor whose capture only records says False; True is the safe answer.
+    executes_during_capture: bool = True
+
     @abc.abstractmethod
     def capture(self, stream: Any = None) -> ContextManager[None]:
         """Context manager: work issued inside is recorded instead of (or as well as) run."""

@@ -77,12 +77,13 @@ from .engine import OffloadEngine
 from .saved import (SECTION_BYTES, SavedTensorSpec, never_offloaded, recording_saved_tensors,
                     sections_of, state_storages)
 from .states import Mode
-from .unit import KEEP, OFFLOAD, POLICIES, RECOMPUTE, OffloadUnit, leaves_on_device
+from .unit import KEEP, OFFLOAD, POLICIES, RECOMPUTE, OffloadUnit, leaves_on_device, ping_pong_banks
 from .worker import EXIT_WAIT_S, DriverWorker
 
 __all__ = [
     "OffloadUnit",
     "leaves_on_device",
+    "ping_pong_banks",
     "KEEP",
     "OFFLOAD",
     "RECOMPUTE",

@@ -28,6 +28,18 @@ POLICIES = (KEEP, OFFLOAD, RECOMPUTE)
 Prefetch = Union["OffloadUnit", Callable[[], Union["OffloadUnit", None]], None]
 
 
+def ping_pong_banks(offloads: Iterable[bool]) -> list[int]:
+    """The bank of each unit, given in backward order: the units that offload alternate
+    between banks 0 and 1, so one unit's reload fills a bank while the graph before it in
+    the backward reads the other (a unit that keeps its activations gets the bank the next
+    offloading one will use, and uses none)."""
+    banks, seen = [], 0
+    for offloads_ in offloads:
+        banks.append(seen % 2)
+        seen += bool(offloads_)
+    return banks
+
+
 def leaves_on_device(modules: Iterable[Any], device_type: str) -> Callable[[torch.Tensor], bool]:
     """The rule for what a unit's capture never moves into its slot, for ``modules``.
 
