@@ -5,11 +5,12 @@ under (:class:`_LayerFunction`). Imports :mod:`.grads` and :mod:`.plan`."""
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import functools
 import warnings
 import weakref
-from typing import TYPE_CHECKING, Any, Callable, ContextManager, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, Callable, ContextManager, Iterator, Protocol, Sequence
 
 import torch
 import torch.utils.checkpoint
@@ -75,12 +76,75 @@ def _restoring(tensors: Sequence[torch.Tensor], inner: ContextManager[Any] | Non
                 raise
 
 
+class StackHost(Protocol):
+    """What a runner needs of the stack that owns it beyond its public face; the stack
+    hands each runner an object with these (its bookkeeping stays private to it)."""
+
+    @property
+    def warmup_stream(self) -> Any:
+        """The side stream the warm-ups and captures run on (None once closed)."""
+
+    @property
+    def grad_homes(self) -> bool:
+        """Whether this build gives gradients homes outside the graphs' pool."""
+
+    @property
+    def lent(self) -> dict[int, list[_ParamGrad]]:
+        """By layer: the gradient buffers of the pool lent out as ``.grad`` since the last step."""
+
+    @property
+    def in_backward(self) -> set[int]:
+        """The microbatches whose backward has begun."""
+
+    @property
+    def runners(self) -> list[_Runner]:
+        """The stack's runners, in forward order."""
+
+    @property
+    def abandoned(self) -> collections.deque[int]:
+        """Microbatches whose autograd graph was dropped before their backward ran."""
+
+    @property
+    def tracing(self) -> bool:
+        """Whether a timeline or probe watches the replays."""
+
+    @property
+    def closed(self) -> bool:
+        """Whether the stack was closed."""
+
+    def new_graph(self) -> DeviceGraph:
+        """A graph over the stack's pool."""
+
+    def give_back(self, layer: int | None) -> None:
+        """Give the holders of lent buffers (of ``layer`` and below; all for None) their own."""
+
+    def next_forward(self, index: int) -> _Runner | None:
+        """The next runner in forward order whose activations are offloaded (prefetch)."""
+
+    def next_backward(self, index: int) -> _Runner | None:
+        """The next runner in backward order whose activations are offloaded (look-ahead)."""
+
+    def span(self, name: str) -> ContextManager[Any]:
+        """A timeline span around a replay."""
+
+    def enter(self) -> None:
+        """A backward replay begins (refused after close(); close() waits for it)."""
+
+    def leave(self) -> None:
+        """That backward replay is over."""
+
+    def lend_input_grad(self, buf: torch.Tensor, input_ref: weakref.ref[torch.Tensor] | None
+                        ) -> torch.Tensor:
+        """The first layer's input gradient, as eager hands it out."""
+
+
 class _Runner:
     """One graph's consecutive layers (one, or several small ones): its graphs, static
     tensors and its offload unit (kept on the device when its layers do not offload)."""
 
-    def __init__(self, stack: GraphedLayers, index: int, layers: tuple[int, ...]) -> None:
-        self.stack = stack
+    def __init__(self, stack: GraphedLayers, host: StackHost, index: int, layers: tuple[int, ...]) -> None:
+        self.stack = stack  # (its public face: layers, backend, engine, the lists it was given)
+        self.host = host  # (what else a runner needs of the stack)
         self.index = index  # position among the stack's graphs
         self.layers = layers
         mods = [stack.layers[i] for i in layers]
@@ -129,6 +193,14 @@ class _Runner:
         self.rng: RngStream | None = None
         self._rng_at: dict[int, Any] = {}  # microbatch -> the stream before its forward
 
+    def forget_draws(self, mb: int | None = None) -> None:
+        """Drop where microbatch ``mb``'s forward drew (all of them for None): no backward
+        will draw it again."""
+        if mb is None:
+            self._rng_at.clear()
+        else:
+            self._rng_at.pop(mb, None)
+
     # -- build ---------------------------------------------------------------------------
 
     def build_forward(self, static_in: torch.Tensor) -> torch.Tensor:
@@ -168,7 +240,7 @@ class _Runner:
         # capture, which CUDA refuses. Every capture runs on that same stream: per-stream
         # library state (cuBLAS's workspace for each stream and thread) then exists from
         # the warm-up, in the ordinary pool, and no capture allocates another in a pool.
-        side = stack._warmup_stream
+        side = self.host.warmup_stream
         b.wait_event(side, b.record_event(b.new_event()))
         with b.stream(side):
             if self.recompute:
@@ -226,7 +298,7 @@ class _Runner:
         else:
             unit.allocate()  # kept on the device: nothing to lay out
 
-        fwd = stack._new_graph()
+        fwd = self.host.new_graph()
         if self.recompute:
             self.rng = b.new_rng_stream()
             if self.rng is None:
@@ -252,7 +324,7 @@ class _Runner:
         if own and not differentiable:
             static_grad_out = torch.zeros_like(out)
         targets: list[torch.Tensor | None] | None = list(self.main_grads or []) or None
-        if targets is None and self.stack._grad_homes and differentiable:
+        if targets is None and self.host.grad_homes and differentiable:
             # Shared parameters (eager adds their parts first, then into .grad) and hooked
             # ones (the hook sees each gradient) keep a pool buffer.
             self.homes = [(k, _GradHome(p)) for k, p in enumerate(self.params)
@@ -263,13 +335,13 @@ class _Runner:
                            for k in range(len(self.params))]
         try:
             if differentiable:
-                bwd = self.stack._new_graph()
+                bwd = self.host.new_graph()
                 # A backend whose capture runs the work (cpu) would add the capture's gradient
                 # (from whatever the static buffers hold) into the targets: put them back after.
                 before = ([None if t is None else t.clone() for t in targets] if targets is not None
                           and bwd.executes_during_capture else None)
                 drawing = self._attach_rng(bwd)
-                with bwd.capture(self.stack._warmup_stream), drawing(), without_autocast(b.device.type):
+                with bwd.capture(self.host.warmup_stream), drawing(), without_autocast(b.device.type):
                     if own:
                         # The stack's last gradient buffer, from the graphs' pool: the caller's
                         # gradient is copied in right before each replay and only this graph
@@ -380,11 +452,11 @@ class _Runner:
         stack = self.stack  # (GraphedLayers.forward checked the stack's input)
         if mb in self.pending:
             raise StateError(f"{self.label}: microbatch {mb} ran forward again before its backward")
-        if stack._lent:
-            stack._give_back(None)
+        if self.host.lent:
+            self.host.give_back(None)
         unit = self.unit
         # An offloaded unit makes the next offloaded one's slot writable ahead.
-        nxt = stack._next_forward(self.index) if unit.offloads else None
+        nxt = self.host.next_forward(self.index) if unit.offloads else None
         # (moves out what another microbatch keeps in the graphs' memory, if one does)
         with unit.forward(mb, training=training, prefetch=None if nxt is None else nxt.unit):
             if x.data_ptr() != self.static_in.data_ptr():
@@ -392,8 +464,8 @@ class _Runner:
                     self.static_in.copy_(x)
             if self.rng is not None and training:
                 self._rng_at[mb] = self.rng.position()
-            if stack._tracing:
-                with stack._span(f"fwd {self.name}"):
+            if self.host.tracing:
+                with self.host.span(f"fwd {self.name}"):
                     self.fwd.replay()
                 if stack.probe is not None:
                     stack.probe(f"F{self.layers[-1]}")
@@ -408,27 +480,27 @@ class _Runner:
         """Replay microbatch ``mb``'s backward; ``input_ref``: the stack's input (the first
         layer's), whose gradient the returned input gradient becomes."""
         stack = self.stack
-        if stack._closed:
+        if self.host.closed:
             raise StateError(f"{self.label}: backward of microbatch {mb} after close(); "
                              "close() abandoned the forward it belonged to")
-        stack._enter()
+        self.host.enter()
         try:
             return self._backward(grad, mb, input_ref)
         finally:
-            stack._leave()
+            self.host.leave()
 
     def _backward(self, grad: torch.Tensor, mb: int, input_ref: weakref.ref[torch.Tensor] | None
                   ) -> tuple[torch.Tensor | None, ...]:
         stack = self.stack
         # A backward pass is one unit for close(): from its first layer to the stack's first.
-        stack._in_backward.add(mb)
+        self.host.in_backward.add(mb)
         try:
             out = self._replay_backward(grad, mb, input_ref)
         except BaseException:
-            stack._in_backward.discard(mb)
+            self.host.in_backward.discard(mb)
             raise
         if self.index == 0:
-            stack._in_backward.discard(mb)
+            self.host.in_backward.discard(mb)
         return out
 
     def _replay_backward(self, grad: torch.Tensor, mb: int, input_ref: weakref.ref[torch.Tensor] | None
@@ -441,12 +513,12 @@ class _Runner:
                 "retain_graph=True, is not supported) or close() abandoned it")
         if self.main_grads is not None:
             self._main_grads_in_place()
-        if stack._lent:  # before anything below writes pool memory a lent buffer may share
-            stack._give_back(self.index)
+        if self.host.lent:  # before anything below writes pool memory a lent buffer may share
+            self.host.give_back(self.index)
         # Look-ahead: the next offloaded layer's reload runs under this backward graph
         # (and under every graph up to it, when offloaded layers are spread out); if its
         # slot still holds another restore, that layer's backward waits for it.
-        prev = stack._next_backward(self.index)
+        prev = self.host.next_backward(self.index)
         # (brings back this microbatch's activations if another's graphs ran since)
         with self.unit.backward(mb, ahead=None if prev is None else prev.unit):
             out: list[torch.Tensor | None] = [None] * len(self.params)
@@ -465,8 +537,8 @@ class _Runner:
                     for _, h in homes:
                         h.prepare(h.fills_grad())
                 try:
-                    if stack._tracing:
-                        with stack._span(f"bwd {self.name}"):
+                    if self.host.tracing:
+                        with self.host.span(f"bwd {self.name}"):
                             graph.replay()
                         if stack.probe is not None:
                             stack.probe(f"B{self.layers[0]}")
@@ -487,13 +559,13 @@ class _Runner:
                             out[k] = h.finish()
                 lent = [pg for pg in self.grads if pg is not None and not pg.copy]
                 if lent:
-                    stack._lent[self.index] = lent
+                    self.host.lent[self.index] = lent
             self.pending.discard(mb)
         gin = self.grad_in
         if gin is not None:
             if self.first:
-                gin = stack._lend_input_grad(gin, input_ref)
-            elif len(stack._runners[self.index - 1].pending) > 1:
+                gin = self.host.lend_input_grad(gin, input_ref)
+            elif len(self.host.runners[self.index - 1].pending) > 1:
                 gin = gin.clone()  # another microbatch of the layer below may run in between
             else:
                 gin = gin.detach()  # the layer below reads this buffer straight away
@@ -560,11 +632,11 @@ class _LayerFunction(torch.autograd.Function):
         if runner.index == 0:
             # The first layer's node outlives the others: when it dies without a backward
             # (the output was dropped), the stack gives back what the microbatch holds.
-            weakref.finalize(ctx, runner.stack._abandoned.append, mb).atexit = False
+            weakref.finalize(ctx, runner.host.abandoned.append, mb).atexit = False
             ctx.input = weakref.ref(x) if x.requires_grad else None
         # The last layer's output goes to the caller, who may keep it across the next
         # forward; inside the stack the next layer reads the buffer itself.
-        return out.clone() if runner.stack._runners[-1] is runner else out.detach()
+        return out.clone() if runner.host.runners[-1] is runner else out.detach()
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> Any:

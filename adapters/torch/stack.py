@@ -89,6 +89,73 @@ from .runner import _LayerFunction, _restoring, _Runner
 __all__ = ["GraphedLayers"]
 
 
+class _Host:
+    """A stack's side of its runners (:class:`~.runner.StackHost`): its bookkeeping under
+    the names a runner uses, so the runner reads nothing private of the stack."""
+
+    __slots__ = ("_stack",)
+
+    def __init__(self, stack: GraphedLayers) -> None:
+        self._stack = stack
+
+    @property
+    def warmup_stream(self) -> Any:
+        return self._stack._warmup_stream
+
+    @property
+    def grad_homes(self) -> bool:
+        return self._stack._grad_homes
+
+    @property
+    def lent(self) -> dict[int, list[_ParamGrad]]:
+        return self._stack._lent
+
+    @property
+    def in_backward(self) -> set[int]:
+        return self._stack._in_backward
+
+    @property
+    def runners(self) -> list[_Runner]:
+        return self._stack._runners
+
+    @property
+    def abandoned(self) -> collections.deque[int]:
+        return self._stack._abandoned
+
+    @property
+    def tracing(self) -> bool:
+        return self._stack._tracing
+
+    @property
+    def closed(self) -> bool:
+        return self._stack._closed
+
+    def new_graph(self) -> DeviceGraph:
+        return self._stack._new_graph()
+
+    def give_back(self, layer: int | None) -> None:
+        self._stack._give_back(layer)
+
+    def next_forward(self, index: int) -> _Runner | None:
+        return self._stack._next_forward(index)
+
+    def next_backward(self, index: int) -> _Runner | None:
+        return self._stack._next_backward(index)
+
+    def span(self, name: str) -> Any:
+        return self._stack._span(name)
+
+    def enter(self) -> None:
+        self._stack._enter()
+
+    def leave(self) -> None:
+        self._stack._leave()
+
+    def lend_input_grad(self, buf: torch.Tensor, input_ref: weakref.ref[torch.Tensor] | None
+                        ) -> torch.Tensor:
+        return self._stack._lend_input_grad(buf, input_ref)
+
+
 class GraphedLayers(nn.Module):
     """Run ``layers`` in sequence as graphed callables with slot-based activation offload.
 
@@ -310,7 +377,8 @@ class GraphedLayers(nn.Module):
         self.graph_layers = plan_graphs(len(self.layers), self.offload_layers, layers_per_graph,
                                         saved, recomputed=self.recompute_layers,
                                         cheap=self.cheap_layers)
-        self._runners = [_Runner(self, k, ls) for k, ls in enumerate(self.graph_layers)]
+        host = _Host(self)
+        self._runners = [_Runner(self, host, k, ls) for k, ls in enumerate(self.graph_layers)]
         self._build(sample)
 
     def _homes_pay(self, mode: Mode, saved: list[int] | None, sample: torch.Tensor) -> bool:
@@ -674,7 +742,7 @@ class GraphedLayers(nn.Module):
         """Microbatch ``mb``'s backward will never run: give back what it holds."""
         for r in self._runners:
             r.pending.discard(mb)
-            r._rng_at.pop(mb, None)
+            r.forget_draws(mb)
             r.unit.abandon(mb)  # (nothing once the engine is closed)
         self._in_backward.discard(mb)
 
@@ -705,7 +773,7 @@ class GraphedLayers(nn.Module):
         self.engine.close()
         self._warmup_stream = None
         for r in self._runners:
-            r._rng_at.clear()
+            r.forget_draws()
 
     def __enter__(self) -> GraphedLayers:
         return self
