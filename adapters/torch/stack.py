@@ -124,7 +124,7 @@ class _Host:
 
     @property
     def tracing(self) -> bool:
-        return self._stack._tracing
+        return self._stack.engine.timeline is not None or self._stack.probe is not None
 
     @property
     def closed(self) -> bool:
@@ -137,13 +137,14 @@ class _Host:
         self._stack._give_back(layer)
 
     def next_forward(self, index: int) -> _Runner | None:
-        return self._stack._next_forward(index)
+        return self._stack._ahead[index]
 
     def next_backward(self, index: int) -> _Runner | None:
-        return self._stack._next_backward(index)
+        return self._stack._behind[index]
 
     def span(self, name: str) -> Any:
-        return self._stack._span(name)
+        tl = self._stack.engine.timeline
+        return contextlib.nullcontext() if tl is None else tl.span("compute", name)
 
     def enter(self) -> None:
         self._stack._enter()
@@ -623,10 +624,6 @@ class GraphedLayers(nn.Module):
         self.engine.timeline = tl
 
     @property
-    def _tracing(self) -> bool:
-        return self.engine.timeline is not None or self.probe is not None
-
-    @property
     def gradient_buffers(self) -> list[torch.Tensor]:
         """The backward graphs' parameter-gradient buffers in their pool (what ``.grad`` may
         alias; not the gradient homes outside it)."""
@@ -636,18 +633,6 @@ class GraphedLayers(nn.Module):
     def pool_bytes(self) -> int | None:
         """Bytes of the graphs' shared private pool, where the backend can tell."""
         return None if self._pool_owner is None else self._pool_owner.pool_bytes
-
-    def _span(self, name: str) -> Any:
-        tl = self.engine.timeline
-        return contextlib.nullcontext() if tl is None else tl.span("compute", name)
-
-    def _next_forward(self, i: int) -> _Runner | None:
-        """The next layer in forward order whose activations are offloaded."""
-        return self._ahead[i]
-
-    def _next_backward(self, i: int) -> _Runner | None:
-        """The next layer in backward order whose activations are offloaded (look-ahead)."""
-        return self._behind[i]
 
     def _give_back(self, layer: int | None) -> None:
         """Before a replay: gradient buffers it may overwrite stop being anyone's gradient.
