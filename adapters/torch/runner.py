@@ -268,15 +268,15 @@ class _Runner:
                         warm = torch.autograd.grad(out, inputs, torch.ones_like(out),
                                                    allow_unused=True)
                     n_in = len(inputs) - len(aliases)
-                    sparse = [p for p, g in zip(self.params, warm[n_in:])
+                    sparse = [(p, g.layout) for p, g in zip(self.params, warm[n_in:])
                               if g is not None and g.layout != torch.strided]
                     if sparse:
+                        p, layout = sparse[0]
                         raise UsageError(
-                            f"{self.label}: parameter {_param_name(stack.layers, sparse[0])} "
-                            f"gets a {warm[n_in + self.params.index(sparse[0])].layout} "
-                            "gradient (an embedding with sparse=True), which a device graph "
-                            "cannot capture: give it dense gradients (sparse=False) or keep "
-                            "the layer outside GraphedLayers")
+                            f"{self.label}: parameter {_param_name(stack.layers, p)} "
+                            f"gets a {layout} gradient (an embedding with sparse=True), "
+                            "which a device graph cannot capture: give it dense gradients "
+                            "(sparse=False) or keep the layer outside GraphedLayers")
                     del warm
                 del out
         b.wait_event(b.current_stream(), b.record_event(b.new_event(), side))
@@ -479,7 +479,6 @@ class _Runner:
                  ) -> tuple[torch.Tensor | None, ...]:
         """Replay microbatch ``mb``'s backward; ``input_ref``: the stack's input (the first
         layer's), whose gradient the returned input gradient becomes."""
-        stack = self.stack
         if self.host.closed:
             raise StateError(f"{self.label}: backward of microbatch {mb} after close(); "
                              "close() abandoned the forward it belonged to")
@@ -491,7 +490,6 @@ class _Runner:
 
     def _backward(self, grad: torch.Tensor, mb: int, input_ref: weakref.ref[torch.Tensor] | None
                   ) -> tuple[torch.Tensor | None, ...]:
-        stack = self.stack
         # A backward pass is one unit for close(): from its first layer to the stack's first.
         self.host.in_backward.add(mb)
         try:
