@@ -67,7 +67,7 @@ import torch
 
 from graphslot.backend import Backend, align_up
 from graphslot.errors import IncompatibleError, StateError, UsageError
-from graphslot.offload import (Mode, OffloadEngine, OffloadUnit, SavedTensorSpec, leaves_on_device,
+from graphslot.offload import (Mode, OffloadEngine, OffloadUnit, SavedLayout, leaves_on_device,
                                ping_pong_banks)
 from graphslot.paged import PagedPool
 from graphslot.selection import get_backend
@@ -88,11 +88,9 @@ class _Layer:
         self.module = module
         self.number = int(getattr(module, "layer_number", 0))
         self.device_type = device_type
-        self.specs: list[SavedTensorSpec] | None = None
-        self._seen: list[SavedTensorSpec] = []
+        self.layout = SavedLayout(f"layer {self.number}")
         self._ctx: Any = None
         self._is_state = leaves_on_device([], device_type)
-        self._storages: dict[int, int] = {}
         self._kept: dict[str, int] = {}
         self._recording = False
         #: saved tensor subclasses kept on the device in the last recorded forward, by type
@@ -120,33 +118,22 @@ class _Layer:
             self._kept[name] = self._kept.get(name, 0) + 1
         return True
 
-    def _record(self, t: torch.Tensor) -> torch.Tensor:
-        if not self.keeps(t):
-            self._seen.append(SavedTensorSpec.of(t, self._storages))
-        return t
-
     def begin(self) -> None:
+        """From the layer's forward pre-hook in Megatron's recording step."""
         self._is_state = leaves_on_device([self.module], self.device_type)
-        self._seen = []
-        self._storages = {}
         self._kept = {}
         self._recording = True
-        self._ctx = torch.autograd.graph.saved_tensors_hooks(self._record, lambda t: t)
+        self._ctx = self.layout.recording(self.keeps)
         self._ctx.__enter__()
 
     def end(self) -> None:
+        """From the layer's forward hook (also after forwards that were not recorded)."""
         if self._ctx is None:
             return
-        self._ctx.__exit__(None, None, None)
-        self._ctx = None
+        ctx, self._ctx = self._ctx, None
         self._recording = False
         self.kept = dict(self._kept)
-        seen = self._seen
-        if self.specs is not None and list(map(_key, seen)) != list(map(_key, self.specs)):
-            raise StateError(f"layer {self.number} saved different tensors in two forward passes "
-                             f"({len(self.specs)} then {len(seen)}); graphed layers must save the same "
-                             "tensors every time")
-        self.specs = seen
+        ctx.__exit__(None, None, None)
 
 
 def _segment_bound(nbytes: int) -> int:
@@ -155,10 +142,6 @@ def _segment_bound(nbytes: int) -> int:
     2 MiB steps."""
     mib = 1 << 20
     return 2 * mib if nbytes <= mib else 20 * mib if nbytes < 10 * mib else align_up(nbytes, 2 * mib)
-
-
-def _key(s: SavedTensorSpec) -> tuple[Any, ...]:
-    return (s.shape, s.stride, s.dtype, s.device, s.storage, s.storage_offset)
 
 
 @dataclass(eq=False)
@@ -493,7 +476,7 @@ class MegatronOffload:
         alternating in Megatron's backward order."""
         per_layer: dict[int, int] = {}
         # (runner, layer, graph number, saved tensors), in Megatron's backward order
-        chosen: list[tuple[Any, _Layer, int, list[SavedTensorSpec]]] = []
+        chosen: list[tuple[Any, _Layer, int]] = []
         first_fwd: dict[int, int] = {}  # id(runner) -> position of its first forward in the record
         for pos, entry in enumerate(record):
             runner, kind = entry[0], entry[1]
@@ -505,20 +488,20 @@ class MegatronOffload:
             missing = [n for n in _RUNNER_NEEDS if not hasattr(runner, n)]
             if missing:
                 raise IncompatibleError(f"Megatron-Core {self.megatron_version}: graph runner lacks {missing}")
-            if L.specs is None:
+            if not L.layout.recorded:
                 raise StateError(f"layer {L.number} ran no training forward while Megatron recorded "
                                  "its graphs, so there is nothing to lay out")
             k = per_layer.get(L.number, 0)
             per_layer[L.number] = k + 1
-            chosen.append((runner, L, k, L.specs))
+            chosen.append((runner, L, k))
         # A runner with no recorded forward goes last, in reverse backward order.
         order = sorted(range(len(chosen)), key=lambda i: (first_fwd.get(id(chosen[i][0]), len(record)), -i))
         placed: dict[int, _Runner] = {}
         banks = ping_pong_banks([True] * len(chosen))  # (chosen is in backward order)
         for i in order:
-            runner, L, k, specs = chosen[i]
+            runner, L, k = chosen[i]
             unit = OffloadUnit(self.engine, f"layer{L.number}.graph{k}")
-            unit.adopt(specs)
+            unit.adopt(L.layout)
             bank = banks[i]
             unit.allocate(bank)
             placed[i] = _Runner(runner, L, unit, bank)
@@ -594,15 +577,15 @@ class MegatronOffload:
     def _backward(self, r: _Runner, graph: Any) -> None:
         if r.in_flight is None:
             raise StateError(f"{r.unit.name}: backward graph replayed with no forward pending")
-        with r.unit.backward(r.in_flight):
+        # Look-ahead: the runner whose backward came next the step before restores under
+        # this replay (each runner counts its own forwards: its key, not this one's).
+        nxt = self._next_bwd.get(id(r))
+        ahead = nxt if nxt is not None and nxt is not r and nxt.in_flight is not None else None
+        with r.unit.backward(r.in_flight, ahead=None if ahead is None else ahead.unit,
+                             ahead_microbatch=None if ahead is None else ahead.in_flight):
             graph.replay()  # (the pool is mapped: no release while a runner awaits its backward)
         self._queue_pool_release(self.backend.current_stream())
         r.in_flight = None
-        nxt = self._next_bwd.get(id(r))
-        if nxt is not None and nxt.in_flight is not None:
-            # Look-ahead: its copy runs under this backward graph, queued after the replay
-            # (its copies wait for the sections this graph records it is done with).
-            nxt.unit.restore_ahead(nxt.in_flight)
         if self._last_fwd is not None:
             self._next_fwd[id(self._last_fwd)] = None
             self._last_fwd = None

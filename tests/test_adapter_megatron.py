@@ -145,12 +145,12 @@ def test_a_saved_tensor_subclass_stays_on_the_device_and_is_reported():
     L.begin()
     m(x).sum()
     L.end()
-    assert L.specs is not None and len(L.specs) == 1 and L.kept == {}  # the input; the weight is state
+    assert L.layout.recorded and len(L.layout.specs) == 1 and L.kept == {}  # the input; the weight is state
     for _ in range(2):  # the same in every forward, so discovery agrees with itself
         L.begin()
         _SavesSubclass.apply(m(x))
         L.end()
-        assert len(L.specs) == 1 and L.kept == {f"{__name__}._Quantized": 1}
+        assert len(L.layout.specs) == 1 and L.kept == {f"{__name__}._Quantized": 1}
     q = x.detach().as_subclass(_Quantized)
     assert L.keeps(q) and L.keeps(m.weight) and not L.keeps(x)  # the capture's pack hook asks the same
     assert L.kept == {f"{__name__}._Quantized": 1}  # counted while recording only
@@ -304,13 +304,13 @@ def test_slots_are_placed_in_forward_order_and_banks_alternate_in_backward_order
     the order a forward pass meets them, and consecutive layers go to different banks."""
     from types import SimpleNamespace
 
-    from graphslot.offload import SavedTensorSpec
-
     off = gsm.enable(local_gpt, mode="remap", backend=host)
     try:
         layers = {L.number: L for L in off.layers.values()}
         for L in layers.values():
-            L.specs = [SavedTensorSpec.of(torch.empty(4096, dtype=torch.float32))]
+            x = torch.ones(4096, requires_grad=True)
+            with L.layout.recording(lambda t: False):
+                (x * x).sum()  # saves x
         runner = {n: SimpleNamespace(base_module=layers[n].module, func=None, create_bwd_graph=None,
                                      replay_graph_capture=None) for n in layers}
         off._prepare([(runner[1], "fwd"), (runner[2], "fwd"), (runner[2], "bwd"), (runner[1], "bwd")])

@@ -1205,6 +1205,55 @@ def test_adopted_layout_serves_a_second_graph_and_forget_frees_the_slot(engine_c
         eng.close()
 
 
+@pytest.mark.parametrize("mode", ["resident", "remap"])
+def test_a_units_backward_restores_the_next_unit_ahead_under_its_own_key(engine_clean, mode):
+    """Through the unit API alone, as an adapter drives it: two units counting their
+    forwards apart (Megatron's runners do); the first backward restores the second unit's
+    forward of the key it names, and leaves a key it does not name where it is."""
+    b = engine_clean
+    eng = OffloadEngine(b, mode, debug_checksums=True)
+    n = b.granularity // 4
+    OffloadUnit = graphslot.offload.OffloadUnit
+    leave = graphslot.offload.leaves_on_device([], b.device.type)
+    units = [OffloadUnit(eng, "a"), OffloadUnit(eng, "b")]
+    xs = [torch.randn(n, device=b.device, requires_grad=True) for _ in units]
+    graphs = []
+    try:
+        for bank, (u, x) in enumerate(zip(units, xs)):
+            with u.discovering(leave):
+                x * x
+            u.allocate(bank)
+            fwd, bwd = b.new_graph(), b.new_graph()
+            with fwd.capture(), u.capture_forward(leave):
+                y = x * x
+            gy = torch.ones_like(y)
+            with bwd.capture():
+                (gx,) = torch.autograd.grad(y, [x], gy)
+            u.finish_capture()
+            graphs.append((fwd, bwd, y, gy, gx))
+        a, bu = units
+        for key_a, key_b, named in ((10, 20, 20), (11, 21, 99)):
+            for u, x, key, v in ((bu, xs[1], key_b, -3.0), (a, xs[0], key_a, 2.0)):
+                with torch.no_grad():
+                    x.fill_(v)
+                with u.forward(key):
+                    graphs[units.index(u)][0].replay()
+            for x in xs:
+                with torch.no_grad():
+                    x.zero_()  # the backwards must read the slots
+            with a.backward(key_a, ahead=bu, ahead_microbatch=named):
+                graphs[0][1].replay()
+            t = eng.find(bu.group, key_b)
+            assert (t.state in (State.RESTORING, State.RESTORED)) == (named == key_b), (named, t.state)
+            with bu.backward(key_b):
+                graphs[1][1].replay()
+            b.synchronize()
+            assert torch.all(graphs[0][4] == 4.0) and torch.all(graphs[1][4] == -6.0)
+            assert eng.in_flight() == []
+    finally:
+        eng.close()
+
+
 def test_adopt_after_allocation_is_refused(engine_clean):
     b = engine_clean
     eng = OffloadEngine(b, "resident")
@@ -1213,6 +1262,42 @@ def test_adopt_after_allocation_is_refused(engine_clean):
     with pytest.raises(StateError, match="cannot discover in state allocated"):
         g.adopt([graphslot.offload.SavedTensorSpec((1,), (1,), torch.float32, "cpu", 4)])
     eng.close()
+
+
+def test_a_saved_layout_records_forwards_autograd_keeps_and_lays_out_units(engine_clean):
+    """A framework's recording forward (Megatron's) is trained through, so autograd keeps
+    its saved tensors; the layout notes all but what ``leave`` keeps, lays out a unit from
+    them, and refuses a pass that saves other tensors."""
+    b = engine_clean
+    n = b.granularity // 4
+    w = torch.randn(n, device=b.device, requires_grad=True)
+    layout = graphslot.offload.SavedLayout("layer 3")
+    assert not layout.recorded and layout.specs == []
+    leave = graphslot.offload.leaves_on_device([], b.device.type)
+    for _ in range(2):  # the same tensors every pass
+        x = torch.randn(n, device=b.device, requires_grad=True)
+        with layout.recording(lambda t: t is w or leave(t)):
+            y = (x * w).sin()  # saves x and w, then x * w
+        y.sum().backward()  # the saved tensors were kept for it
+        assert torch.equal(x.grad, (x * w).cos().detach() * w.detach())
+    specs = layout.specs
+    assert [s.shape for s in specs] == [(n,), (n,)] and specs[0].storage != specs[1].storage
+    eng = OffloadEngine(b, "resident")
+    try:
+        unit = graphslot.offload.OffloadUnit(eng, "layer3.graph0")
+        unit.adopt(layout)
+        assert unit.saved_tensors == 2
+        unit.allocate(0)
+        assert unit.slot_bytes >= 2 * n * 4
+        with pytest.raises(UsageError, match="layer 9 recorded no forward"):
+            graphslot.offload.OffloadUnit(eng, "other").adopt(graphslot.offload.SavedLayout("layer 9"))
+    finally:
+        eng.close()
+    x = torch.randn(n, device=b.device, requires_grad=True)
+    with pytest.raises(StateError, match=r"layer 3 saved different tensors in two forward passes \(2 then 1\)"):
+        with layout.recording(leave):
+            x.sin()
+    assert layout.specs == specs  # the refused pass replaced nothing
 
 
 # --------------------------------------------------------------------------- shared storages

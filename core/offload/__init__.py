@@ -48,7 +48,8 @@ keeps the tickets and decides when; the residency does the copies, fences and pa
 is all that differs between the modes.
 
 Adapters use :class:`OffloadUnit` (:mod:`.unit`), one per graphed unit with its policy
-(keep, offload, recompute), and of the engine below it only its construction, ``wait_idle``,
+(keep, offload, recompute), laid out by its own discovery or from a :class:`SavedLayout`
+recorded in the framework's forward, and of the engine below it only its construction, ``wait_idle``,
 ``close`` and what it reports (``mode``, ``stats``, ``offloads``, ``timeline``, its
 ``backend``, ``worker`` and copy streams): the unit holds the order of engine calls around a unit's capture, its
 forward replay (offload, prefetch of the next unit) and its backward replay (restore, look
@@ -63,7 +64,7 @@ those below it:
 * :mod:`.group` - :class:`OffloadGroup`: discovery, slot layout, capture, host buffers.
 * :mod:`.residency` - banks, fences, the per-section copies, the residencies.
 * :mod:`.tickets` - :class:`Ticket` (one forward pass) and its :class:`Stash`.
-* :mod:`.states` (the transition table), :mod:`.saved` (saved-tensor specs, the rules
+* :mod:`.states` (the transition table), :mod:`.saved` (saved-tensor specs and layouts, the rules
   for what is never offloaded, sections) and :mod:`.worker` (:class:`DriverWorker`), which
   import nothing of the package.
 
@@ -74,7 +75,7 @@ imports only the interface modules of graphslot (backend, errors, sizes).
 
 
 from .engine import OffloadEngine
-from .saved import (SECTION_BYTES, SavedTensorSpec, never_offloaded, recording_saved_tensors,
+from .saved import (SECTION_BYTES, SavedLayout, SavedTensorSpec, never_offloaded, recording_saved_tensors,
                     sections_of, state_storages)
 from .states import Mode
 from .unit import KEEP, OFFLOAD, POLICIES, RECOMPUTE, OffloadUnit, leaves_on_device, ping_pong_banks
@@ -90,6 +91,7 @@ __all__ = [
     "POLICIES",
     "OffloadEngine",
     "Mode",
+    "SavedLayout",
     "SavedTensorSpec",
     "SECTION_BYTES",
     "sections_of",

@@ -1,4 +1,5 @@
-"""What a forward saves: :class:`SavedTensorSpec`, the rules for what is never
+"""What a forward saves: :class:`SavedTensorSpec`, :class:`SavedLayout` (the specs of
+one module's forward, recorded while a framework runs it), the rules for what is never
 offloaded, and the section and alignment sizes slots are cut in. Imports nothing of the
 package."""
 
@@ -11,6 +12,7 @@ from typing import Any, Callable, Iterable, Iterator
 import torch
 
 from ..backend import align_up
+from ..errors import StateError
 from ..sizes import view_extent
 
 SLOT_ALIGN = 256  #: byte alignment of each saved tensor inside a slot
@@ -64,6 +66,66 @@ class SavedTensorSpec:
 
     def describe(self) -> str:
         return f"{list(self.shape)} stride {list(self.stride)} {self.dtype} on {self.device}"
+
+
+def _same(a: SavedTensorSpec, b: SavedTensorSpec) -> bool:
+    """Two passes saved the same tensor: same view of the same saved storage."""
+    return (a.shape, a.stride, a.dtype, a.device, a.storage, a.storage_offset) == \
+        (b.shape, b.stride, b.dtype, b.device, b.storage, b.storage_offset)
+
+
+class SavedLayout:
+    """What one graphed module's forward saves, recorded during forwards that autograd
+    keeps (a framework's own recording step, before it captures), for the units of its
+    graphs to lay their slots out from (:meth:`OffloadUnit.adopt`). Every recorded pass
+    must save the same tensors.
+
+    Args:
+        name: the module's name in messages.
+    """
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self._specs: list[SavedTensorSpec] | None = None
+
+    @property
+    def recorded(self) -> bool:
+        """Whether a forward has been recorded."""
+        return self._specs is not None
+
+    @property
+    def specs(self) -> list[SavedTensorSpec]:
+        """The saved tensors of the last recorded forward, in the order they were saved
+        (a copy; empty before any)."""
+        return list(self._specs or ())
+
+    @contextlib.contextmanager
+    def recording(self, leave: Callable[[torch.Tensor], bool]) -> Iterator[None]:
+        """Around one forward whose backward will run: note each tensor it saves, except
+        what ``leave`` says stays put. Autograd keeps every saved tensor as it is (the
+        backward that follows frees them; a forward no backward follows is recorded with
+        :func:`recording_saved_tensors` instead).
+
+        Raises:
+            StateError: on leaving, when this forward saved other tensors than the one
+                recorded before it.
+        """
+        seen: list[SavedTensorSpec] = []
+        storages: dict[int, int] = {}
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            if not leave(t):
+                seen.append(SavedTensorSpec.of(t, storages))
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            yield
+        before = self._specs
+        if before is not None and (len(seen) != len(before) or not all(map(_same, seen, before))):
+            raise StateError(f"{self.name} saved different tensors in two forward passes "
+                             f"({len(before)} then {len(seen)}); graphed layers must save the same "
+                             "tensors every time")
+        self._specs = seen
 
 
 def state_storages(modules: Iterable[Any]) -> set[int]:

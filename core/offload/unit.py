@@ -15,7 +15,7 @@ import torch
 from ..errors import UsageError
 from .engine import OffloadEngine
 from .group import OffloadGroup
-from .saved import SavedTensorSpec, never_offloaded, recording_saved_tensors, state_storages
+from .saved import SavedLayout, SavedTensorSpec, never_offloaded, recording_saved_tensors, state_storages
 from .states import State
 from .tickets import Ticket
 
@@ -155,9 +155,14 @@ class OffloadUnit:
         with recording_saved_tensors(discover):  # autograd keeps none of them
             yield
 
-    def adopt(self, specs: list[SavedTensorSpec]) -> None:
-        """Take a layout discovered elsewhere (another graph of the same module)."""
-        self._group.adopt(specs)
+    def adopt(self, layout: SavedLayout | list[SavedTensorSpec]) -> None:
+        """Take a layout recorded elsewhere: a :class:`SavedLayout` (a framework's own
+        recording forward), or the specs of another graph of the same module."""
+        if isinstance(layout, SavedLayout):
+            if not layout.recorded:
+                raise UsageError(f"unit {self.name}: {layout.name} recorded no forward to lay out")
+            layout = layout.specs
+        self._group.adopt(layout)
 
     def allocate(self, bank: int = 0) -> None:
         """Outside capture: place the slot, in ping-pong bank ``bank`` (0 or 1)."""
@@ -240,27 +245,25 @@ class OffloadUnit:
         """This unit's forward comes next: start making its slot writable (remap: map it)."""
         self.engine.prefetch_forward(self._group)
 
-    def backward(self, microbatch: int, *, ahead: OffloadUnit | None = None) -> _BackwardReplay:
+    def backward(self, microbatch: int, *, ahead: OffloadUnit | None = None,
+                 ahead_microbatch: int | None = None) -> _BackwardReplay:
         """Around the backward replay of microbatch ``microbatch``: brings its activations
         back into the slot (or waits for a restore started ahead), and after the replay
-        frees the slot and host buffer, then starts restoring ``ahead``'s activations of
-        the same microbatch, if it has a forward of it in flight (the unit whose backward
-        comes next), under this replay.
+        frees the slot and host buffer, then starts restoring ``ahead``'s activations (the
+        unit whose backward comes next) under this replay, if it has a forward of that
+        microbatch in flight.
 
         Args:
             microbatch: the key its forward was given.
             ahead: the unit to restore ahead, or None.
+            ahead_microbatch: ``ahead``'s key for the forward to restore, where units count
+                their forwards apart (default: ``microbatch``).
 
         Raises:
             StateError: no forward of ``microbatch`` awaits this backward.
         """
-        return _BackwardReplay(self, microbatch, ahead)
-
-    def restore_ahead(self, microbatch: int) -> bool:
-        """Look-ahead: start restoring microbatch ``microbatch`` now if its slot can take
-        it; returns whether the restore is under way."""
-        eng = self.engine
-        return eng.restore_ahead(eng.ticket(self._group, microbatch))
+        return _BackwardReplay(self, microbatch, ahead,
+                               microbatch if ahead_microbatch is None else ahead_microbatch)
 
     def abandon(self, microbatch: int) -> None:
         """Microbatch ``microbatch``'s backward will never run: give back what it holds
@@ -309,10 +312,12 @@ class _ForwardReplay:
 class _BackwardReplay:
     """:meth:`OffloadUnit.backward`'s context manager."""
 
-    __slots__ = ("unit", "microbatch", "ahead", "ticket")
+    __slots__ = ("unit", "microbatch", "ahead", "ahead_microbatch", "ticket")
 
-    def __init__(self, unit: OffloadUnit, microbatch: int, ahead: OffloadUnit | None) -> None:
+    def __init__(self, unit: OffloadUnit, microbatch: int, ahead: OffloadUnit | None,
+                 ahead_microbatch: int) -> None:
         self.unit, self.microbatch, self.ahead = unit, microbatch, ahead
+        self.ahead_microbatch = ahead_microbatch
         self.ticket: Ticket[Any] | None = None
 
     def __enter__(self) -> None:
@@ -335,6 +340,6 @@ class _BackwardReplay:
         ahead = self.ahead
         if ahead is not None:
             eng = ahead.engine
-            nxt = eng.find(ahead._group, self.microbatch)
+            nxt = eng.find(ahead._group, self.ahead_microbatch)
             if nxt is not None:
                 eng.restore_ahead(nxt)
