@@ -72,7 +72,7 @@ from graphslot.offload import (Mode, OffloadEngine, OffloadUnit, SavedLayout, le
 from graphslot.paged import PagedPool
 from graphslot.selection import get_backend
 
-from .megatron_checks import (_RUNNER_NEEDS, FP8_RECIPES_SERVED, MIN_VERSION, MegatronInfo,  # noqa: F401
+from .megatron_checks import (RUNNER_NEEDS, FP8_RECIPES_SERVED, MIN_VERSION, MegatronInfo,  # noqa: F401
                               check_config, check_megatron)
 
 __all__ = ["MIN_VERSION", "FP8_RECIPES_SERVED", "MegatronOffload", "check_megatron", "check_config", "enable", "disable", "active"]
@@ -145,7 +145,7 @@ def _segment_bound(nbytes: int) -> int:
 
 
 @dataclass(eq=False)
-class _Runner:
+class _RunnerUnit:
     """One Megatron graph runner (one layer, one microbatch in flight) and its slot."""
 
     runner: Any
@@ -181,7 +181,7 @@ class _Patch:
 class _BackwardGraph:
     """Stands in for a runner's ``bwd_graph``: restore, look-ahead, replay, consumed."""
 
-    def __init__(self, owner: MegatronOffload, r: _Runner, graph: Any) -> None:
+    def __init__(self, owner: MegatronOffload, r: _RunnerUnit, graph: Any) -> None:
         self._owner, self._r, self.graph = owner, r, graph
 
     def replay(self) -> None:
@@ -266,14 +266,14 @@ class MegatronOffload:
         self.engine = OffloadEngine(self.backend, m, min_bytes=min_offload_bytes,
                                     debug_checksums=debug_checksums)
         self.layers = {id(x): _Layer(x, dev.type) for x in selected}
-        self.runners: list[_Runner] = []  # in Megatron's backward order
+        self.runners: list[_RunnerUnit] = []  # in Megatron's backward order
         self._patches: list[_Patch] = []
         self._created = False
         self._closed = False
-        self._last_fwd: _Runner | None = None
-        self._last_bwd: _Runner | None = None
-        self._next_fwd: dict[int, _Runner | None] = {}
-        self._next_bwd: dict[int, _Runner | None] = {}
+        self._last_fwd: _RunnerUnit | None = None
+        self._last_bwd: _RunnerUnit | None = None
+        self._next_fwd: dict[int, _RunnerUnit | None] = {}
+        self._next_bwd: dict[int, _RunnerUnit | None] = {}
         self.pool: PagedPool | None = None
         self._reserved_at_enable = 0
         self._recording_bytes = 0  # allocator bytes Megatron's recording step needed (0: unknown)
@@ -485,7 +485,7 @@ class MegatronOffload:
             L = self.layers.get(id(getattr(runner, "base_module", None)))
             if kind != "bwd" or L is None:
                 continue
-            missing = [n for n in _RUNNER_NEEDS if not hasattr(runner, n)]
+            missing = [n for n in RUNNER_NEEDS if not hasattr(runner, n)]
             if missing:
                 raise IncompatibleError(f"Megatron-Core {self.megatron_version}: graph runner lacks {missing}")
             if not L.layout.recorded:
@@ -496,7 +496,7 @@ class MegatronOffload:
             chosen.append((runner, L, k))
         # A runner with no recorded forward goes last, in reverse backward order.
         order = sorted(range(len(chosen)), key=lambda i: (first_fwd.get(id(chosen[i][0]), len(record)), -i))
-        placed: dict[int, _Runner] = {}
+        placed: dict[int, _RunnerUnit] = {}
         banks = ping_pong_banks([True] * len(chosen))  # (chosen is in backward order)
         for i in order:
             runner, L, k = chosen[i]
@@ -504,14 +504,14 @@ class MegatronOffload:
             unit.adopt(L.layout)
             bank = banks[i]
             unit.allocate(bank)
-            placed[i] = _Runner(runner, L, unit, bank)
+            placed[i] = _RunnerUnit(runner, L, unit, bank)
         for i in range(len(chosen)):
             r, runner = placed[i], chosen[i][0]
             self.runners.append(r)
             self._patches.append(_Patch.set(runner, "func", self._capturing(r, runner.func)))
             self._patches.append(_Patch.set(runner, "create_bwd_graph", self._finishing(r, runner.create_bwd_graph)))
 
-    def _capturing(self, r: _Runner, func: Callable[..., Any]) -> Callable[..., Any]:
+    def _capturing(self, r: _RunnerUnit, func: Callable[..., Any]) -> Callable[..., Any]:
         unit, L, b = r.unit, r.layer, self.backend
 
         def run(*args: Any, **kwargs: Any) -> Any:
@@ -522,7 +522,7 @@ class MegatronOffload:
         return run
 
     @staticmethod
-    def _finishing(r: _Runner, create_bwd: Callable[[], Any]) -> Callable[[], Any]:
+    def _finishing(r: _RunnerUnit, create_bwd: Callable[[], Any]) -> Callable[[], Any]:
         def run() -> Any:
             out = create_bwd()
             r.unit.finish_capture()
@@ -547,7 +547,7 @@ class MegatronOffload:
 
     # -- replay ----------------------------------------------------------------------------
 
-    def _forward(self, r: _Runner, replay: Callable[..., Any]) -> Callable[..., Any]:
+    def _forward(self, r: _RunnerUnit, replay: Callable[..., Any]) -> Callable[..., Any]:
         def run(*args: Any, **kwargs: Any) -> Any:
             if r.in_flight is not None:
                 raise StateError(f"{r.unit.name}: forward replayed again before its backward")
@@ -562,7 +562,7 @@ class MegatronOffload:
             return out
         return run
 
-    def _saw_forward(self, r: _Runner) -> OffloadUnit | None:
+    def _saw_forward(self, r: _RunnerUnit) -> OffloadUnit | None:
         """Learn the schedule from the step before: which offloaded runner ran next; its
         unit, to make its slot writable ahead (remap: map it)."""
         if self._last_bwd is not None:
@@ -574,7 +574,7 @@ class MegatronOffload:
         nxt = self._next_fwd.get(id(r))
         return None if nxt is None else nxt.unit
 
-    def _backward(self, r: _Runner, graph: Any) -> None:
+    def _backward(self, r: _RunnerUnit, graph: Any) -> None:
         if r.in_flight is None:
             raise StateError(f"{r.unit.name}: backward graph replayed with no forward pending")
         # Look-ahead: the runner whose backward came next the step before restores under

@@ -24,7 +24,7 @@ _NEEDS: tuple[tuple[str, tuple[str, ...]], ...] = (
       "is_graph_warmup", "delete_cuda_graphs")),
     ("megatron.core.transformer.transformer_layer", ("TransformerLayer",)),
 )
-_RUNNER_NEEDS = ("func", "create_bwd_graph", "replay_graph_capture")
+RUNNER_NEEDS = ("func", "create_bwd_graph", "replay_graph_capture")
 
 
 @dataclass(frozen=True)

@@ -110,7 +110,7 @@ def child(run: str, preset: str, layers_n: int) -> list[dict[str, Any]]:
         torch.cuda.synchronize()
         w.stop("eager backward")
     else:
-        orig: Callable[..., Any] = runner_mod._Runner.build_backward
+        orig: Callable[..., Any] = runner_mod.GraphRunner.build_backward
 
         def build_backward(self: Any, *a: Any, **k: Any) -> Any:
             torch.cuda.synchronize()
@@ -121,7 +121,7 @@ def child(run: str, preset: str, layers_n: int) -> list[dict[str, Any]]:
                 torch.cuda.synchronize()
                 w.stop(f"capture backward {self.name}")
 
-        runner_mod._Runner.build_backward = build_backward  # type: ignore[method-assign]
+        runner_mod.GraphRunner.build_backward = build_backward  # type: ignore[method-assign]
         stack = GraphedLayers(layers, x, mode="off", recompute_layers=range(layers_n))
         w.results.append({"pool_mib": round((stack.pool_bytes or 0) / MiB, 1),
                           "homes": bool(getattr(stack, "_grad_homes", False))})

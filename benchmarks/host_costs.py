@@ -95,7 +95,7 @@ def _watched(b: Any) -> list[tuple[Any, list[str]]]:
         (OffloadEngine, ["before_forward", "after_forward", "prefetch_forward",
                          "_queue_held_copy_out", "restore", "wait_restored", "restore_ahead",
                          "consumed", "ticket", "_free_slot"]),
-        (gt.runner._Runner, ["forward", "_replay_backward", "_grads_out"]),
+        (gt.runner.GraphRunner, ["forward", "_replay_backward", "_grads_out"]),
         (OffloadGroup, ["take_stash"]),
         (KeptOnDevice, ["claim"]),
         (ResidentBanks, ["before_forward", "restore", "copy_out", "_copy_in"]),

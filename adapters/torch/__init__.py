@@ -8,7 +8,8 @@ Modules, each importing only those below it (contract ``adapters-torch-layers``)
 :mod:`.stack` (:class:`GraphedLayers`), :mod:`.runner` (one graph's layers: capture and
 replay, through :class:`graphslot.offload.OffloadUnit`), :mod:`.grads` (gradient buffers
 and homes) and :mod:`.plan` (which layers each graph covers, argument checks). They import
-graphslot's library and interface modules, never another adapter.
+graphslot's library and interface modules, never another adapter. The names they share
+with each other carry no underscore; what users import is ``__all__`` below.
 """
 
 from graphslot.errors import CaptureMismatchError, StateError, UsageError  # noqa: F401 (importable here, as before)

@@ -1,7 +1,7 @@
 """Parameter gradients of graphed layers: the backward graphs' gradient buffers lent as
-``.grad`` (:class:`_ParamGrad`), gradient homes outside the graphs' pool
-(:class:`_GradHome`), and a backward that adds each gradient into a target as it arrives
-(:func:`_backward_into`). Imports nothing of the package."""
+``.grad`` (:class:`ParamGrad`), gradient homes outside the graphs' pool
+(:class:`GradHome`), and a backward that adds each gradient into a target as it arrives
+(:func:`backward_into`). Imports nothing of the package."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import nn
 
-_use_count: Callable[[int], int] | None = getattr(torch._C, "_storage_Use_Count", None)
+use_count: Callable[[int], int] | None = getattr(torch._C, "_storage_Use_Count", None)
 
 
 def _tracked_objects() -> list[Any]:
@@ -32,7 +32,7 @@ def _tracked_objects() -> list[Any]:
         gc.freeze()
 
 
-def _give_holders_own_bytes(t: torch.Tensor, lo: int, hi: int, spare: Sequence[torch.Tensor]) -> None:
+def give_holders_own_bytes(t: torch.Tensor, lo: int, hi: int, spare: Sequence[torch.Tensor]) -> None:
     """Every tensor the program holds over ``t``'s storage, starting in ``[lo, hi)``, except
     ``spare``, gets a copy of its bytes of its own (the same object: references stay good),
     before graphslot writes that memory again."""
@@ -46,7 +46,7 @@ def _give_holders_own_bytes(t: torch.Tensor, lo: int, hi: int, spare: Sequence[t
         o.data = o.clone()
 
 
-def _shares_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
+def shares_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
 
 
@@ -54,7 +54,7 @@ def _storage_id(t: torch.Tensor) -> int:
     return int(t.untyped_storage()._cdata)
 
 
-class _ParamGrad:
+class ParamGrad:
     """One parameter's gradient buffer in a layer's backward graphs (``param`` None: the
     stack's input gradient, the first layer's buffer)."""
 
@@ -74,8 +74,8 @@ class _ParamGrad:
 
     def count_own_refs(self) -> None:
         """After the build: count the references graphslot itself holds to the buffer."""
-        if _use_count is not None:
-            self.base_refs = _use_count(self.storage)
+        if use_count is not None:
+            self.base_refs = use_count(self.storage)
 
     def grad(self) -> torch.Tensor | None:
         """The ``.grad`` the buffer was handed to: its parameter's, or the stack input's."""
@@ -90,13 +90,13 @@ class _ParamGrad:
 
     def others_hold(self) -> bool:
         """Does anyone but graphslot (and an aliasing ``.grad``) hold the buffer?"""
-        if _use_count is None:
+        if use_count is None:
             return False
         extra = 1 if self.aliased() else 0
-        return _use_count(self.storage) > self.base_refs + extra
+        return use_count(self.storage) > self.base_refs + extra
 
 
-class _GradHome:
+class GradHome:
     """A parameter's gradient storage outside the graphs' pool, at one address for good:
     the backward graph adds the parameter's gradient into it (``home.add_(grad)``), and
     ``.grad`` is the home itself, so a kept or accumulated ``.grad`` is the only copy.
@@ -149,8 +149,8 @@ class _GradHome:
     def count_own_refs(self) -> None:
         """Count the references graphslot itself holds to the home (no local names)."""
         self.base_pyrefs = sys.getrefcount(self.home)
-        if _use_count is not None:
-            self.base_refs = _use_count(_storage_id(self.home))
+        if use_count is not None:
+            self.base_refs = use_count(_storage_id(self.home))
 
     def fills_grad(self) -> bool:
         """Will the running backward accumulate into ``.grad``, with no tensor hook between
@@ -211,14 +211,14 @@ class _GradHome:
         them their bytes before the graph writes the home, as eager leaves an old ``.grad``
         alone."""
         held_obj = sys.getrefcount(self.home) > self.base_pyrefs
-        held_views = _use_count is not None and _use_count(_storage_id(self.home)) > self.base_refs
+        held_views = use_count is not None and use_count(_storage_id(self.home)) > self.base_refs
         if not (held_obj or held_views):
             return
         old = self.home
         self.home = old.detach()  # graphslot's own handle on the address from now on
         if held_views:
             lo = old.data_ptr()
-            _give_holders_own_bytes(old, lo, lo + old.untyped_storage().nbytes(), (old, self.home))
+            give_holders_own_bytes(old, lo, lo + old.untyped_storage().nbytes(), (old, self.home))
         if held_obj:
             old.data = old.clone()
         del old
@@ -253,7 +253,7 @@ def _accumulator_runs_hooks_on_none() -> bool:
     return _hooks_on_none
 
 
-def _backward_into(targets: Sequence[torch.Tensor | None], out: torch.Tensor,
+def backward_into(targets: Sequence[torch.Tensor | None], out: torch.Tensor,
                    inputs: Sequence[torch.Tensor], grad_out: torch.Tensor | None
                    ) -> tuple[tuple[torch.Tensor | None, ...], set[int]]:
     """Under capture: the backward of ``out`` with each parameter alias's gradient added into

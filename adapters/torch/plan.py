@@ -50,7 +50,7 @@ def plan_graphs(n: int, offloaded: AbstractSet[int], layers_per_graph: int | Non
     return tuple(plan)
 
 
-def _layer_set(name: str, layers: Iterable[int], n: int) -> set[int]:
+def layer_set(name: str, layers: Iterable[int], n: int) -> set[int]:
     """``layers`` as a set of layer indices; a UsageError naming what is not one."""
     chosen = list(layers)
     bad = [i for i in chosen if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < n]
@@ -59,7 +59,7 @@ def _layer_set(name: str, layers: Iterable[int], n: int) -> set[int]:
     return set(chosen)
 
 
-def _check_layers(layers: Any) -> None:
+def check_layers(layers: Any) -> None:
     """``layers`` is a non-empty sequence of modules."""
     if isinstance(layers, nn.Module) and not isinstance(layers, (nn.Sequential, nn.ModuleList)):
         raise UsageError(f"layers must be a sequence of torch.nn.Module (a list, nn.Sequential "
@@ -77,7 +77,7 @@ def _check_layers(layers: Any) -> None:
         raise UsageError(f"layers must be torch.nn.Module instances: {', '.join(bad[:3])}")
 
 
-def _hooked_modules(layers: Sequence[nn.Module]) -> list[str]:
+def hooked_modules(layers: Sequence[nn.Module]) -> list[str]:
     """The layers' modules with forward or backward hooks (``layers[i].name``), and
     ``"every module"`` where global module hooks are registered."""
     kinds = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
@@ -89,7 +89,7 @@ def _hooked_modules(layers: Sequence[nn.Module]) -> list[str]:
     return found
 
 
-def _param_name(layers: Iterable[nn.Module], p: torch.Tensor) -> str:
+def param_name(layers: Iterable[nn.Module], p: torch.Tensor) -> str:
     """``layers[i].name`` of parameter ``p`` (its first place), for messages."""
     for i, m in enumerate(layers):
         for n, q in m.named_parameters():
@@ -98,7 +98,7 @@ def _param_name(layers: Iterable[nn.Module], p: torch.Tensor) -> str:
     return "a parameter"
 
 
-def _check_main_grads(layers: Iterable[nn.Module]) -> None:
+def check_main_grads(layers: Iterable[nn.Module]) -> None:
     """With ``main_grad=True``: every trainable parameter has a ``main_grad`` the backward
     graph can add its gradient into, and no tensor hook the graph would skip."""
     for i, m in enumerate(layers):
@@ -125,7 +125,7 @@ def _check_main_grads(layers: Iterable[nn.Module]) -> None:
                     "would never run; use a post-accumulate-grad hook or build without main_grad")
 
 
-def _check_sample(sample: Any, backend: Backend) -> None:
+def check_sample(sample: Any, backend: Backend) -> None:
     """A sample input is one tensor on the backend's device type."""
     if not isinstance(sample, torch.Tensor):
         raise UsageError(f"sample_input must be a torch.Tensor of the shape, dtype and device "

@@ -1,7 +1,7 @@
-"""One device graph's consecutive layers (:class:`_Runner`): warm-up, discovery, the
+"""One device graph's consecutive layers (:class:`GraphRunner`): warm-up, discovery, the
 capture of its forward and backward graphs, and their replays, with its saved activations
 in an :class:`~graphslot.offload.OffloadUnit`; and the autograd function each replay runs
-under (:class:`_LayerFunction`). Imports :mod:`.grads` and :mod:`.plan`."""
+under (:class:`LayerFunction`). Imports :mod:`.grads` and :mod:`.plan`."""
 
 from __future__ import annotations
 
@@ -22,8 +22,8 @@ from graphslot.offload import KEEP, OFFLOAD, RECOMPUTE, OffloadUnit, leaves_on_d
 from graphslot.precision import without_autocast
 from graphslot.recompute import CallKey, cheap_recompute_contexts, noting_expensive_outputs
 
-from .grads import _backward_into, _GradHome, _ParamGrad, _give_holders_own_bytes, _use_count
-from .plan import _param_name
+from .grads import backward_into, GradHome, ParamGrad, give_holders_own_bytes, use_count
+from .plan import param_name
 
 if TYPE_CHECKING:
     from .stack import GraphedLayers
@@ -50,7 +50,7 @@ def _parameters_as(module: nn.Module, alias_of: dict[int, torch.Tensor]) -> Iter
 
 
 @contextlib.contextmanager
-def _restoring(tensors: Sequence[torch.Tensor], inner: ContextManager[Any] | None = None,
+def restoring_contents(tensors: Sequence[torch.Tensor], inner: ContextManager[Any] | None = None,
                wait_first: Callable[[], None] | None = None) -> Iterator[None]:
     """``inner`` (if any), with ``tensors`` holding again on the way out what they held on
     the way in, copied back in place: graphs read them where they are (copies made inside
@@ -89,7 +89,7 @@ class StackHost(Protocol):
         """Whether this build gives gradients homes outside the graphs' pool."""
 
     @property
-    def lent(self) -> dict[int, list[_ParamGrad]]:
+    def lent(self) -> dict[int, list[ParamGrad]]:
         """By layer: the gradient buffers of the pool lent out as ``.grad`` since the last step."""
 
     @property
@@ -97,7 +97,7 @@ class StackHost(Protocol):
         """The microbatches whose backward has begun."""
 
     @property
-    def runners(self) -> list[_Runner]:
+    def runners(self) -> list[GraphRunner]:
         """The stack's runners, in forward order."""
 
     @property
@@ -118,10 +118,10 @@ class StackHost(Protocol):
     def give_back(self, layer: int | None) -> None:
         """Give the holders of lent buffers (of ``layer`` and below; all for None) their own."""
 
-    def next_forward(self, index: int) -> _Runner | None:
+    def next_forward(self, index: int) -> GraphRunner | None:
         """The next runner in forward order whose activations are offloaded (prefetch)."""
 
-    def next_backward(self, index: int) -> _Runner | None:
+    def next_backward(self, index: int) -> GraphRunner | None:
         """The next runner in backward order whose activations are offloaded (look-ahead)."""
 
     def span(self, name: str) -> ContextManager[Any]:
@@ -138,7 +138,7 @@ class StackHost(Protocol):
         """The first layer's input gradient, as eager hands it out."""
 
 
-class _Runner:
+class GraphRunner:
     """One graph's consecutive layers (one, or several small ones): its graphs, static
     tensors and its offload unit (kept on the device when its layers do not offload)."""
 
@@ -159,7 +159,7 @@ class _Runner:
             [getattr(p, "main_grad") for p in self.params] if stack.main_grad else None)
         #: where no layer keeps activations in the pool: (position among ``params``, its
         #: gradient home the backward graph adds into) for each parameter that has one
-        self.homes: list[tuple[int, _GradHome]] = []
+        self.homes: list[tuple[int, GradHome]] = []
         # Warm-up and capture differentiate with respect to aliases of the parameters (same
         # memory, so the graphs read the very same addresses): the parameters' own tensor
         # hooks must run at each real backward, not once baked into a graph, and their
@@ -171,7 +171,7 @@ class _Runner:
         self.static_out: torch.Tensor
         self.static_grad_out: torch.Tensor
         self.grad_in: torch.Tensor | None = None
-        self.grads: list[_ParamGrad | None] = []
+        self.grads: list[ParamGrad | None] = []
         self.fwd: DeviceGraph
         self.bwd: DeviceGraph | None = None
         # The stack's first layer copies its input in and hands its input gradient out as a
@@ -273,7 +273,7 @@ class _Runner:
                     if sparse:
                         p, layout = sparse[0]
                         raise UsageError(
-                            f"{self.label}: parameter {_param_name(stack.layers, p)} "
+                            f"{self.label}: parameter {param_name(stack.layers, p)} "
                             f"gets a {layout} gradient (an embedding with sparse=True), "
                             "which a device graph cannot capture: give it dense gradients "
                             "(sparse=False) or keep the layer outside GraphedLayers")
@@ -327,7 +327,7 @@ class _Runner:
         if targets is None and self.host.grad_homes and differentiable:
             # Shared parameters (eager adds their parts first, then into .grad) and hooked
             # ones (the hook sees each gradient) keep a pool buffer.
-            self.homes = [(k, _GradHome(p)) for k, p in enumerate(self.params)
+            self.homes = [(k, GradHome(p)) for k, p in enumerate(self.params)
                           if id(p) not in shared and not p._backward_hooks]
             if self.homes:
                 by_param = dict(self.homes)
@@ -351,7 +351,7 @@ class _Runner:
                     if targets is None:
                         grads = torch.autograd.grad(out, inputs, static_grad_out, allow_unused=True)
                     else:
-                        grads, reached = _backward_into(targets, out, inputs, static_grad_out)
+                        grads, reached = backward_into(targets, out, inputs, static_grad_out)
                         # A parameter the layers leave unused keeps .grad None, as in eager
                         # (a home would hand it zeros, which an optimizer then steps on).
                         self.homes = [(k, h) for k, h in self.homes if k in reached]
@@ -371,7 +371,7 @@ class _Runner:
                 grad_list = list(grads)
                 self.grad_in = grad_list.pop(0) if wants_grad_in else None
                 # (None where the graph adds into main_grad or a gradient home itself)
-                self.grads = [None if gbuf is None else _ParamGrad(p, gbuf, id(p) in shared or bool(p._backward_hooks))
+                self.grads = [None if gbuf is None else ParamGrad(p, gbuf, id(p) in shared or bool(p._backward_hooks))
                               for p, gbuf in zip(self.params, grad_list)]
                 del grads, grad_list
         except Exception as e:
@@ -410,7 +410,7 @@ class _Runner:
         recomputed cheaply, and around the recompute, its changed buffers put back."""
         forward, recompute = (cheap_recompute_contexts(note, self.recompute_calls)() if self.cheap
                               else (contextlib.nullcontext(), contextlib.nullcontext()))
-        return forward, _restoring(self.changed_buffers, recompute)
+        return forward, restoring_contents(self.changed_buffers, recompute)
 
     def _attach_rng(self, graph: DeviceGraph) -> Callable[[], ContextManager[None]]:
         """Before ``graph``'s capture: what to enter inside it so that its random ops draw
@@ -580,19 +580,19 @@ class _Runner:
                                       and now.dtype == mg.dtype and now.shape == mg.shape
                                       and now.stride() == mg.stride()):
                 raise StateError(
-                    f"{self.label}: parameter {_param_name(self.stack.layers, p)}'s main_grad is no "
+                    f"{self.label}: parameter {param_name(self.stack.layers, p)}'s main_grad is no "
                     f"longer the tensor its backward graph adds into (at 0x{mg.data_ptr():x}); zero "
                     "main_grad in place instead of replacing it, or build the stack again")
             if p._backward_hooks:
                 raise StateError(
-                    f"{self.label}: parameter {_param_name(self.stack.layers, p)} got a tensor hook "
+                    f"{self.label}: parameter {param_name(self.stack.layers, p)} got a tensor hook "
                     "after the build; with main_grad=True the backward graph adds its gradient "
                     "into main_grad itself, so the hook would never run")
 
-    def give_back(self, pg: _ParamGrad) -> None:
+    def give_back(self, pg: ParamGrad) -> None:
         """``pg``'s buffer is about to be overwritten: whoever holds it as a gradient (its
         ``.grad`` under accumulation, or a kept reference) gets bytes of its own first."""
-        if _use_count is not None and _use_count(pg.storage) <= pg.base_refs:
+        if use_count is not None and use_count(pg.storage) <= pg.base_refs:
             return  # nobody kept it: the usual case after zero_grad(set_to_none=True)
         g = pg.grad()
         if g is not None and g.data_ptr() == pg.ptr:
@@ -602,10 +602,10 @@ class _Runner:
         if pg.others_hold():
             self._move_out(pg)
 
-    def _move_out(self, pg: _ParamGrad) -> None:
+    def _move_out(self, pg: ParamGrad) -> None:
         """Somebody kept an earlier ``.grad`` that is this buffer: give it a copy of its own
         bytes before the graph overwrites them, and hand this parameter copies from now on."""
-        _give_holders_own_bytes(pg.buf, pg.ptr, pg.ptr + 1, (pg.buf,))
+        give_holders_own_bytes(pg.buf, pg.ptr, pg.ptr + 1, (pg.buf,))
         pg.copy = True
 
     def _grads_out(self) -> list[torch.Tensor | None]:
@@ -622,9 +622,9 @@ class _Runner:
         return out
 
 
-class _LayerFunction(torch.autograd.Function):
+class LayerFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, runner: _Runner, mb: int, x: torch.Tensor, *params: torch.Tensor) -> torch.Tensor:
+    def forward(ctx: Any, runner: GraphRunner, mb: int, x: torch.Tensor, *params: torch.Tensor) -> torch.Tensor:
         ctx.runner, ctx.mb = runner, mb
         out = runner.forward(x, mb, True)
         if runner.index == 0:

@@ -81,10 +81,10 @@ from graphslot.precision import autocast_dtype
 from graphslot.profile import copy_bandwidth, held_bytes, profile_units
 from graphslot.selection import get_backend
 
-from .grads import _ParamGrad, _shares_storage
-from .plan import (_check_layers, _check_main_grads, _check_sample, _hooked_modules, _layer_set,
-                   _param_name, plan_graphs)
-from .runner import _LayerFunction, _restoring, _Runner
+from .grads import ParamGrad, shares_storage
+from .plan import (check_layers, check_main_grads, check_sample, hooked_modules, layer_set,
+                   param_name, plan_graphs)
+from .runner import LayerFunction, restoring_contents, GraphRunner
 
 __all__ = ["GraphedLayers"]
 
@@ -107,7 +107,7 @@ class _Host:
         return self._stack._grad_homes
 
     @property
-    def lent(self) -> dict[int, list[_ParamGrad]]:
+    def lent(self) -> dict[int, list[ParamGrad]]:
         return self._stack._lent
 
     @property
@@ -115,7 +115,7 @@ class _Host:
         return self._stack._in_backward
 
     @property
-    def runners(self) -> list[_Runner]:
+    def runners(self) -> list[GraphRunner]:
         return self._stack._runners
 
     @property
@@ -136,10 +136,10 @@ class _Host:
     def give_back(self, layer: int | None) -> None:
         self._stack._give_back(layer)
 
-    def next_forward(self, index: int) -> _Runner | None:
+    def next_forward(self, index: int) -> GraphRunner | None:
         return self._stack._ahead[index]
 
-    def next_backward(self, index: int) -> _Runner | None:
+    def next_backward(self, index: int) -> GraphRunner | None:
         return self._stack._behind[index]
 
     def span(self, name: str) -> Any:
@@ -244,8 +244,8 @@ class GraphedLayers(nn.Module):
                  backend: Backend | None = None, debug_checksums: bool = False,
                  main_grad: bool = False) -> None:
         super().__init__()
-        _check_layers(layers)
-        hooked = _hooked_modules(list(layers))
+        check_layers(layers)
+        hooked = hooked_modules(list(layers))
         if hooked:
             warnings.warn(
                 f"GraphedLayers: {', '.join(hooked[:3])}{' and others' if len(hooked) > 3 else ''} "
@@ -262,18 +262,18 @@ class GraphedLayers(nn.Module):
         self.layers: nn.ModuleList
         object.__setattr__(self, "layers", nn.ModuleList(layers))
         self.backend = backend or get_backend()
-        _check_sample(sample_input, self.backend)
+        check_sample(sample_input, self.backend)
         #: the backward graphs add into the parameters' ``main_grad`` (see ``main_grad``)
         self.main_grad = bool(main_grad)
         self._grad_homes = False  # (decided per build, in _make)
         if self.main_grad:
-            _check_main_grads(self.layers)
+            check_main_grads(self.layers)
         n = len(self.layers)
         if memory_budget is not None and (offload_layers is not None or recompute_layers is not None):
             raise UsageError("memory_budget plans which layers to offload and recompute: give "
                              "it, or offload_layers / recompute_layers, not both")
-        recompute = _layer_set("recompute_layers", [] if recompute_layers is None else recompute_layers, n)
-        offload = _layer_set("offload_layers", (set(range(n)) - recompute) if offload_layers is None
+        recompute = layer_set("recompute_layers", [] if recompute_layers is None else recompute_layers, n)
+        offload = layer_set("offload_layers", (set(range(n)) - recompute) if offload_layers is None
                              else offload_layers, n)
         if recompute_ops not in ("all", "cheap"):
             raise UsageError(f"recompute_ops must be 'all' or 'cheap', got {recompute_ops!r}")
@@ -299,7 +299,7 @@ class GraphedLayers(nn.Module):
         #: what ``memory_budget`` chose (:class:`graphslot.budget.BudgetPlan`, choices per
         #: layer); None without a budget
         self.plan: BudgetPlan | None = None
-        self._runners: list[_Runner] = []
+        self._runners: list[GraphRunner] = []
         #: called with a label after each layer's forward and backward replay (for probes)
         self.probe: Callable[[str], None] | None = None
         # One private pool for every graph, captured in replay order (all forwards, then
@@ -312,9 +312,9 @@ class GraphedLayers(nn.Module):
         # with each stack built.
         self._warmup_stream = self.backend.side_stream()
         #: gradient buffers handed out as .grad since the last replay that could overwrite them
-        self._lent: dict[int, list[_ParamGrad]] = {}  # by layer
+        self._lent: dict[int, list[ParamGrad]] = {}  # by layer
         #: the first layer's input gradient buffer, lent as the stack's input gradient
-        self._input_grad: _ParamGrad | None = None
+        self._input_grad: ParamGrad | None = None
         self._lock = threading.Condition()
         self._users = 0  # forwards and backwards under way (close() waits for them)
         self._in_backward: set[int] = set()  # microbatches whose backward pass has begun
@@ -328,7 +328,7 @@ class GraphedLayers(nn.Module):
         # change (batch norm's running statistics) are put back after the build, and the
         # random numbers they draw come from a fork of the generators, so the stack starts
         # from the state the layers and the caller's seed came with, as eager would.
-        with _restoring(list(self.layers.buffers()), wait_first=self.backend.synchronize), \
+        with restoring_contents(list(self.layers.buffers()), wait_first=self.backend.synchronize), \
                 _building(self.backend.device, self.autocast_dtype):
             try:
                 saved = None if layers_per_graph is not None else saved_bytes_per_layer(
@@ -361,9 +361,9 @@ class GraphedLayers(nn.Module):
         # Each layer's look-ahead targets, once: a pass asks for them at every layer.
         offloaded = [r for r in self._runners if r.unit.offloads]
         n = len(self._runners)
-        self._ahead: list[_Runner | None] = [
+        self._ahead: list[GraphRunner | None] = [
             next((r for r in offloaded if r.index > i), None) for i in range(n)]
-        self._behind: list[_Runner | None] = [
+        self._behind: list[GraphRunner | None] = [
             next((r for r in reversed(offloaded) if r.index < i), None) for i in range(n)]
 
     def _make(self, mode: Mode, offload: set[int], recompute: set[int],
@@ -379,11 +379,11 @@ class GraphedLayers(nn.Module):
                                         saved, recomputed=self.recompute_layers,
                                         cheap=self.cheap_layers)
         host = _Host(self)
-        self._runners = [_Runner(self, host, k, ls) for k, ls in enumerate(self.graph_layers)]
+        self._runners = [GraphRunner(self, host, k, ls) for k, ls in enumerate(self.graph_layers)]
         self._build(sample)
 
     def _homes_pay(self, mode: Mode, saved: list[int] | None, sample: torch.Tensor) -> bool:
-        """Does this build give gradients homes outside the pool (:class:`_GradHome`)?
+        """Does this build give gradients homes outside the pool (:class:`GradHome`)?
         :func:`graphslot.budget.gradient_homes` says, from what the layers keep in the
         graphs' pool (``saved``, measured) against the gradients' bytes."""
         # (a layer recomputed cheaply keeps part of what it saves: counted as kept)
@@ -504,7 +504,7 @@ class GraphedLayers(nn.Module):
             out = r.build_forward(x)
             # The next layer is captured reading this layer's output buffer itself.
             x = out.detach().requires_grad_(x.requires_grad or bool(r.params))
-            if i == 0 and pooled and not _shares_storage(r.static_out, r.static_in):
+            if i == 0 and pooled and not shares_storage(r.static_out, r.static_in):
                 view = self.backend.return_to_pool(r.static_in)
                 if view is not None:
                     r.static_in = view
@@ -512,7 +512,7 @@ class GraphedLayers(nn.Module):
                 self._free_boundary(runners[i - 1], r)
         last = runners[-1]
         # (an output that views the layer's input stays: the input is another's buffer)
-        if last.unit.wants_offload and not _shares_storage(last.static_out, last.static_in):
+        if last.unit.wants_offload and not shares_storage(last.static_out, last.static_in):
             # The stack's output buffer is copied for the caller right after its replay;
             # nothing else reads it (a saved output is in the slot): the backward graphs,
             # captured next, may use its bytes.
@@ -532,7 +532,7 @@ class GraphedLayers(nn.Module):
         first = runners[0]
         if first.grad_in is not None:
             # Handed out as the stack's input gradient (see _lend_input_grad).
-            self._input_grad = _ParamGrad(None, first.grad_in, False)
+            self._input_grad = ParamGrad(None, first.grad_in, False)
         self.backend.synchronize()
         gc.collect()
         for r in self._runners:
@@ -570,14 +570,14 @@ class GraphedLayers(nn.Module):
             lent.append(pg)
         return buf.detach()
 
-    def _free_boundary(self, a: _Runner, b: _Runner) -> None:
+    def _free_boundary(self, a: GraphRunner, b: GraphRunner) -> None:
         """Layer ``a``'s output buffer is layer ``b``'s input, read by ``b``'s forward graph
         and by nothing after it when both layers offload every saved tensor (a saved input
         is copied into ``b``'s slot): give its bytes back to the pool, so later captures
         reuse them instead of each boundary holding an activation's worth for good."""
         if not (a.unit.wants_offload and b.unit.wants_offload) or a is self._runners[-1]:
             return
-        if _shares_storage(b.static_out, b.static_in):  # b hands on a view of its input
+        if shares_storage(b.static_out, b.static_in):  # b hands on a view of its input
             return
         view = self.backend.return_to_pool(a.static_out)
         if view is not None:
@@ -591,7 +591,7 @@ class GraphedLayers(nn.Module):
             for p in r.params:
                 if id(p) in seen:
                     raise UsageError(
-                        f"main_grad=True, but parameter {_param_name(self.layers, p)} is in "
+                        f"main_grad=True, but parameter {param_name(self.layers, p)} is in "
                         f"several graphs ({self.graph_layers}); give the layers that share it one "
                         "graph (layers_per_graph) or build without main_grad")
             seen.update(id(p) for p in r.params)
@@ -676,7 +676,7 @@ class GraphedLayers(nn.Module):
             try:
                 if torch.is_grad_enabled() and (x.requires_grad or any(r.params for r in runners)):
                     for r in runners:
-                        x = _LayerFunction.apply(r, mb, x, *r.params)
+                        x = LayerFunction.apply(r, mb, x, *r.params)
                     return x
                 # No backward can follow: nothing is offloaded or kept for one.
                 for r in runners:
