@@ -484,6 +484,7 @@ def test_unmap_keeps_reservation_and_memory_until_release(clean):
     size = b.granularity
     res, alloc = b.reserve_mapped(size)
     b.tensor_at(res.va, (size,), torch.uint8).fill_(42)
+    b.synchronize()  # the fill is queued work: unmapping under it is the caller's fault (see unmap)
     b.unmap(res, 0, size)
     assert b.ledger.reservations[res.va] is res
     b.map(res, 0, alloc)  # same backing again: contents survive an unmap
@@ -742,6 +743,9 @@ def test_driver_calls_are_serialised_across_threads(clean):
             for _ in range(20):
                 res, _ = b.reserve_mapped(b.granularity)
                 b.tensor_at(res.va, (16,), torch.uint8).fill_(3)
+                # Wait for the fill: on a device it is queued, and a range unmapped under
+                # queued work faults later, in whatever runs next in the process.
+                b.synchronize()
                 b.unmap_release(res, 0)
                 b.free(res)
         except BaseException as e:
