@@ -17,6 +17,7 @@ import collections
 import json
 import os
 import sys
+import threading
 from typing import Any
 
 import torch
@@ -25,33 +26,46 @@ import graphslot
 from graphslot.adapters.torch import GraphedLayers
 from graphslot.cli.toy import GPTConfig, TinyGPT
 
-ROOT = os.path.dirname(graphslot.__file__)
+import graphslot.adapters
+import graphslot.backends
+
+#: where each part of the package lies (an editable install may map them apart), by name
+ROOTS = {os.path.dirname(m.__file__) + os.sep: name for m, name in (
+    (graphslot.adapters, "adapters"), (graphslot.backends, "backends"), (graphslot, ""))}
+UNIT = os.path.join("offload", "unit.py")
+
+
+def _where(filename: str) -> str | None:
+    """``filename`` relative to graphslot (``adapters/...``, ``backends/...``), or None."""
+    for root, name in ROOTS.items():
+        if filename.startswith(root):
+            return os.path.join(name, filename[len(root):])
+    return None
 
 
 def traced(fn: Any) -> dict[str, Any]:
     calls: collections.Counter[str] = collections.Counter()
     unit_entries: collections.Counter[str] = collections.Counter()
-    offload = os.path.join(ROOT, "offload")
-
     def prof(frame: Any, event: str, arg: Any) -> None:
         if event != "call":
             return
-        f = frame.f_code.co_filename
-        if not f.startswith(ROOT):
+        rel = _where(frame.f_code.co_filename)
+        if rel is None:
             return
-        rel = os.path.relpath(f, ROOT)
         calls[rel] += 1
-        if rel == os.path.join("offload", "unit.py"):
+        if rel == UNIT:
             back = frame.f_back
-            caller = back.f_code.co_filename if back is not None else ""
-            if not caller.startswith(offload):
+            caller = _where(back.f_code.co_filename) if back is not None else None
+            if caller is None or not caller.startswith("offload" + os.sep):
                 unit_entries[frame.f_code.co_name] += 1
 
-    sys.setprofile(prof)
+    # Autograd runs a device's backward on a thread of its own: trace every thread.
+    every = getattr(threading, "setprofile_all_threads", None)
+    (every or sys.setprofile)(prof)
     try:
         out = fn()
     finally:
-        sys.setprofile(None)
+        (every or sys.setprofile)(None)
     return {"calls": sum(calls.values()), "files": len(calls), "per_file": dict(calls.most_common()),
             "unit_entries": sum(unit_entries.values()), "unit_calls": dict(unit_entries), "out": out}
 
