@@ -1,11 +1,14 @@
 """One training step's device timeline under a memory budget's plan (cuda or cpu).
 
-    GRAPHSLOT_BACKEND=cuda python benchmarks/plan_timeline.py BUDGET [--preset llama] > OUT.json
+    GRAPHSLOT_BACKEND=cuda python benchmarks/plan_timeline.py BUDGET [--preset llama] \
+        [--accumulate N] [--keep-grad] > OUT.json
 
-``BUDGET`` is a size (``16GiB``, ``15.03GB``), ``auto``, or ``keep`` (mode off, every layer
-kept). Builds ``GraphedLayers(memory_budget=BUDGET)`` over the bench preset's layers, runs
-three training steps (forward, backward, SGD step, ``zero_grad()``), then one more with a
-timeline, and prints JSON: every span (track, name, start ms, duration ms, bytes; compute
+``BUDGET`` is a size (``16GiB``, ``15.03GB``), ``auto``, ``keep`` (mode off, every layer
+kept), or ``resident`` / ``remap`` (that mode, every layer offloaded). Builds
+``GraphedLayers(memory_budget=BUDGET)`` over the bench preset's layers, runs three training
+steps (``--accumulate`` microbatches' forward and backward, SGD step, ``zero_grad()``, with
+``set_to_none=False`` under ``--keep-grad``), then one more with a timeline, and prints
+JSON (a ``microbatch`` span on track ``step`` marks where each microbatch was queued): every span (track, name, start ms, duration ms, bytes; compute
 spans per layer's graph, copy spans as queued on their streams, so a copy's span includes
 its wait), the plan and the profile it was made from. Set beside the planner's model it
 shows where the model and the device part (the budget model's bank wait at a layer's start
@@ -15,6 +18,7 @@ and the slot copy came from such timelines).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 
 import torch
@@ -29,18 +33,24 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("budget")
     ap.add_argument("--preset", default="llama")
+    ap.add_argument("--accumulate", type=int, default=1)
+    ap.add_argument("--keep-grad", action="store_true")
     args = ap.parse_args()
     b = get_backend()
     shape = BenchShape.preset(args.preset)
     layers, x, gy = training_data(shape, b.device)
     params = [p for m in layers for p in m.parameters()]
     opt = torch.optim.SGD(params, lr=1e-6)
-    kw: dict = dict(mode="off") if args.budget == "keep" else dict(memory_budget=args.budget)
+    kw: dict = (dict(mode="off") if args.budget == "keep" else dict(mode=args.budget)
+                if args.budget in ("resident", "remap") else dict(memory_budget=args.budget))
     with GraphedLayers(layers, x, **kw) as stack:
         def step() -> None:
-            stack(x).backward(gy)
+            for k in range(args.accumulate):
+                tl = stack.timeline
+                with tl.span("step", f"microbatch {k}") if tl is not None else contextlib.nullcontext():
+                    stack(x).backward(gy)
             opt.step()
-            opt.zero_grad()
+            opt.zero_grad(set_to_none=not args.keep_grad)
 
         for _ in range(3):
             step()
