@@ -475,7 +475,7 @@ class MegatronOffload:
         """Before Megatron captures: a slot per runner, placed in forward order, banks
         alternating in Megatron's backward order."""
         per_layer: dict[int, int] = {}
-        # (runner, layer, graph number, saved tensors), in Megatron's backward order
+        # (runner, layer, graph number), in Megatron's backward order
         chosen: list[tuple[Any, _Layer, int]] = []
         first_fwd: dict[int, int] = {}  # id(runner) -> position of its first forward in the record
         for pos, entry in enumerate(record):
