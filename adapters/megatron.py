@@ -72,7 +72,7 @@ from graphslot.offload import (Mode, OffloadEngine, OffloadUnit, SavedLayout, le
 from graphslot.paged import PagedPool
 from graphslot.selection import get_backend
 
-from .megatron_checks import (RUNNER_NEEDS, FP8_RECIPES_SERVED, MIN_VERSION, MegatronInfo,  # noqa: F401
+from .megatron_checks import (FP8_RECIPES_SERVED, MIN_VERSION, RUNNER_NEEDS, MegatronInfo,  # noqa: F401
                               check_config, check_megatron)
 
 __all__ = ["MIN_VERSION", "FP8_RECIPES_SERVED", "MegatronOffload", "check_megatron", "check_config", "enable", "disable", "active"]

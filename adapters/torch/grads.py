@@ -254,8 +254,8 @@ def _accumulator_runs_hooks_on_none() -> bool:
 
 
 def backward_into(targets: Sequence[torch.Tensor | None], out: torch.Tensor,
-                   inputs: Sequence[torch.Tensor], grad_out: torch.Tensor | None
-                   ) -> tuple[tuple[torch.Tensor | None, ...], set[int]]:
+                  inputs: Sequence[torch.Tensor], grad_out: torch.Tensor | None
+                  ) -> tuple[tuple[torch.Tensor | None, ...], set[int]]:
     """Under capture: the backward of ``out`` with each parameter alias's gradient added into
     its target as it arrives (Megatron's ``main_grad.add_(grad)``) and dropped at once, so
     the graphs' pool holds one such gradient at a time, none after the replay. ``inputs``

@@ -22,7 +22,7 @@ from graphslot.offload import KEEP, OFFLOAD, RECOMPUTE, OffloadUnit, leaves_on_d
 from graphslot.precision import without_autocast
 from graphslot.recompute import CallKey, cheap_recompute_contexts, noting_expensive_outputs
 
-from .grads import backward_into, GradHome, ParamGrad, give_holders_own_bytes, use_count
+from .grads import GradHome, ParamGrad, backward_into, give_holders_own_bytes, use_count
 from .plan import param_name
 
 if TYPE_CHECKING:
@@ -51,7 +51,7 @@ def _parameters_as(module: nn.Module, alias_of: dict[int, torch.Tensor]) -> Iter
 
 @contextlib.contextmanager
 def restoring_contents(tensors: Sequence[torch.Tensor], inner: ContextManager[Any] | None = None,
-               wait_first: Callable[[], None] | None = None) -> Iterator[None]:
+                       wait_first: Callable[[], None] | None = None) -> Iterator[None]:
     """``inner`` (if any), with ``tensors`` holding again on the way out what they held on
     the way in, copied back in place: graphs read them where they are (copies made inside
     a capture are part of its graph). ``wait_first`` waits first for work that may still

@@ -84,7 +84,7 @@ from graphslot.selection import get_backend
 from .grads import ParamGrad, shares_storage
 from .plan import (check_layers, check_main_grads, check_sample, hooked_modules, layer_set,
                    param_name, plan_graphs)
-from .runner import LayerFunction, restoring_contents, GraphRunner
+from .runner import GraphRunner, LayerFunction, restoring_contents
 
 __all__ = ["GraphedLayers"]
 
@@ -274,7 +274,7 @@ class GraphedLayers(nn.Module):
                              "it, or offload_layers / recompute_layers, not both")
         recompute = layer_set("recompute_layers", [] if recompute_layers is None else recompute_layers, n)
         offload = layer_set("offload_layers", (set(range(n)) - recompute) if offload_layers is None
-                             else offload_layers, n)
+                            else offload_layers, n)
         if recompute_ops not in ("all", "cheap"):
             raise UsageError(f"recompute_ops must be 'all' or 'cheap', got {recompute_ops!r}")
         if recompute_ops == "cheap" and memory_budget is not None:

@@ -248,7 +248,9 @@ class CudaBackend(Backend):
 class CudaGraph(DeviceGraph):
     """torch.cuda.CUDAGraph behind the device-neutral interface."""
 
-    executes_during_capture = False  # (stream capture records; nothing runs)
+    # Stream capture records and runs nothing, so a region graph's pool (a subclass)
+    # need only be mapped before replay.
+    executes_during_capture = False
 
     def __init__(self, backend: CudaBackend, pool: Any = None) -> None:
         self._backend = backend

@@ -304,9 +304,6 @@ def _define() -> type:
         """A :class:`CudaGraph` whose private pool is a MemPool over a graphslot region:
         the :class:`~graphslot.regions.RegionGraph` of the cuda backend."""
 
-        #: capture launches nothing, so the region need only be mapped before replay.
-        executes_during_capture = False
-
         @classmethod
         def make(cls, backend: Any, pool_region: Any, share_pool_with: Any) -> _RegionCudaGraph:
             if pool_region is not None and share_pool_with is not None:

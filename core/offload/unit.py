@@ -15,7 +15,7 @@ import torch
 from ..errors import UsageError
 from .engine import OffloadEngine
 from .group import OffloadGroup
-from .saved import SavedLayout, SavedTensorSpec, never_offloaded, recording_saved_tensors, state_storages
+from .saved import SavedLayout, never_offloaded, recording_saved_tensors, state_storages
 from .states import State
 from .tickets import Ticket
 
@@ -155,14 +155,12 @@ class OffloadUnit:
         with recording_saved_tensors(discover):  # autograd keeps none of them
             yield
 
-    def adopt(self, layout: SavedLayout | list[SavedTensorSpec]) -> None:
-        """Take a layout recorded elsewhere: a :class:`SavedLayout` (a framework's own
-        recording forward), or the specs of another graph of the same module."""
-        if isinstance(layout, SavedLayout):
-            if not layout.recorded:
-                raise UsageError(f"unit {self.name}: {layout.name} recorded no forward to lay out")
-            layout = layout.specs
-        self._group.adopt(layout)
+    def adopt(self, layout: SavedLayout) -> None:
+        """Take a layout recorded elsewhere, in a framework's own forward (several units,
+        one per graph of the same module, may adopt one layout)."""
+        if not layout.recorded:
+            raise UsageError(f"unit {self.name}: {layout.name} recorded no forward to lay out")
+        self._group.adopt(layout.specs)
 
     def allocate(self, bank: int = 0) -> None:
         """Outside capture: place the slot, in ping-pong bank ``bank`` (0 or 1)."""
