@@ -9,7 +9,10 @@ step, ``zero_grad()`` (``set_to_none=False`` with ``--keep-grad``). Two warm-up 
 then one profiled. It prints the step's wall time, the time from its first device work to
 its last, how much of that the device was busy (kernels, copies, memsets on any stream),
 and the longest gaps with the host ops running when each began: what the rest of a step
-beyond its forward, backward and optimizer phases is made of.
+beyond its forward, backward and optimizer phases is made of. It also sums device time per
+kernel name (per microbatch, so runs with other ``--accumulate`` compare), and counts the
+host's device-wide waits in the step (``torch.cuda.synchronize``, stream and event
+``synchronize``) by the call site that asked for them.
 """
 
 from __future__ import annotations
@@ -17,6 +20,8 @@ from __future__ import annotations
 import argparse
 import json
 import time
+import traceback
+from collections import Counter
 
 from budget_probe import probe_shape
 
@@ -81,16 +86,36 @@ def main() -> None:
     for _ in range(2):
         step()
     b.synchronize()
+    waits: Counter[str] = Counter()
+
+    def counted(fn):  # type: ignore[no-untyped-def]
+        def wrapper(*a, **k):  # type: ignore[no-untyped-def]
+            frames = [f for f in traceback.extract_stack()[:-1] if "graphslot" in f.filename
+                      or "step_gaps" in f.filename]
+            waits[" <- ".join(f"{f.filename.rsplit('/', 1)[-1]}:{f.lineno}"
+                              for f in frames[::-1][:3]) or "?"] += 1
+            return fn(*a, **k)
+        return wrapper
+
+    patched = [(torch.cuda, "synchronize"), (torch.cuda.Stream, "synchronize"),
+               (torch.cuda.Event, "synchronize")]
+    saved = [getattr(o, n) for o, n in patched]
+    for (o, n), f in zip(patched, saved):
+        setattr(o, n, counted(f))
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         t0 = time.perf_counter()
         step()
         b.synchronize()
         wall_ms = (time.perf_counter() - t0) * 1e3
+    for (o, n), f in zip(patched, saved):
+        setattr(o, n, f)
+    kernels: Counter[str] = Counter()
     device, host = [], []
     for e in prof.events():  # (kernels, copies and memsets are the events on the device)
         start, end = e.time_range.start / 1e3, e.time_range.end / 1e3  # us -> ms
         if e.device_type == torch.autograd.DeviceType.CUDA:
             device.append((start, end))
+            kernels[e.name[:80]] += (end - start) / args.accumulate
         else:
             host.append((start, end, e.name))
     if not device:
@@ -106,12 +131,18 @@ def main() -> None:
     out = {"preset": args.preset, "run": args.run, "accumulate": args.accumulate,
            "keep_grad": args.keep_grad, "wall_ms": wall_ms, "device_span_ms": last - first,
            "device_busy_ms": sum(e - s for s, e in busy),
-           "gaps": [{"ms": g, "at_ms": s - first, "host": host_at(s)} for g, s, _ in gaps[:args.top]]}
+           "gaps": [{"ms": g, "at_ms": s - first, "host": host_at(s)} for g, s, _ in gaps[:args.top]],
+           "kernel_ms_per_microbatch": dict(kernels.most_common()),
+           "waits": dict(waits.most_common())}
     print(f"{args.run} ({args.preset}, {args.accumulate} microbatch(es)"
           f"{', .grad kept' if args.keep_grad else ''}): wall {wall_ms:.2f} ms, device span "
           f"{out['device_span_ms']:.2f} ms, busy {out['device_busy_ms']:.2f} ms")
     for g in out["gaps"]:
         print(f"  gap {g['ms']:7.3f} ms at {g['at_ms']:8.2f} ms: {', '.join(g['host'])}")
+    for name, ms in kernels.most_common(args.top):
+        print(f"  {ms:8.3f} ms/microbatch  {name}")
+    for site, n in waits.most_common():
+        print(f"  {n:4d} waits  {site}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(out, f, indent=1)

@@ -17,6 +17,7 @@ import graphslot
 from graphslot import memory
 from graphslot.adapters.torch import GraphedLayers
 from graphslot.errors import StateError, UsageError
+from graphslot.offload import OffloadUnit
 from graphslot.cli.toy import TinyGPT
 from stacks import graphed, small_gpt
 
@@ -275,6 +276,35 @@ def test_an_abandoned_step_leaves_the_stack_usable(clean, mode):
         assert stack.engine.in_flight() == []
     for i, (x, y) in enumerate(zip(got, want)):
         assert torch.equal(x, y), i
+
+
+@pytest.mark.parametrize("mode", ["resident", "remap"])
+def test_only_a_forward_left_without_backward_is_given_back_at_the_next_forward(clean, mode, monkeypatch):
+    """The next forward reaps microbatches whose autograd graph died; one whose backward
+    ran on every layer holds nothing and costs no unit call, one dropped after its forward
+    is abandoned on every layer and its slots are free again."""
+    b = clean
+    model = small(b, 3)
+    with graphed(model, b, mode) as stack:
+        calls: list[int] = []
+        orig = OffloadUnit.abandon
+
+        def abandon(unit: OffloadUnit, mb: int) -> None:
+            calls.append(mb)
+            orig(unit, mb)
+
+        monkeypatch.setattr(OffloadUnit, "abandon", abandon)
+        x, y = model.batch(0, b.device)
+        for _ in range(2):  # whole steps: the second forward finds the first's graph dead
+            model(x, y).backward()
+            gc.collect()
+        assert calls == []
+        model(x, y)  # dropped without a backward
+        gc.collect()
+        model(x, y).backward()
+        dropped = stack._microbatch - 1
+        assert calls == [dropped] * len(stack._runners)
+        assert stack.engine.in_flight() == []
 
 
 def test_backward_twice_says_so(clean):

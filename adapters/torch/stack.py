@@ -733,8 +733,12 @@ class GraphedLayers(nn.Module):
 
     def _reap(self) -> None:
         """Abandon the microbatches whose autograd graphs died without a backward."""
-        while self._abandoned:  # one whose backward ran meanwhile holds nothing: a no-op
-            self._abandon(self._abandoned.popleft())
+        runners = self._runners
+        while self._abandoned:
+            mb = self._abandoned.popleft()
+            # (one whose backward ran on every layer holds nothing: most of them)
+            if mb in self._in_backward or any(mb in r.pending for r in runners):
+                self._abandon(mb)
 
     def close(self, timeout: float = 30.0) -> None:
         """Release the slots, banks and buffers (the graphs cannot replay afterwards).

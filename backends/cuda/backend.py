@@ -267,11 +267,7 @@ class CudaGraph(DeviceGraph):
             capture.__enter__()
             try:
                 yield
-            except BaseException:
-                self._abandon(capture)
-                raise
-            try:
-                capture.__exit__(None, None, None)
+                capture.__exit__(None, None, None)  # (ending an invalidated capture raises)
             except BaseException:
                 self._abandon(capture)
                 raise
