@@ -470,7 +470,7 @@ class GraphRunner:
                 if stack.probe is not None:
                     stack.probe(f"F{self.layers[-1]}")
             else:
-                self.fwd.replay()
+                self._replay(self.fwd)
         if training:
             self.pending.add(mb)
         return self.static_out
@@ -500,6 +500,24 @@ class GraphRunner:
         if self.index == 0:
             self.host.in_backward.discard(mb)
         return out
+
+    def _replay(self, graph: DeviceGraph) -> None:
+        """Replay ``graph`` on the current stream; an offloading layer's replay between two
+        timing events recorded there.
+
+        Measured on the H200 (eight Llama-3-8B layers, resident, per microbatch): with
+        them, 368.7 ms at four microbatches a step and 371.7 at one; without, 396-398
+        and 382-384. Events without timing (lent ones) changed nothing, nor did timing
+        events around the copies. Why the device then runs these graphs and their copy
+        streams' waits better is not known. A new timing event costs the host about 3 us.
+        """
+        if self.unit.offloads:
+            b = self.stack.backend
+            b.record_event(b.new_event(timing=True))
+            graph.replay()
+            b.record_event(b.new_event(timing=True))
+        else:
+            graph.replay()
 
     def _replay_backward(self, grad: torch.Tensor, mb: int, input_ref: weakref.ref[torch.Tensor] | None
                          ) -> tuple[torch.Tensor | None, ...]:
@@ -541,7 +559,7 @@ class GraphRunner:
                         if stack.probe is not None:
                             stack.probe(f"B{self.layers[0]}")
                     else:
-                        graph.replay()
+                        self._replay(graph)
                 except BaseException:
                     with torch.no_grad():
                         for _, h in homes:
