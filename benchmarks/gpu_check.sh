@@ -25,6 +25,10 @@
 #   llama   graphslot bench --preset llama --budgets sweep --isolate beside every peer, JSON
 #   launch  graphslot bench --preset launch --isolate --rounds 3, JSON (that preset's step
 #           times move by a third between runs), plus a device timeline of remap
+#   peers PRESET  the peers and graph's own configurations alone, JSON (with `sweep`, a
+#           preset's sweep in two calls: one run of every configuration of the default
+#           preset's `--budgets sweep` ran past ten minutes)
+#   sweep PRESET  the budget sweep with only checkpoint and graph beside it, JSON
 #   grads [PRESET]  eager and the three modes with zero_grad(), each beside its variant
 #           with .grad kept (zero_grad(set_to_none=False)) over four accumulated
 #           microbatches, in one run: what a kept gradient costs (default preset: default;
@@ -34,7 +38,7 @@
 # runs out of time), so nothing is piped through a filter that a timeout would cut off;
 # a bench's JSON is the last line of its log.
 set -uo pipefail
-part=${1:?"which part: abc, a, b, c, te, megatron_te, weakrefs, bench, launch, llama or grads"}
+part=${1:?"which part: abc, a, b, c, te, megatron_te, weakrefs, bench, launch, llama, peers, sweep or grads"}
 out=${OUT:-/tmp/graphslot-gpu-check}
 mkdir -p "$out"
 cd "$(dirname "$0")/.."
@@ -121,6 +125,15 @@ PY
       --quiet --steps 5 --warmup 2 \
       --configs eager,save_on_cpu,checkpoint,torch_graphed,torch_graphed_checkpoint,graph,graph_recompute,graph_auto \
       --plot "$out/llama.png" ;;
+  peers)
+    preset=${2:?"peers: which preset"}
+    run "peers_$preset" python3 -m graphslot.cli bench --preset "$preset" --isolate --json --quiet \
+      --steps 5 --warmup 2 \
+      --configs eager,save_on_cpu,checkpoint,torch_graphed,torch_graphed_checkpoint,graph,graph_recompute,graph_auto ;;
+  sweep)
+    preset=${2:?"sweep: which preset"}
+    run "sweep_$preset" python3 -m graphslot.cli bench --preset "$preset" --budgets sweep --isolate \
+      --json --quiet --steps 5 --warmup 2 --configs checkpoint,graph --plot "$out/sweep_$preset.png" ;;
   grads)  # a kept .grad over four microbatches beside zero_grad(), per mode, in one run
     preset=${2:-default}
     configs=""
