@@ -116,6 +116,23 @@ def test_auto_keeps_everything_when_nothing_pays_and_says_why():
     assert "nothing pays" in plan.reason
 
 
+def test_auto_keeps_everything_where_the_free_saving_is_too_small_to_count():
+    # Layers that save little beside a large fixed part: offloading one is free but saves
+    # under a hundredth of the peak, within the model's error; "auto" keeps everything.
+    big = LayerCost(8.0, 16.0, 32 * MiB, work_bytes=0, input_bytes=4 * MiB)
+    p = StackProfile((big,) * 8, 55.0, 55.0, fixed_bytes=64 * GiB)
+    keep = predict_peak_bytes(p, (KEEP,) * 8, "off")
+    freeish = budget.search._search(p, budget.search._smallest_within(
+        predict_step_ms(p, (KEEP,) * 8, "off") * (1 + budget.AUTO_SLACK)), None, budget.MODES)
+    assert 0 < keep - freeish.peak < budget.AUTO_MIN_SAVING * keep  # (what auto would take)
+    plan = plan_budget(p, "auto")
+    assert plan.choices == (KEEP,) * 8 and plan.mode == "off"
+    assert "nothing pays" in plan.reason and "1% of the peak" in plan.reason
+    # The same layers with the fixed part small: the saving counts, and auto takes it.
+    q = StackProfile((big,) * 8, 55.0, 55.0, fixed_bytes=GiB)
+    assert OFFLOAD in plan_budget(q, "auto").choices
+
+
 def test_the_step_model_is_never_below_its_lower_bound_and_the_bound_is_the_formula():
     rng = random.Random(3)
     for _ in range(40):

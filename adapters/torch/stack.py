@@ -190,7 +190,8 @@ class GraphedLayers(nn.Module):
         memory_budget: bytes the training step may hold at its peak (the framework
             allocator's reserved bytes plus graphslot's pages, counting what the device
             holds when the stack is built), a size string (``"12GiB"``), or ``"auto"``
-            (save memory only where the planner predicts it costs no time). The stack
+            (save memory only where the planner predicts it costs no time, and then
+            only a saving of at least a hundredth of the peak). The stack
             measures its layers (:mod:`graphslot.profile`) and plans each graph's layers
             kept, offloaded or recomputed, then checks what its build holds against the
             budget and plans again where the graphs hold more or less than predicted

@@ -37,8 +37,8 @@ bound of a plan) and :mod:`.search` (the planning), each importing only those be
 
 from __future__ import annotations
 
-from .costs import (AUTO_SLACK, CHOICES, EXHAUSTIVE_LAYERS, FIT_BUILDS, KEEP, MODES, OFFLOAD,
-                    RECOMPUTE, RECOMPUTE_CHEAP, SEARCH_STARTS, BudgetPlan, LayerCost,
+from .costs import (AUTO_MIN_SAVING, AUTO_SLACK, CHOICES, EXHAUSTIVE_LAYERS, FIT_BUILDS, KEEP,
+                    MODES, OFFLOAD, RECOMPUTE, RECOMPUTE_CHEAP, SEARCH_STARTS, BudgetPlan, LayerCost,
                     StackProfile, parse_budget)
 from .model import (banks_bytes, banks_for, bound_ms, gradient_homes, lower_bound_ms,
                     predict_peak_bytes, predict_step_ms, slot_bytes)

@@ -27,6 +27,10 @@ MODES = ("off", "resident", "remap")
 #: ``memory_budget="auto"`` takes the least memory among plans at most this much slower
 #: than keeping everything (what the model cannot tell apart from free)
 AUTO_SLACK = 0.01
+#: ... and saves at least this share of keeping everything's peak (and a whole granule):
+#: less is within the model's error on memory, and not worth the host's work per
+#: offloading layer and step, which the model does not count
+AUTO_MIN_SAVING = 0.01
 #: stacks up to this many layers are planned by trying every combination
 EXHAUSTIVE_LAYERS = 8
 #: the local search starts from this many of the best position patterns

@@ -11,9 +11,9 @@ from typing import Callable, Iterable, Sequence
 
 from ..errors import BudgetError, UsageError
 from ..sizes import format_bytes
-from .costs import (_ALL_CHOICES, AUTO_SLACK, CHOICES, EXHAUSTIVE_LAYERS, FIT_BUILDS, KEEP, MODES,
-                    OFFLOAD, RECOMPUTE, RECOMPUTE_CHEAP, SEARCH_STARTS, BudgetPlan, StackProfile,
-                    parse_budget, reported, short)
+from .costs import (_ALL_CHOICES, AUTO_MIN_SAVING, AUTO_SLACK, CHOICES, EXHAUSTIVE_LAYERS,
+                    FIT_BUILDS, KEEP, MODES, OFFLOAD, RECOMPUTE, RECOMPUTE_CHEAP, SEARCH_STARTS,
+                    BudgetPlan, StackProfile, parse_budget, reported, short)
 from .model import _has_homes, recompute_ms, score, slot_bytes
 
 
@@ -198,7 +198,8 @@ def plan_budget(profile: StackProfile, budget: int | str | None, *,
         budget: bytes the step may hold at its peak (or a size string, see
             :func:`parse_budget`); ``"auto"``: the least memory among plans at most
             :data:`AUTO_SLACK` slower than keeping everything (memory saved where saving
-            is free); None: the fastest plan.
+            is free), or everything kept where that saves less than
+            :data:`AUTO_MIN_SAVING` of the peak; None: the fastest plan.
         exhaustive: try every combination (default: for stacks of up to
             :data:`EXHAUSTIVE_LAYERS` layers), else a local search.
         modes: the engine modes the plan may use for offload (``("off",)``: keep or
@@ -221,6 +222,13 @@ def plan_budget(profile: StackProfile, budget: int | str | None, *,
             return _plan(profile, keep_all, None, "nothing pays: every plan that saves memory is "
                          "predicted slower than keeping every layer's activations", exhaustive,
                          modes)
+        floor = max(profile.granularity, AUTO_MIN_SAVING * keep_all.peak)
+        if keep_all.peak - best.peak < floor:
+            return _plan(profile, keep_all, None,
+                         f"nothing pays: the plans at most {AUTO_SLACK:.0%} slower than keeping "
+                         f"everything save at most {format_bytes(keep_all.peak - best.peak)}, "
+                         f"under {format_bytes(floor)} ({AUTO_MIN_SAVING:.0%} of the peak, at "
+                         "least a granule)", exhaustive, modes)
         return _plan(profile, best, None,
                      f"saves {format_bytes(keep_all.peak - best.peak)} at most "
                      f"{AUTO_SLACK:.0%} slower than keeping everything", exhaustive, modes)
