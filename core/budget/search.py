@@ -222,7 +222,7 @@ def plan_budget(profile: StackProfile, budget: int | str | None, *,
             return _plan(profile, keep_all, None, "nothing pays: every plan that saves memory is "
                          "predicted slower than keeping every layer's activations", exhaustive,
                          modes)
-        floor = max(profile.granularity, AUTO_MIN_SAVING * keep_all.peak)
+        floor = max(profile.granularity, int(AUTO_MIN_SAVING * keep_all.peak))
         if keep_all.peak - best.peak < floor:
             return _plan(profile, keep_all, None,
                          f"nothing pays: the plans at most {AUTO_SLACK:.0%} slower than keeping "
