@@ -256,10 +256,17 @@ class _Drop(torch.nn.Module):
         return x + self.drop(self.lin(x))
 
 
-@pytest.mark.parametrize("mode", ["off", "resident"])
-def test_a_seed_set_before_the_build_gives_eagers_dropout_masks(clean, mode):
+@pytest.mark.parametrize("mode,kw", [
+    ("off", {}), ("resident", {}),
+    ("off", dict(recompute_layers=[1])), ("off", dict(recompute_layers=[0, 2])),
+    ("resident", dict(recompute_layers=[0], offload_layers=[0, 1])),
+    ("off", dict(recompute_layers=[1], recompute_ops="cheap"))],
+    ids=["keep", "offload", "recompute-middle", "recompute-ends", "recompute-offloaded", "cheap"])
+def test_a_seed_set_before_the_build_gives_eagers_dropout_masks(clean, mode, kw):
     """The build's warm-ups and captures draw from a fork of the generators: training
-    seeded once, before the stack is built, draws what eager seeded alike draws."""
+    seeded once, before the stack is built, draws what eager seeded alike draws, in every
+    layer: a recomputed layer's forward draws from the default generator as eager's does,
+    so the layers after it draw where eager's do, and its recompute draws that again."""
     b = clean
     torch.manual_seed(0)
     base = [_Drop().to(b.device) for _ in range(3)]
@@ -275,7 +282,8 @@ def test_a_seed_set_before_the_build_gives_eagers_dropout_masks(clean, mode):
     want = train(copy.deepcopy(base), lambda ls: torch.nn.Sequential(*ls))
     stacks = []
     got = train(copy.deepcopy(base), lambda ls: stacks.append(gt.GraphedLayers(
-        ls, xs[0].clone().requires_grad_(), mode=mode, layers_per_graph=1, backend=b)) or stacks[0])
+        ls, xs[0].clone().requires_grad_(), mode=mode, layers_per_graph=1, backend=b, **kw))
+        or stacks[0])
     stacks[0].close()
     assert_bitwise(got, want)
 

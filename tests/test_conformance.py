@@ -319,6 +319,41 @@ def test_a_capture_that_fails_leaves_the_backend_as_it_was(clean, shared):
     assert torch.all((y.cpu() >= 5) & (y.cpu() < 6))
 
 
+def test_a_random_stream_sought_where_the_default_generator_was_draws_what_a_graph_drew(clean):
+    """What a recomputed layer relies on: a graph drawing from the default generator draws
+    what eager draws from there; a graph on a random stream, sought to
+    ``framework_position()`` taken before that replay, draws the same again; the next
+    replay draws fresh numbers."""
+    b = clean
+    rng = b.new_rng_stream()
+    if rng is None:
+        pytest.skip(f"the {b.name} backend's graphs have no random stream of their own")
+    x = torch.ones(1 << 14, device=b.device)
+    drew: list[torch.Tensor] = []
+    plain = _captured(b, lambda: drew.append(torch.nn.functional.dropout(x, 0.5)))
+    again = b.new_graph()
+    rng.attach(again)
+    with again.capture(b.side_stream()), rng.drawing():
+        redrawn = torch.nn.functional.dropout(x, 0.5)
+    masks = []
+    for seed in (3, 3, 4):
+        torch.manual_seed(seed)
+        eager = torch.nn.functional.dropout(x, 0.5)
+        torch.manual_seed(seed)
+        at = rng.framework_position()
+        plain.replay()
+        redrawn.zero_()
+        rng.seek(at)
+        again.replay()
+        b.synchronize()
+        assert torch.equal(drew[0], eager) and torch.equal(redrawn, eager), seed
+        masks.append(eager == 0)
+        plain.replay()  # the default generator moved on: fresh numbers
+        b.synchronize()
+        assert not torch.equal(drew[0], eager)
+    assert torch.equal(masks[0], masks[1]) and not torch.equal(masks[0], masks[2])
+
+
 def test_ordinary_capture_arguments_follow_the_region_graphs_capability(clean, monkeypatch):
     """Where the backend declares region graphs, an ordinary graph captures with the
     arguments the vendor gives (and captures); elsewhere there are none, and the vendor's

@@ -188,10 +188,11 @@ class GraphRunner:
         #: the buffers the forward changes (batch norm's running statistics): the
         #: recompute puts them back as the forward left them, so they move once a step
         self.changed_buffers: list[torch.Tensor] = []
-        # A recomputed layer's graphs draw from a random stream of their own, rewound to
-        # where each microbatch's forward drew before its backward graph draws it again.
+        # A recomputed layer's forward graph draws from the default generator, as every
+        # layer's does and as in eager; its backward graph's recompute draws from a random
+        # stream of its own, pointed where that microbatch's forward drew.
         self.rng: RngStream | None = None
-        self._rng_at: dict[int, Any] = {}  # microbatch -> the stream before its forward
+        self._rng_at: dict[int, Any] = {}  # microbatch -> the default generator before its forward
 
     def forget_draws(self, mb: int | None = None) -> None:
         """Drop where microbatch ``mb``'s forward drew (all of them for None): no backward
@@ -305,8 +306,7 @@ class GraphRunner:
                 warnings.warn(f"GraphedLayers: the {b.name} backend's graphs have no random stream "
                               "of their own: random ops (dropout) in a recomputed layer draw "
                               "other numbers in its backward than in its forward", stacklevel=2)
-        drawing = self._attach_rng(fwd)
-        with self._naming_capture_errors("forward"), fwd.capture(side), drawing(), \
+        with self._naming_capture_errors("forward"), fwd.capture(side), \
                 unit.capture_forward(is_state):
             out = call(unit.keep_also if self.cheap else None)
         self.fwd = fwd
@@ -463,7 +463,7 @@ class GraphRunner:
                 with torch.no_grad():
                     self.static_in.copy_(x)
             if self.rng is not None and training:
-                self._rng_at[mb] = self.rng.position()
+                self._rng_at[mb] = self.rng.framework_position()
             self._replay(self.fwd, f"fwd {self.name}", f"F{self.layers[-1]}")
         if training:
             self.pending.add(mb)
@@ -543,10 +543,8 @@ class GraphRunner:
                     with torch.no_grad():
                         self.static_grad_out.copy_(grad)
                 graph = self.bwd
-                rng = self.rng if at is not None else None
-                if rng is not None:  # the recompute draws what this microbatch's forward drew,
-                    newest = rng.position()  # and the next forward goes on from the newest one
-                    rng.seek(at)
+                if self.rng is not None and at is not None:
+                    self.rng.seek(at)  # the recompute draws what this microbatch's forward drew
                 homes = self.homes
                 with torch.no_grad():
                     for _, h in homes:
@@ -558,9 +556,6 @@ class GraphRunner:
                         for _, h in homes:
                             h.abandon()
                     raise
-                finally:
-                    if rng is not None:
-                        rng.seek(newest)
                 out = self._grads_out()
                 if homes:
                     with torch.no_grad():

@@ -51,10 +51,10 @@ and any optimizer work as usual. A forward under ``torch.no_grad()`` offloads no
 
 Limits, as for device graphs in general: each layer takes one tensor and returns one
 tensor of fixed shape, dtype and device; no host synchronisation or data-dependent
-shapes inside a layer. Random ops (dropout) draw fresh numbers at every replay; a
-recomputed layer draws, in its backward, the very numbers its forward drew for that
-microbatch (a random stream of its own, where the backend has one:
-:meth:`~graphslot.backend.Backend.new_rng_stream`).
+shapes inside a layer. Random ops (dropout) draw fresh numbers at every replay, from the
+default generator as in eager; a recomputed layer draws, in its backward, the very
+numbers its forward drew for that microbatch (a random stream of its own, pointed where
+the forward drew, where the backend has one: :meth:`~graphslot.backend.Backend.new_rng_stream`).
 """
 
 from __future__ import annotations

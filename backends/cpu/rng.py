@@ -51,3 +51,7 @@ class CpuRngStream(RngStream):
 
     def seek(self, position: Any) -> None:
         self._state = position.clone()
+
+    def framework_position(self) -> Any:
+        # (a cpu graph replays on the calling thread: nothing queued draws before it)
+        return torch.get_rng_state()

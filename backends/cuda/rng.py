@@ -1,4 +1,5 @@
-"""A random stream of CUDA graphs' own: a graph-safe generator state beside the default."""
+"""A random stream of CUDA graphs' own: a graph-safe generator state beside the default,
+which takes the default's seed and offset to draw again what a graph drew from it."""
 
 from __future__ import annotations
 
@@ -36,3 +37,7 @@ class CudaRngStream(RngStream):
 
     def seek(self, position: Any) -> None:
         self._state.set_state(position)
+
+    def framework_position(self) -> Any:
+        # (seed and philox offset: a replay reads the default state's and moves it on)
+        return self._gen.get_state()

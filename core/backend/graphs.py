@@ -63,13 +63,15 @@ class DeviceGraph(abc.ABC):
 
 
 class RngStream(abc.ABC):
-    """A random stream of graphs' own, which two graphs can draw the same numbers from.
+    """A random stream of graphs' own, which can draw again what another graph drew.
 
     A recomputed layer's backward graph runs its forward again: its random ops (dropout)
-    must draw what its forward graph drew at that microbatch's replay, while the next
-    forward draws fresh numbers. Graphs attached to the stream draw from it what their
-    captures drew under :meth:`drawing`; :meth:`position` and :meth:`seek` (outside
-    capture) rewind it between replays. Made by :meth:`Backend.new_rng_stream`.
+    must draw what its forward graph drew at that microbatch's replay, from the
+    framework's default generator as in eager, while the next forward draws fresh numbers.
+    Graphs attached to the stream draw from it what their captures drew under
+    :meth:`drawing`; :meth:`framework_position` (before the forward's replay) and
+    :meth:`seek` (before the backward's) point it where the forward drew. Made by
+    :meth:`Backend.new_rng_stream`.
     """
 
     @abc.abstractmethod
@@ -88,3 +90,9 @@ class RngStream(abc.ABC):
     @abc.abstractmethod
     def seek(self, position: Any) -> None:
         """Move to ``position``: the next replay draws what was drawn from there before."""
+
+    @abc.abstractmethod
+    def framework_position(self) -> Any:
+        """Where the framework's default generator is now (outside capture), as a
+        position for :meth:`seek`: a graph replayed next that draws from the default
+        generator draws from there, and this stream, sought there, draws the same."""
