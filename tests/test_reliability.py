@@ -8,6 +8,7 @@ import gc
 import os
 import threading
 import time
+import weakref
 
 import pytest
 import torch
@@ -90,6 +91,26 @@ def test_close_is_idempotent_and_any_use_after_it_names_close(clean, mode):
         model(*model.batch(1, b.device))
     with pytest.raises(StateError, match=r"close\(\)"):
         loss.backward()
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_close_lets_the_graphs_go_while_the_stack_is_still_named(clean, mode):
+    """Leaving the ``with`` block gives the graphs and their pool back although the stack
+    lives on (its name, ``model.stack``); ``.grad``, which may be a pool buffer, keeps its
+    gradients."""
+    b = clean
+    model = small(b)
+    with graphed(model, b, mode) as stack:
+        model(*model.batch(0, b.device)).backward()
+        graphs = [weakref.ref(g) for r in stack._runners for g in (r.fwd, r.bwd) if g is not None]
+        want = [p.grad.clone() for p in model.blocks.parameters()]
+    gc.collect()
+    assert graphs and all(g() is None for g in graphs)
+    assert stack.pool_bytes is None and model.stack is stack
+    churn = [torch.randn_like(w) for w in want for _ in range(2)]  # memory handed out again
+    b.synchronize()
+    assert all(torch.equal(p.grad, w) for p, w in zip(model.blocks.parameters(), want))
+    del churn
 
 
 def test_close_waits_for_a_backward_under_way_in_another_thread(clean):

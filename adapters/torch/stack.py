@@ -406,6 +406,7 @@ class GraphedLayers(nn.Module):
         if engine is not None:
             engine.close()
         self._runners = []
+        self._ahead, self._behind = [], []
         self._pool_owner = None
         self._lent.clear()
         self._input_grad = None
@@ -742,7 +743,7 @@ class GraphedLayers(nn.Module):
                 self._abandon(mb)
 
     def close(self, timeout: float = 30.0) -> None:
-        """Release the slots, banks and buffers (the graphs cannot replay afterwards).
+        """Release the graphs, their pool, the slots, banks and buffers.
 
         Safe to call again and from another thread: it waits up to ``timeout`` seconds for
         a forward or backward under way to finish, then refuses with a StateError. A
@@ -760,10 +761,13 @@ class GraphedLayers(nn.Module):
                                  f"after {timeout:g} s; close() once it is done")
             self._closed = True
         self._finalizer.detach()
-        self.engine.close()
-        self._warmup_stream = None
         for r in self._runners:
             r.forget_draws()
+        # The graphs go too, not only when the stack is collected: a stack still named
+        # after its ``with`` block would otherwise hold their pool (tensors a caller still
+        # holds, such as ``.grad`` that is a pool buffer, keep their own bytes).
+        self._unmake()
+        self._warmup_stream = None
 
     def __enter__(self) -> GraphedLayers:
         return self
