@@ -74,7 +74,9 @@ class BudgetError(UsageError):
     Attributes:
         budget_bytes: the budget asked for.
         least_bytes: the smallest peak a plan reaches (as modelled, or as built where the
-            model's least plan did not fit once built): a budget of at least this builds.
+            model's least plan did not fit once built). From ``GraphedLayers``, that peak
+            with room for what the process holds moving between builds (two granules, at
+            least a MiB): a budget of at least this builds.
     """
 
     def __init__(self, message: str, *, budget_bytes: int, least_bytes: int) -> None:

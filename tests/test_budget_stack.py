@@ -4,6 +4,7 @@ recomputed inside the graphs, as the planner chose, training bit for bit as eage
 from __future__ import annotations
 
 import copy
+import re
 import warnings
 
 import pytest
@@ -122,6 +123,27 @@ def test_a_budget_below_any_plan_is_refused_at_build_naming_the_least(clean, mon
         graphed(model, b, None, memory_budget=1)
     assert isinstance(e.value, UsageError) and e.value.budget_bytes == 1
     assert str(e.value.least_bytes) in str(e.value)
+
+
+def test_the_least_budget_a_refusal_names_builds_again(clean):
+    """``least_bytes`` has room for what the process holds moving between builds: a
+    script that builds again at it, as it catches the refusal, gets a stack (each of
+    several times, a training step between)."""
+    b = clean
+    model = small_gpt(b, 3)
+    for _ in range(3):
+        try:
+            graphed(model, b, None, memory_budget=1)
+        except BudgetError as e:
+            assert re.search(rf"a budget of .* \({e.least_bytes} bytes\) builds it", str(e))
+            assert e.least_bytes % b.granularity == 0
+            with graphed(model, b, None, memory_budget=e.least_bytes) as stack:
+                assert stack.plan.predicted_peak_bytes <= e.least_bytes
+                model(*model.batch(0, b.device)).backward()
+        else:
+            pytest.fail("a budget of one byte was not refused")
+        model.stack = torch.nn.Sequential(*model.blocks)
+        model.zero_grad(set_to_none=True)
 
 
 def test_a_budget_below_what_the_least_plan_holds_built_is_refused_naming_that(clean, monkeypatch):

@@ -157,7 +157,7 @@ def test_a_training_loop_runs_as_eager_bitwise(clean, case, monkeypatch):
             with pytest.raises(BudgetError, match=r"smallest peak any plan reaches") as refused:
                 with torch.autocast(b.device.type, dtype=torch.bfloat16, enabled=loop["amp"]):
                     GraphedLayers(list(model.blocks), sample, **{**kw, "memory_budget": 1})
-            kw["memory_budget"] = refused.value.least_bytes + (4 << 20)  # (what the process holds moves a little)
+            kw["memory_budget"] = refused.value.least_bytes  # (it has room for what moves)
     torch.manual_seed(1)
     with torch.autocast(b.device.type, dtype=torch.bfloat16, enabled=loop["amp"]):
         stack = GraphedLayers(list(model.blocks), sample, **kw)

@@ -71,15 +71,16 @@ from typing import Any, Callable, Iterable, Iterator, Sequence
 import torch
 from torch import nn
 
-from graphslot.backend import Backend, DeviceGraph
+from graphslot.backend import Backend, DeviceGraph, align_up
 from graphslot.budget import (OFFLOAD, RECOMPUTE, RECOMPUTE_CHEAP, BudgetPlan, StackProfile, banks_bytes,
                               fit_budget, gradient_homes, parse_budget)
-from graphslot.errors import CaptureMismatchError, StateError, UsageError
+from graphslot.errors import BudgetError, CaptureMismatchError, StateError, UsageError
 from graphslot.memory import release_unused, saved_bytes_per_layer
 from graphslot.offload import SECTION_BYTES, Mode, OffloadEngine, ping_pong_banks
 from graphslot.precision import autocast_dtype
 from graphslot.profile import copy_bandwidth, held_bytes, profile_units
 from graphslot.selection import get_backend
+from graphslot.sizes import format_bytes
 
 from .grads import ParamGrad, shares_storage
 from .plan import (check_layers, check_main_grads, check_sample, hooked_modules, layer_set,
@@ -224,7 +225,8 @@ class GraphedLayers(nn.Module):
 
     Raises:
         BudgetError: a budget below the least any plan reaches (the message names that
-            least budget; ``least_bytes`` holds it).
+            least peak and a budget that builds it, with room for what the process holds
+            moving between builds; ``least_bytes`` holds that budget).
         UsageError: no layers, a sample that is not a tensor on the backend's device, a
             bad layer index or mode, a budget beside explicit layer lists, or
             with ``main_grad=True`` a parameter without a fitting ``main_grad``, with
@@ -450,7 +452,18 @@ class GraphedLayers(nn.Module):
             unmapped = max(0, banks - (b.ledger.mapped_bytes - mapped_before))
             return held + unmapped + self._output_copy_bytes(held)
 
-        plan = fit_budget(profile, budget, build, measured=held_bytes(b) is not None, modes=modes)
+        try:
+            plan = fit_budget(profile, budget, build, measured=held_bytes(b) is not None,
+                              modes=modes)
+        except BudgetError as e:
+            # What a process holds moves a little between builds (a granule of the
+            # allocator, tens of KiB of the host's heap): the figure given back is one that
+            # builds again, the least peak with that much room, in whole granules.
+            g = b.granularity
+            room = align_up(e.least_bytes + max(2 * g, 1 << 20), g)
+            raise BudgetError(f"{e}; a budget of {format_bytes(room)} ({room} bytes) builds it, "
+                              "with room for what the process holds moving between builds",
+                              budget_bytes=e.budget_bytes, least_bytes=room) from None
         self.plan = _per_layer(plan, units)
 
     def _output_copy_bytes(self, held: int) -> int:
