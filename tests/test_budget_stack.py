@@ -205,6 +205,16 @@ def test_wrong_layers_are_named(clean, layers, match):
         gt.GraphedLayers(layers, torch.randn(2, 4), backend=clean)
 
 
+@pytest.mark.parametrize("kw,match", [
+    (dict(mode="resdient"), r"mode must be one of 'off', 'resident', 'remap' or None, got 'resdient'"),
+    (dict(mode=["off"]), r"mode must be one of .* got \['off'\]"),
+    (dict(mode="off", recompute_ops="cheap"), r"recompute_layers names none")],
+    ids=["misspelt-mode", "mode-not-a-string", "cheap-without-layers"])
+def test_wrong_arguments_are_named_before_anything_is_built(clean, kw, match):
+    with pytest.raises(UsageError, match=match):
+        gt.GraphedLayers([torch.nn.Linear(4, 4)], torch.randn(2, 4), backend=clean, **kw)
+
+
 def test_a_sample_that_is_not_a_tensor_is_named(clean):
     with pytest.raises(UsageError, match="sample_input must be a torch.Tensor.*got list"):
         gt.GraphedLayers([torch.nn.Linear(4, 4)], [[1.0] * 4] * 2, backend=clean)

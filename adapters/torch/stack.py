@@ -283,6 +283,9 @@ class GraphedLayers(nn.Module):
         if recompute_ops == "cheap" and memory_budget is not None:
             raise UsageError("recompute_ops is for recompute_layers; with memory_budget the "
                              "planner chooses what each recomputed layer runs again")
+        if recompute_ops == "cheap" and not recompute:
+            raise UsageError("recompute_ops='cheap' says what recompute_layers run again, and "
+                             "recompute_layers names none: name the layers to recompute")
         cheap = set(recompute) if recompute_ops == "cheap" else set()
         if cheap & offload:
             raise UsageError(f"layers {sorted(cheap & offload)} are recomputed cheaply, which "
@@ -292,6 +295,9 @@ class GraphedLayers(nn.Module):
                                              or layers_per_graph < 1):
             raise UsageError(f"layers_per_graph must be a positive integer or None (join small "
                              f"layers), got {layers_per_graph!r}")
+        if mode is not None and mode not in tuple(m.value for m in Mode):
+            raise UsageError(f"mode must be one of {', '.join(repr(m.value) for m in Mode)} "
+                             f"or None, got {mode!r}")
         modes = tuple(m.value for m in Mode) if mode is None else (Mode(mode).value,)
         self._engine_args: dict[str, Any] = dict(
             min_bytes=min_offload_bytes, section_bytes=section_bytes, debug_checksums=debug_checksums)
