@@ -23,10 +23,12 @@ GiB, MiB = 1 << 30, 1 << 20
 def fake_profile(monkeypatch: pytest.MonkeyPatch, costs: list[gb.LayerCost], gbps: float = 10.0) -> None:
     """Plan from ``costs`` instead of what the layers measure (the cpu backend's timings
     say nothing of a device), the stack's fixed memory as the backend reports it. The
-    builds measure nothing (as on the cpu backend): on a device, fit_budget would correct
-    the made-up costs by what the small layers really hold and plan something else."""
+    builds measure nothing: measured (on a device, or on cpu by the process's footprint),
+    fit_budget would correct the made-up costs by what the small layers really hold and
+    plan something else."""
     monkeypatch.setattr(gt.stack, "profile_units", lambda b, mods, sample: list(costs)[:len(mods)])
     monkeypatch.setattr(gt.stack, "held_bytes", lambda b: None)
+    monkeypatch.setattr(gt.stack, "_build_holds", lambda b: None)
     monkeypatch.setattr(gt.stack, "copy_bandwidth", lambda b, n, reps=3: {
         "d2h_gbps": gbps, "h2d_gbps": gbps, "both_total_gbps": gbps})
 
@@ -139,6 +141,8 @@ def test_the_least_budget_a_refusal_names_builds_again(clean):
             assert e.least_bytes % b.granularity == 0
             with graphed(model, b, None, memory_budget=e.least_bytes) as stack:
                 assert stack.plan.predicted_peak_bytes <= e.least_bytes
+                held = gt.stack._build_holds(b)  # (cpu: the footprint, which the build checks)
+                assert held is None or held <= e.least_bytes
                 model(*model.batch(0, b.device)).backward()
         else:
             pytest.fail("a budget of one byte was not refused")
@@ -150,8 +154,8 @@ def test_a_budget_below_what_the_least_plan_holds_built_is_refused_naming_that(c
     """Where the backend measures what a build holds, the least plan is built before the
     budget is refused, and the message names what it held."""
     b = clean
-    if gt.stack.held_bytes(b) is None:
-        pytest.skip(f"the {b.name} backend's allocator keeps no figure to measure a build by")
+    if gt.stack._build_holds(b) is None:
+        pytest.skip(f"the {b.name} backend cannot tell what a build holds")
     model = small_gpt(b, 3)
     with pytest.raises(BudgetError, match=r"below the smallest peak any plan reaches: built, the "
                                           r"least plan \([KOR]{3}, \w+\) holds .* \(\d+ bytes\)") as e:

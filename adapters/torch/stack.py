@@ -190,7 +190,8 @@ class GraphedLayers(nn.Module):
             the planner chooses per layer (``plan.recompute_ops``).
         memory_budget: bytes the training step may hold at its peak (the framework
             allocator's reserved bytes plus graphslot's pages, counting what the device
-            holds when the stack is built), a size string (``"12GiB"``), or ``"auto"``
+            holds when the stack is built; where the allocator keeps no figures, as on
+            cpu, the process's footprint), a size string (``"12GiB"``), or ``"auto"``
             (save memory only where the planner predicts it costs no time, and then
             only a saving of at least a hundredth of the peak). The stack
             measures its layers (:mod:`graphslot.profile`) and plans each graph's layers
@@ -448,9 +449,9 @@ class GraphedLayers(nn.Module):
             self._make(Mode(plan.mode), offloaded, recomputed, layers_per_graph, saved, sample,
                        cheap)
             release_unused(b)
-            held = held_bytes(b)
+            held = _build_holds(b)
             if held is None:
-                return None  # the allocator cannot tell: the model's figure stands
+                return None  # the backend cannot tell: the model's figure stands
             # What the step adds to what the build holds: the banks it has not mapped now
             # (remap maps them only while a pass runs), and the copy of the output the
             # caller gets, as far as the allocator needs memory for it.
@@ -459,7 +460,7 @@ class GraphedLayers(nn.Module):
             return held + unmapped + self._output_copy_bytes(held)
 
         try:
-            plan = fit_budget(profile, budget, build, measured=held_bytes(b) is not None,
+            plan = fit_budget(profile, budget, build, measured=_build_holds(b) is not None,
                               modes=modes)
         except BudgetError as e:
             # What a process holds moves a little between builds (a granule of the
@@ -478,7 +479,7 @@ class GraphedLayers(nn.Module):
         memory the allocator holds already. The output's gradient and the loss are the
         caller's, made as the caller makes them (a preallocated gradient is in ``held``)."""
         probe = torch.empty_like(self._runners[-1].static_out)
-        grown = held_bytes(self.backend)
+        grown = _build_holds(self.backend)
         del probe
         return 0 if grown is None else max(0, grown - held)
 
@@ -793,6 +794,14 @@ class GraphedLayers(nn.Module):
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+def _build_holds(b: Backend) -> int | None:
+    """What the process holds after a build, as the budget counts it: the allocator's
+    reserved bytes plus graphslot's pages, or where the allocator keeps no figures (cpu),
+    the process's footprint; None where neither can be told."""
+    held = held_bytes(b)
+    return b.footprint_bytes() if held is None else held
 
 
 @contextlib.contextmanager
