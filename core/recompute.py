@@ -8,7 +8,9 @@ activation functions, rotary embeddings, dtype casts, elementwise products) cost
 little to run again and saves the most bytes. Recomputing cheaply keeps the outputs of
 the expensive ops (:func:`is_expensive`) and runs only the cheap ops again, through
 ``torch.utils.checkpoint``'s selective policy, so the layer holds a fraction of its
-activations for a fraction of a full recompute's time.
+activations for a fraction of a full recompute's time. An expensive call that draws
+random numbers (attention with dropout) runs again too: kept, it would draw nothing in
+the recompute, and every random op after it would draw other numbers than the forward.
 
 Device neutral: the ops are aten's, whatever the device.
 """
@@ -48,6 +50,26 @@ def is_expensive(op: Any) -> bool:
     return getattr(op, "overloadpacket", op) in EXPENSIVE_OPS
 
 
+def _draws(op: Any, args: Any, kwargs: Any) -> bool:
+    """Whether this call of a seeded op draws random numbers (attention with dropout).
+    Its outputs are not kept: the recompute runs it again, so that it and every random
+    op after it draw where the forward's did."""
+    if torch.Tag.nondeterministic_seeded not in getattr(op, "tags", ()):
+        return False
+    schema = getattr(op, "_schema", None)
+    for i, a in enumerate(schema.arguments if schema is not None else ()):
+        if a.name in ("dropout_p", "p"):
+            p = kwargs.get(a.name, args[i] if i < len(args) else a.default_value)
+            return not isinstance(p, (int, float)) or p > 0
+    return True
+
+
+def _kept(op: Any, args: Any, kwargs: Any) -> bool:
+    """Whether a cheap recompute keeps this call's outputs: an expensive op's, unless the
+    call draws random numbers."""
+    return is_expensive(op) and not _draws(op, args, kwargs or {})
+
+
 #: One call of an expensive op in a forward: its op packet and how many calls of that op
 #: came before it. A layer's forward makes the same calls in the same order each time
 #: (torch's selective checkpointing relies on it too), so a key names one call.
@@ -80,7 +102,7 @@ class _NoteOutputs(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))
-        if is_expensive(func):
+        if _kept(func, args, kwargs):
             key = self.calls.key(func)
             if key not in self.skip:
                 for t in (out if isinstance(out, (tuple, list)) else (out,)):
@@ -130,7 +152,7 @@ def cheap_recompute_contexts(note: Callable[[torch.Tensor], None] | None = None,
         calls = {False: _Calls(), True: _Calls()}  # the forward's and the recompute's
 
         def policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
-            if not is_expensive(op) or calls[ctx.is_recompute].key(op) in recompute_calls:
+            if not _kept(op, args, kwargs) or calls[ctx.is_recompute].key(op) in recompute_calls:
                 return CheckpointPolicy.PREFER_RECOMPUTE
             return CheckpointPolicy.MUST_SAVE
 

@@ -74,6 +74,50 @@ def test_a_cheaply_recomputed_dropout_uses_its_forwards_mask(clean):
             torch.testing.assert_close(xs[k].grad, torch.where(dropped, torch.zeros_like(w), 4 * w))
 
 
+class _TwoDraws(nn.Module):
+    """A product, then two dropouts: the second draws after the first. The first is
+    aten's fused ``native_dropout``, one op that returns what it drew from, as attention
+    with dropout does (plain dropout on cpu is several ops)."""
+
+    def __init__(self, n: int = 64) -> None:
+        super().__init__()
+        self.lin, self.w = nn.Linear(n, n), nn.Parameter(torch.linspace(0.5, 1.5, n))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        first = torch.ops.aten.native_dropout(self.lin(x), 0.5, True)[0]
+        return nn.functional.dropout(first * self.w, 0.5) + x
+
+
+def test_an_expensive_call_that_draws_random_numbers_runs_again(clean, monkeypatch):
+    """Attention with dropout is one expensive op that draws (on a GPU: flash or efficient
+    attention). Kept, it would draw nothing in the recompute and the dropouts after it
+    would draw other masks than the forward's: it runs again, and training is eager's.
+    Here dropout itself stands in for such an op, counted as expensive."""
+    b = clean
+    monkeypatch.setattr(gr, "EXPENSIVE_OPS", gr.EXPENSIVE_OPS | {torch.ops.aten.native_dropout})
+    call = (torch.ops.aten.native_dropout.default, (torch.ones(2), 0.5, True))
+    assert gr.is_expensive(call[0]) and not gr._kept(*call, {})
+    assert gr._kept(torch.ops.aten.native_dropout.default, (torch.ones(2), 0.0, True), {})
+    torch.manual_seed(0)
+    base = [_TwoDraws().to(b.device) for _ in range(3)]
+    xs = [torch.randn(8, 64, device=b.device) for _ in range(3)]
+
+    def train(layers, make):
+        torch.manual_seed(1)
+        f = make(layers)
+        for x in xs:
+            f(x.clone().requires_grad_()).square().sum().backward()
+        return [p.grad for m in layers for p in m.parameters()]
+
+    want = train(copy.deepcopy(base), lambda ls: nn.Sequential(*ls))
+    stacks = []
+    got = train(copy.deepcopy(base), lambda ls: stacks.append(GraphedLayers(
+        ls, xs[0].clone().requires_grad_(), mode="off", recompute_layers=[0, 1],
+        recompute_ops="cheap", layers_per_graph=1, backend=b)) or stacks[0])
+    stacks[0].close()
+    assert_bitwise(got, want)
+
+
 def test_bad_recompute_ops_are_named(clean):
     b = clean
     model = small_gpt(b, 2)

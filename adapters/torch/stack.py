@@ -478,7 +478,7 @@ class GraphedLayers(nn.Module):
         holds after the build): allocated once here and measured, since it often fits in
         memory the allocator holds already. The output's gradient and the loss are the
         caller's, made as the caller makes them (a preallocated gradient is in ``held``)."""
-        probe = torch.empty_like(self._runners[-1].static_out)
+        probe = torch.zeros_like(self._runners[-1].static_out)  # (touched: cpu counts pages)
         grown = _build_holds(self.backend)
         del probe
         return 0 if grown is None else max(0, grown - held)
