@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import torch
 
 import graphslot
@@ -24,3 +26,22 @@ def graphed(model: TinyGPT, b: graphslot.Backend, mode: str, **kw) -> GraphedLay
     stack = GraphedLayers(list(model.blocks), sample, mode=mode, backend=b, **kw)
     model.stack = stack
     return stack
+
+
+def seeded_grads(layers: list[torch.nn.Module], xs: list[torch.Tensor], **kw) -> tuple[list, list]:
+    """The parameters' gradients after a forward and backward per input in ``xs``, seeded
+    once beforehand: through copies of ``layers`` as a GraphedLayers stack (built after
+    the seed, with ``kw``; one graph per layer unless said) and as eager's Sequential."""
+    def train(ls: list[torch.nn.Module], graphed: bool) -> list:
+        torch.manual_seed(1)
+        kw.setdefault("layers_per_graph", 1)
+        f = (GraphedLayers(ls, xs[0].clone().requires_grad_(), **kw) if graphed
+             else torch.nn.Sequential(*ls))
+        for x in xs:
+            f(x.clone().requires_grad_()).square().sum().backward()
+        if graphed:
+            f.close()
+        return [p.grad for m in ls for p in m.parameters()]
+
+    return train(copy.deepcopy(layers), True), train(copy.deepcopy(layers), False)
+

@@ -14,7 +14,7 @@ from graphslot import budget as gb
 from graphslot.backend import align_up
 from graphslot.adapters import torch as gt
 from graphslot.errors import BudgetError, CaptureMismatchError, StateError, UsageError
-from stacks import graphed, small_gpt
+from stacks import graphed, seeded_grads, small_gpt
 from test_graphed_grads import assert_bitwise, run
 
 GiB, MiB = 1 << 30, 1 << 20
@@ -307,20 +307,7 @@ def test_a_seed_set_before_the_build_gives_eagers_dropout_masks(clean, mode, kw)
     torch.manual_seed(0)
     base = [_Drop().to(b.device) for _ in range(3)]
     xs = [torch.randn(4, 32, device=b.device) for _ in range(3)]
-
-    def train(layers, make):
-        torch.manual_seed(1)
-        f = make(layers)
-        for x in xs:
-            f(x.clone().requires_grad_()).square().sum().backward()
-        return [p.grad for m in layers for p in m.parameters()]
-
-    want = train(copy.deepcopy(base), lambda ls: torch.nn.Sequential(*ls))
-    stacks = []
-    got = train(copy.deepcopy(base), lambda ls: stacks.append(gt.GraphedLayers(
-        ls, xs[0].clone().requires_grad_(), mode=mode, layers_per_graph=1, backend=b, **kw))
-        or stacks[0])
-    stacks[0].close()
+    got, want = seeded_grads(base, xs, mode=mode, backend=b, **kw)
     assert_bitwise(got, want)
 
 

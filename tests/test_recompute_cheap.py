@@ -13,7 +13,7 @@ from torch import nn
 from graphslot import recompute as gr
 from graphslot.adapters.torch import GraphedLayers
 from graphslot.errors import UsageError
-from stacks import graphed, small_gpt
+from stacks import graphed, seeded_grads, small_gpt
 from test_graphed_grads import assert_bitwise, run
 from test_recompute_rng import DropScale
 
@@ -101,20 +101,8 @@ def test_an_expensive_call_that_draws_random_numbers_runs_again(clean, monkeypat
     torch.manual_seed(0)
     base = [_TwoDraws().to(b.device) for _ in range(3)]
     xs = [torch.randn(8, 64, device=b.device) for _ in range(3)]
-
-    def train(layers, make):
-        torch.manual_seed(1)
-        f = make(layers)
-        for x in xs:
-            f(x.clone().requires_grad_()).square().sum().backward()
-        return [p.grad for m in layers for p in m.parameters()]
-
-    want = train(copy.deepcopy(base), lambda ls: nn.Sequential(*ls))
-    stacks = []
-    got = train(copy.deepcopy(base), lambda ls: stacks.append(GraphedLayers(
-        ls, xs[0].clone().requires_grad_(), mode="off", recompute_layers=[0, 1],
-        recompute_ops="cheap", layers_per_graph=1, backend=b)) or stacks[0])
-    stacks[0].close()
+    got, want = seeded_grads(base, xs, mode="off", recompute_layers=[0, 1], recompute_ops="cheap",
+                             backend=b)
     assert_bitwise(got, want)
 
 
