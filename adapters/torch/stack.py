@@ -497,10 +497,7 @@ class GraphedLayers(nn.Module):
         # step's tensors outside the graphs (the output the caller gets and the stack's
         # input gradient; the output's gradient is the caller's, as its loss is); the
         # gradients, boundary buffers and the graphs' pool depend on the plan.
-        held = held_bytes(b)
-        if held is None:  # no allocator figures: what the process holds, where it can tell
-            held = b.footprint_bytes() or 0
-        fixed = held + 2 * costs[-1].input_bytes
+        fixed = (_build_holds(b) or 0) + 2 * costs[-1].input_bytes
         return StackProfile(tuple(costs), bw["d2h_gbps"], bw["h2d_gbps"], fixed_bytes=fixed,
                             granularity=b.granularity, section_bytes=section_bytes,
                             d2d_gbps=bw.get("d2d_gbps"))
@@ -797,9 +794,9 @@ class GraphedLayers(nn.Module):
 
 
 def _build_holds(b: Backend) -> int | None:
-    """What the process holds after a build, as the budget counts it: the allocator's
-    reserved bytes plus graphslot's pages, or where the allocator keeps no figures (cpu),
-    the process's footprint; None where neither can be told."""
+    """What the process holds now, as the budget counts it (before the profile, after each
+    build): the allocator's reserved bytes plus graphslot's pages, or where the allocator
+    keeps no figures (cpu), the process's footprint; None where neither can be told."""
     held = held_bytes(b)
     return b.footprint_bytes() if held is None else held
 

@@ -46,9 +46,6 @@ class CpuRngStream(RngStream):
         finally:
             graph.host_step(swap_out)
 
-    def position(self) -> Any:
-        return self._state.clone()
-
     def seek(self, position: Any) -> None:
         self._state = position.clone()
 

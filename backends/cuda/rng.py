@@ -32,9 +32,6 @@ class CudaRngStream(RngStream):
         finally:
             self._gen.graphsafe_set_state(was)
 
-    def position(self) -> Any:
-        return self._state.get_state()
-
     def seek(self, position: Any) -> None:
         self._state.set_state(position)
 

@@ -84,12 +84,9 @@ class RngStream(abc.ABC):
         this stream, at capture and at every replay."""
 
     @abc.abstractmethod
-    def position(self) -> Any:
-        """Where the stream is now (outside capture), for :meth:`seek`."""
-
-    @abc.abstractmethod
     def seek(self, position: Any) -> None:
-        """Move to ``position``: the next replay draws what was drawn from there before."""
+        """Move to ``position`` (a :meth:`framework_position`): the next replay draws what
+        was drawn from there before."""
 
     @abc.abstractmethod
     def framework_position(self) -> Any:
