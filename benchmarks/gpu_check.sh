@@ -28,7 +28,8 @@
 #   peers PRESET  the peers and graph's own configurations alone, JSON (with `sweep`, a
 #           preset's sweep in two calls: one run of every configuration of the default
 #           preset's `--budgets sweep` ran past ten minutes)
-#   sweep PRESET  the budget sweep with only checkpoint and graph beside it, JSON
+#   sweep PRESET  the budget sweep with only checkpoint and graph beside it (SWEEP_CONFIGS
+#           names others: eager,checkpoint,graph, say), JSON
 #   grads [PRESET]  eager and the three modes with zero_grad(), each beside its variant
 #           with .grad kept (zero_grad(set_to_none=False)) over four accumulated
 #           microbatches, in one run: what a kept gradient costs (default preset: default;
@@ -133,7 +134,7 @@ PY
   sweep)
     preset=${2:?"sweep: which preset"}
     run "sweep_$preset" python3 -m graphslot.cli bench --preset "$preset" --budgets sweep --isolate \
-      --json --quiet --steps 5 --warmup 2 --configs checkpoint,graph --plot "$out/sweep_$preset.png" ;;
+      --json --quiet --steps 5 --warmup 2 --configs "${SWEEP_CONFIGS:-checkpoint,graph}" --plot "$out/sweep_$preset.png" ;;
   grads)  # a kept .grad over four microbatches beside zero_grad(), per mode, in one run
     preset=${2:-default}
     configs=""
