@@ -216,7 +216,8 @@ def test_wrong_layers_are_named(clean, layers, match):
     ids=["misspelt-mode", "mode-not-a-string", "cheap-without-layers"])
 def test_wrong_arguments_are_named_before_anything_is_built(clean, kw, match):
     with pytest.raises(UsageError, match=match):
-        gt.GraphedLayers([torch.nn.Linear(4, 4)], torch.randn(2, 4), backend=clean, **kw)
+        gt.GraphedLayers([torch.nn.Linear(4, 4, device=clean.device)],
+                         torch.randn(2, 4, device=clean.device), backend=clean, **kw)
 
 
 def test_a_sample_that_is_not_a_tensor_is_named(clean):
