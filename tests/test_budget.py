@@ -433,6 +433,45 @@ def test_before_refusing_the_least_plan_that_stores_gradients_the_other_way_is_b
         fit_budget(p, pool_least - 1, Builds(p, error))
 
 
+def test_the_model_is_corrected_by_kind_of_plan_and_every_kind_is_built_before_a_refusal():
+    # The default preset on the H200: built, plans that offload (with gradients in the
+    # graphs' pool) held 0.5 GiB more than the model said, plans that give the gradients
+    # homes about what it said, and plans that do neither 0.2 to 0.4 GiB less.
+    # Counted for all, the first two kinds' errors hid the third, and budgets it met were
+    # refused (7.03 and 7.21 GiB, with a plan of the third kind holding 6.88 GiB).
+    layer = LayerCost(8.25, 16.5, int(1.5 * GiB), recompute_ms=6.25, work_bytes=400 * MiB,
+                      input_bytes=64 * MiB, grad_bytes=416 * MiB)
+    p = StackProfile((layer,) * 8, 55.0, 55.0, fixed_bytes=7 * GiB)
+    def kind_of(ch, m):
+        return (OFFLOAD in ch, budget.model._has_homes(p, ch, m))
+
+    def error(plan: BudgetPlan) -> int:
+        copies, homes = kind_of(plan.choices, plan.mode)
+        return 600 * MiB if copies and not homes else 40 * MiB if homes else -300 * MiB
+
+    plans = [(ch, m) for ch in itertools.product(CHOICES, repeat=8)
+             for m in (("resident", "remap") if OFFLOAD in ch else ("off", "remap") if RECOMPUTE in ch
+                       else ("off",))]
+    held = {pm: predict_peak_bytes(p, *pm) + error(BudgetPlan(pm[0], pm[1], None, 0, 0.0, 0.0, 0, 0.0, ""))
+            for pm in plans}
+    quiet = min(v for pm, v in held.items() if kind_of(*pm) == (False, False))
+    others = min(v for pm, v in held.items() if kind_of(*pm) != (False, False))
+    assert quiet < others  # (only plans of the third kind fit between them)
+    limit = (quiet + others) // 2
+    build = Builds(p, error)
+    plan = fit_budget(p, limit, build)
+    assert plan.predicted_peak_bytes <= limit == plan.budget_bytes
+    assert kind_of(plan.choices, plan.mode) == (False, False)
+    assert build.built[-1] == (plan.choices, plan.mode)
+    # The fastest plan that fits, as built: none of the others that fit is faster.
+    fits = [pm for pm, v in held.items() if v <= limit]
+    assert plan.predicted_step_ms <= min(predict_step_ms(p, *pm) for pm in fits) * 1.0001
+    assert len(build.built) <= FIT_BUILDS + 5
+    # Below what any kind's least plan holds, the refusal names the least of them.
+    with pytest.raises(UsageError, match=f"holds .*[(]{quiet} bytes[)]"):
+        fit_budget(p, quiet - 1, Builds(p, error))
+
+
 # -- recomputing cheaply ---------------------------------------------------------------------
 
 def llama_cheap(n: int = 8) -> StackProfile:

@@ -202,8 +202,10 @@ class BudgetPlan:
         model_peak_bytes: the model's own figure for the peak, where a build measured it
             (``predicted_peak_bytes`` is then the build's): what the profile said, with
             ``fixed_correction_bytes`` counted.
-        fixed_correction_bytes: what builds of earlier plans showed the model's fixed
-            memory to be off by (added to the profile's ``fixed_bytes``).
+        fixed_correction_bytes: what builds of earlier plans of its kind (whether it
+            offloads, where the gradients live) showed the model's peak to be off by
+            (counted in ``predicted_peak_bytes`` as planned; the newest build's, where
+            none of its kind was built).
     """
 
     choices: tuple[str, ...]

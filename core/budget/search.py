@@ -16,16 +16,24 @@ from .costs import (_ALL_CHOICES, AUTO_MIN_SAVING, AUTO_SLACK, CHOICES, EXHAUSTI
                     BudgetPlan, StackProfile, parse_budget, reported, short)
 from .model import _has_homes, recompute_ms, score, slot_bytes
 
+#: A kind of plan, as the model errs by it: (whether it offloads a layer, whether the
+#: stack gives the gradients homes of their own). Staging and the forward's copies are
+#: where the model misses most for the first; where gradients live, for the second.
+Kind = tuple[bool, bool]
+_KINDS: tuple[Kind, ...] = ((False, False), (False, True), (True, False), (True, True))
+
 
 @dataclass(frozen=True)
 class _Scored:
-    """One candidate: its choices, its engine mode and what the model says of them."""
+    """One candidate: its choices, its engine mode, what the model says of them and its
+    kind."""
 
     choices: tuple[str, ...]
     mode: str
     step: float
     bound: float
     peak: int
+    kind: Kind = (False, False)
 
 
 def _options(profile: StackProfile) -> list[tuple[str, ...]]:
@@ -47,7 +55,7 @@ def _scored_all(profile: StackProfile, choices: tuple[str, ...]) -> tuple[_Score
     if not profile.fixed_bytes:
         return scored
     fixed = profile.fixed_bytes
-    return tuple(_Scored(s.choices, s.mode, s.step, s.bound, s.peak + fixed) for s in scored)
+    return tuple(replace(s, peak=s.peak + fixed) for s in scored)
 
 
 @functools.lru_cache(maxsize=16)
@@ -61,7 +69,25 @@ def _unfixed(profile: StackProfile) -> StackProfile:
 @functools.lru_cache(maxsize=1 << 17)
 def _scored_unfixed(profile: StackProfile, choices: tuple[str, ...]) -> tuple[_Scored, ...]:
     # (cached: the searches score the same plans over and over)
-    return tuple(_Scored(choices, m, *score(profile, choices, m)) for m in _modes(choices))
+    return tuple(_Scored(choices, m, *score(profile, choices, m),
+                         kind=(OFFLOAD in choices, _has_homes(profile, choices, m)))
+                 for m in _modes(choices))
+
+
+class _Corrections:
+    """What builds showed the model's peak to be off by, per :data:`Kind` of plan (the
+    model errs by kind: counted for all, one kind's error would hide plans of another
+    that fit). A kind not built yet takes the newest build's error."""
+
+    def __init__(self) -> None:
+        self.by_kind: dict[Kind, int] = {}
+        self.newest = 0
+
+    def __call__(self, kind: Kind) -> int:
+        return self.by_kind.get(kind, self.newest)
+
+    def saw(self, kind: Kind, error: int) -> None:
+        self.by_kind[kind] = self.newest = error
 
 
 Objective = Callable[[_Scored], tuple]
@@ -128,15 +154,18 @@ def _swaps(cur: tuple[str, ...], options: Sequence[tuple[str, ...]]
 
 def _search(profile: StackProfile, key: Objective, exhaustive: bool | None = None,
             modes: Sequence[str] = MODES, starts: int = SEARCH_STARTS,
-            also: Sequence[tuple[str, ...]] = ()) -> _Scored:
+            also: Sequence[tuple[str, ...]] = (), adjust: _Corrections | None = None) -> _Scored:
     """The candidate with the least ``key`` among those in ``modes``: every combination for
     small stacks, else a local search from the best ``starts`` position patterns and the
-    plans in ``also``."""
+    plans in ``also``; peaks with ``adjust``'s correction for their kind counted."""
     n = len(profile.layers)
 
     def _scored(profile: StackProfile, choices: tuple[str, ...]) -> list[_Scored]:
         # (a plan without offload runs alike in any engine mode)
-        return [s for s in _scored_all(profile, choices) if s.mode in modes or s.mode == "off"]
+        out = [s for s in _scored_all(profile, choices) if s.mode in modes or s.mode == "off"]
+        if adjust is not None:
+            out = [replace(s, peak=s.peak + adjust(s.kind)) for s in out]
+        return out
 
     options = _options(profile)
     if exhaustive is None:
@@ -189,6 +218,15 @@ def smallest_peak(profile: StackProfile, exhaustive: bool | None = None,
     return _search(profile, _smallest, exhaustive, modes).peak
 
 
+def _least(profile: StackProfile, exhaustive: bool | None, modes: Sequence[str],
+           adjust: _Corrections | None, kind: Kind | None = None) -> _Scored:
+    """The plan of least peak (of ``kind``, where one is given and any plan is of it)."""
+    if kind is None:
+        return _search(profile, _smallest, exhaustive, modes, adjust=adjust)
+    return _search(profile, lambda s: (s.kind != kind, s.peak, s.step), exhaustive, modes,
+                   adjust=adjust)
+
+
 def plan_budget(profile: StackProfile, budget: int | str | None, *,
                 exhaustive: bool | None = None, modes: Sequence[str] = MODES) -> BudgetPlan:
     """The fastest plan whose predicted peak fits ``budget``.
@@ -210,32 +248,41 @@ def plan_budget(profile: StackProfile, budget: int | str | None, *,
             names that peak; ``least_bytes`` holds it).
         UsageError: ``budget`` is not a size.
     """
+    return _plan_budget(profile, budget, exhaustive, modes, None)
+
+
+def _plan_budget(profile: StackProfile, budget: int | str | None, exhaustive: bool | None,
+                 modes: Sequence[str], adjust: _Corrections | None) -> BudgetPlan:
+    """:func:`plan_budget`, with ``adjust``'s corrections counted in every plan's peak."""
     bad = [m for m in modes if m not in MODES]
     if bad or not modes:
         raise UsageError(f"modes {list(modes)}: each is one of {', '.join(MODES)}")
     n = len(profile.layers)
     keep_all = _scored_all(profile, (KEEP,) * n)[0]
+    if adjust is not None:
+        keep_all = replace(keep_all, peak=keep_all.peak + adjust(keep_all.kind))
     if isinstance(budget, str) and budget.strip().lower() == "auto":
         best = _search(profile, _smallest_within(keep_all.step * (1 + AUTO_SLACK)), exhaustive,
-                       modes)
+                       modes, adjust=adjust)
         if best.peak >= keep_all.peak:
             return _plan(profile, keep_all, None, "nothing pays: every plan that saves memory is "
                          "predicted slower than keeping every layer's activations", exhaustive,
-                         modes)
+                         modes, adjust)
         floor = max(profile.granularity, int(AUTO_MIN_SAVING * keep_all.peak))
         if keep_all.peak - best.peak < floor:
             return _plan(profile, keep_all, None,
                          f"nothing pays: the plans at most {AUTO_SLACK:.0%} slower than keeping "
                          f"everything save at most {format_bytes(keep_all.peak - best.peak)}, "
                          f"under {format_bytes(floor)} ({AUTO_MIN_SAVING:.0%} of the peak, at "
-                         "least a granule)", exhaustive, modes)
+                         "least a granule)", exhaustive, modes, adjust)
         return _plan(profile, best, None,
                      f"saves {format_bytes(keep_all.peak - best.peak)} at most "
-                     f"{AUTO_SLACK:.0%} slower than keeping everything", exhaustive, modes)
+                     f"{AUTO_SLACK:.0%} slower than keeping everything", exhaustive, modes,
+                     adjust)
     limit = None if budget is None else parse_budget(budget)
-    best = _search(profile, _fastest_within(limit), exhaustive, modes)
+    best = _search(profile, _fastest_within(limit), exhaustive, modes, adjust=adjust)
     if limit is not None and best.peak > limit:
-        least = smallest_peak(profile, exhaustive, modes)
+        least = _least(profile, exhaustive, modes, adjust).peak
         raise BudgetError(
             f"memory budget {format_bytes(limit)} ({limit} bytes) is below the smallest peak "
             f"any plan reaches, {format_bytes(least)} ({least} bytes); of that, the stack's "
@@ -244,11 +291,12 @@ def plan_budget(profile: StackProfile, budget: int | str | None, *,
     if all(c == KEEP for c in best.choices):
         reason = "everything fits on the device: nothing to save"
     elif best.step <= keep_all.step * (1 + AUTO_SLACK):
-        reason = "the copies hide under compute"
+        reason = ("the copies hide under compute" if best.kind[0] else
+                  f"what it recomputes costs at most {AUTO_SLACK:.0%} of the step")
     else:
         reason = (f"the fastest plan that fits: {best.step / keep_all.step:.2f} x the step "
                   "that keeps everything")
-    return _plan(profile, best, limit, reason, exhaustive, modes)
+    return _plan(profile, best, limit, reason, exhaustive, modes, adjust)
 
 
 def fit_budget(profile: StackProfile, budget: int | str | None,
@@ -256,10 +304,10 @@ def fit_budget(profile: StackProfile, budget: int | str | None,
                exhaustive: bool | None = None, modes: Sequence[str] = MODES) -> BudgetPlan:
     """The fastest plan whose peak, as built, fits ``budget``: plan from the model, build,
     and where what the build holds differs from the model's figure, count the difference
-    in the profile's fixed memory and plan again (the model's figure is an estimate; the
-    build's is what the step will hold). A budget the model calls too small gets its
-    least plan built before it is refused, and where that holds too much, the least plan
-    that stores the gradients the other way (see :func:`gradient_homes`) too.
+    for plans of that kind (whether they offload, where the gradients live: the model
+    errs by kind) and plan again (the model's figure is an estimate; the build's is
+    what the step will hold). Before a budget is refused, the least plan of every kind
+    not built yet is built too.
 
     Args:
         profile, budget, exhaustive, modes: as :func:`plan_budget`.
@@ -276,72 +324,86 @@ def fit_budget(profile: StackProfile, budget: int | str | None,
         UsageError: as :func:`plan_budget`; or no plan fits once built (the message
             names the least that a built plan held).
     """
-    fixed = profile.fixed_bytes
-
-    def built(plan: BudgetPlan) -> tuple[BudgetPlan, int | None]:
-        got = build(plan)
-        if got is None:
-            return plan, None
-        return replace(plan, predicted_peak_bytes=got, model_peak_bytes=plan.predicted_peak_bytes,
-                       fixed_correction_bytes=profile.fixed_bytes - fixed), got
-
     if (not measured or budget is None
             or (isinstance(budget, str) and budget.strip().lower() == "auto")):
-        return built(plan_budget(profile, budget, exhaustive=exhaustive, modes=modes))[0]
+        plan = plan_budget(profile, budget, exhaustive=exhaustive, modes=modes)
+        got = build(plan)
+        return plan if got is None else replace(plan, predicted_peak_bytes=got,
+                                                model_peak_bytes=plan.predicted_peak_bytes)
     limit = parse_budget(budget)
+    corrections = _Corrections()
     refusal: UsageError | None = None  # the model's, where it called the budget too small
     fitted: BudgetPlan | None = None  # the fastest plan that fitted once built
     least: BudgetPlan | None = None   # the least a built plan held
     tried: set[tuple[tuple[str, ...], str]] = set()
     last: BudgetPlan | None = None
-    for _ in range(FIT_BUILDS):
-        try:
-            plan = plan_budget(profile, limit, exhaustive=exhaustive, modes=modes)
-        except UsageError as e:
-            # The model calls the budget too small, up front or once a build corrected it.
-            # A correction is one plan's error counted for all, and the model errs by plan
-            # (offload's staging more than recompute's), so its least plan is built before
-            # the budget is refused, unless that plan was built already.
-            refusal = refusal or e
-            # (the least plan the model knows: planned for its own predicted peak)
-            plan = plan_budget(profile, smallest_peak(profile, exhaustive, modes),
-                               exhaustive=exhaustive, modes=modes)
-            plan = replace(plan, budget_bytes=limit, reason="the least plan the model knows: "
-                           "its estimate is over the budget, what it holds built is under")
-        if (plan.detailed, plan.mode) in tried:
-            break
+
+    def kind(plan: BudgetPlan) -> Kind:
+        return (OFFLOAD in plan.choices, _has_homes(profile, plan.detailed, plan.mode))
+
+    def built(plan: BudgetPlan) -> int | None:
+        """Build ``plan``; count what it showed of the model's error for its kind."""
+        nonlocal last, least, fitted
         tried.add((plan.detailed, plan.mode))
-        last, got = built(plan)
-        if got is None:  # (a build that could not measure after all: the model decides)
-            if refusal is not None:
-                raise refusal
-            return last
+        got = build(plan)
+        if got is None:
+            last = plan
+            return None
+        last = replace(plan, predicted_peak_bytes=got, model_peak_bytes=plan.predicted_peak_bytes)
+        corrections.saw(kind(plan), got - (plan.predicted_peak_bytes - plan.fixed_correction_bytes))
         if least is None or got < least.predicted_peak_bytes:
             least = last
         if got <= limit and (fitted is None or last.predicted_step_ms < fitted.predicted_step_ms):
             fitted = last
+        return got
+
+    def least_plan(k: Kind | None = None) -> BudgetPlan:
+        # (the least plan the model knows, of kind k: planned for its own predicted peak)
+        s = _least(profile, exhaustive, modes, corrections, k)
+        return _plan(profile, s, limit, "the least plan the model knows: its estimate is over "
+                     "the budget, what it holds built is under", exhaustive, modes, corrections)
+
+    for _ in range(FIT_BUILDS):
+        try:
+            plan = _plan_budget(profile, limit, exhaustive, modes, corrections)
+        except UsageError as e:
+            # The model calls the budget too small, up front or once a build corrected it:
+            # its least plan is built before the budget is refused, unless it was already.
+            refusal = refusal or e
+            plan = least_plan()
+        if (plan.detailed, plan.mode) in tried:
+            break
+        got = built(plan)
+        if got is None:  # (a build that could not measure after all: the model decides)
+            if refusal is not None:
+                raise refusal
+            return plan
         over = got - plan.predicted_peak_bytes
         if over == 0 or (over > 0 and got <= limit):
             break  # the model was right, or low where the plan fits: no faster plan fits
-        profile = replace(profile, fixed_bytes=max(0, profile.fixed_bytes + over))
-    if fitted is None and least is not None and any(c.grad_bytes for c in profile.layers):
-        # Where the gradients live (homes of their own, or the graphs' pool beside the
-        # last backward's workspace) moves what a plan holds by about a layer's gradients,
-        # and the model errs there most: build the least plan that stores them the other
-        # way too before refusing.
-        other = not _has_homes(profile, least.detailed, least.mode)
-        s = _search(profile, lambda s: (_has_homes(profile, s.choices, s.mode) != other,
-                                        s.peak, s.step), exhaustive, modes)
-        if (_has_homes(profile, s.choices, s.mode) == other
-                and (s.choices, s.mode) not in tried):
-            alt = _plan(profile, s, limit, "the least plan whose gradients live elsewhere: "
-                        "built, it holds less than the model's least plan", exhaustive, modes)
-            tried.add((alt.detailed, alt.mode))
-            last, got = built(alt)
-            if got is not None and got < least.predicted_peak_bytes:
-                least = last
-            if got is not None and got <= limit:
-                fitted = last
+    if fitted is None and least is not None:
+        # The model errs by kind of plan, and the kinds not built yet carry the error of
+        # the newest build: before refusing, build the least plan of each of them (the
+        # least first), and where one fits, plan once more with its kind's error known.
+        while fitted is None:
+            others = [s for s in (_least(profile, exhaustive, modes, corrections, k)
+                                  for k in _KINDS if k not in corrections.by_kind)
+                      if s.kind not in corrections.by_kind and (s.choices, s.mode) not in tried]
+            if not others:
+                break
+            s = min(others, key=_smallest)
+            alt = _plan(profile, s, limit, f"the least plan of its kind ({_kind_name(s.kind)}): "
+                        "built, it holds less than the model's least plan", exhaustive, modes,
+                        corrections)
+            if built(alt) is None:
+                break
+        if fitted is not None:
+            try:
+                plan = _plan_budget(profile, limit, exhaustive, modes, corrections)
+            except UsageError:
+                plan = fitted
+            if (plan.detailed, plan.mode) not in tried:
+                built(plan)
     if fitted is None:
         assert least is not None
         raise BudgetError(
@@ -360,18 +422,25 @@ def fit_budget(profile: StackProfile, budget: int | str | None,
     return fitted
 
 
+def _kind_name(kind: Kind) -> str:
+    return (("offloading" if kind[0] else "no offload") + ", "
+            + ("gradients in homes of their own" if kind[1] else "gradients in the graphs' pool"))
+
+
 def _plan(profile: StackProfile, s: _Scored, budget: int | None, reason: str,
-          exhaustive: bool | None, modes: Sequence[str]) -> BudgetPlan:
+          exhaustive: bool | None, modes: Sequence[str], adjust: _Corrections | None = None
+          ) -> BudgetPlan:
     # The budget's bound: the least bound over the plans that fit it (for "auto", those
     # that fit the chosen plan's peak).
     fit = budget if budget is not None else s.peak
     # (from the plan itself too: its bound is one that the budget allows)
     bound = _search(profile, _fastest_within(fit, bound=True), exhaustive, modes,
-                    also=[s.choices]).bound
+                    also=[s.choices], adjust=adjust).bound
     choices, ops = reported(s.choices)
+    correction = adjust(s.kind) if adjust is not None else 0
     return BudgetPlan(
         choices=choices, recompute_ops=ops, mode=s.mode, budget_bytes=budget, predicted_peak_bytes=s.peak,
         predicted_step_ms=s.step, lower_bound_ms=min(bound, s.bound),
         offloaded_bytes=sum(slot_bytes(profile, s.choices, s.mode)),
         recompute_ms=recompute_ms(profile, s.choices),
-        reason=reason, profile=profile)
+        reason=reason, profile=profile, fixed_correction_bytes=correction)
