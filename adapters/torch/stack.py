@@ -489,7 +489,12 @@ class GraphedLayers(nn.Module):
         b = self.backend
         mods = [self.layers[u[0]] if len(u) == 1 else nn.Sequential(*(self.layers[i] for i in u))
                 for u in units]
-        costs = profile_units(b, mods, sample)
+        # On the warm-ups' stream: a library's per-stream state (a matmul workspace of
+        # tens of MiB) made on the caller's stream would stay for good, held by a plan
+        # that keeps everything as by none.
+        b.synchronize()
+        with b.stream(self._warmup_stream):
+            costs = profile_units(b, mods, sample)
         probe = min(max(c.saved_bytes for c in costs), 256 << 20) or (1 << 20)
         bw = copy_bandwidth(b, probe, reps=3)
         release_unused(b)
