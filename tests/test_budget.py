@@ -551,3 +551,43 @@ def test_cheap_figures_go_together():
         LayerCost(1.0, 2.0, MiB, cheap_saved_bytes=MiB)
     with pytest.raises(UsageError, match="cheap_recompute_ms"):
         LayerCost(1.0, 2.0, MiB, cheap_saved_bytes=MiB, cheap_recompute_ms=-1.0)
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_where_the_model_errs_by_kind_a_plan_that_fits_built_is_found(seed):
+    # Builds that hold the model's figure plus an error of their kind (whether the plan
+    # offloads, where the gradients live), on small stacks tried exhaustively: where some
+    # plan fits built, fit_budget returns one that fits; where none does, the refusal names
+    # the least any plan holds built.
+    rnd = random.Random(seed)
+    n = rnd.randint(2, 4)
+    layers = tuple(LayerCost(rnd.uniform(1, 10), rnd.uniform(2, 20), rnd.randint(64, 1500) * MiB,
+                             recompute_ms=rnd.uniform(0.5, 8), work_bytes=rnd.randint(0, 400) * MiB,
+                             input_bytes=rnd.randint(8, 64) * MiB, grad_bytes=rnd.randint(0, 500) * MiB)
+                   for _ in range(n))
+    p = StackProfile(layers, rnd.uniform(20, 60), rnd.uniform(20, 60), fixed_bytes=2 * GiB)
+    errors = {k: rnd.randint(-400, 700) * MiB for k in itertools.product((False, True), repeat=2)}
+
+    def kind(ch, m):
+        return (OFFLOAD in ch, budget.model._has_homes(p, ch, m))
+
+    build = Builds(p, lambda plan: errors[kind(plan.choices, plan.mode)])
+    held = {(ch, m): predict_peak_bytes(p, ch, m) + errors[kind(ch, m)]
+            for ch in itertools.product(CHOICES, repeat=n) for m in budget.search._modes(ch)}
+    least, most = min(held.values()), max(held.values())
+    limit = rnd.randint(least - 200 * MiB, most)
+    by_kind = {k: min(v for pm, v in held.items() if kind(*pm) == k) for k in errors
+               if any(kind(*pm) == k for pm in held)}
+    lowest = min(by_kind, key=by_kind.get)
+    rest = min((v for k, v in by_kind.items() if k != lowest), default=None)
+    if seed % 2 and rest is not None and rest > by_kind[lowest]:
+        # (where only plans of the kind that holds least fit: what one error for all hid)
+        limit = rnd.randint(by_kind[lowest], rest - 1)
+    if limit < least:
+        with pytest.raises(UsageError, match=f"[(]{least} bytes[)]$"):
+            fit_budget(p, limit, build)
+        return
+    plan = fit_budget(p, limit, build)
+    assert held[plan.choices, plan.mode] == plan.predicted_peak_bytes <= limit
+    assert build.built[-1] == (plan.choices, plan.mode)
+    assert len(build.built) <= 2 * FIT_BUILDS + 2 * len(errors) + 2

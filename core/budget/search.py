@@ -55,7 +55,8 @@ def _scored_all(profile: StackProfile, choices: tuple[str, ...]) -> tuple[_Score
     if not profile.fixed_bytes:
         return scored
     fixed = profile.fixed_bytes
-    return tuple(replace(s, peak=s.peak + fixed) for s in scored)
+    return tuple(_Scored(s.choices, s.mode, s.step, s.bound, s.peak + fixed, s.kind)
+                 for s in scored)  # (not dataclasses.replace: ten times slower, here hot)
 
 
 @functools.lru_cache(maxsize=16)
@@ -164,7 +165,8 @@ def _search(profile: StackProfile, key: Objective, exhaustive: bool | None = Non
         # (a plan without offload runs alike in any engine mode)
         out = [s for s in _scored_all(profile, choices) if s.mode in modes or s.mode == "off"]
         if adjust is not None:
-            out = [replace(s, peak=s.peak + adjust(s.kind)) for s in out]
+            out = [_Scored(s.choices, s.mode, s.step, s.bound, s.peak + adjust(s.kind), s.kind)
+                   for s in out]
         return out
 
     options = _options(profile)
@@ -383,19 +385,34 @@ def fit_budget(profile: StackProfile, budget: int | str | None,
             break  # the model was right, or low where the plan fits: no faster plan fits
     if fitted is None and least is not None:
         # The model errs by kind of plan, and the kinds not built yet carry the error of
-        # the newest build: before refusing, build the least plan of each of them (the
-        # least first), and where one fits, plan once more with its kind's error known.
-        while fitted is None:
-            others = [s for s in (_least(profile, exhaustive, modes, corrections, k)
-                                  for k in _KINDS if k not in corrections.by_kind)
-                      if s.kind not in corrections.by_kind and (s.choices, s.mode) not in tried]
-            if not others:
-                break
-            s = min(others, key=_smallest)
-            alt = _plan(profile, s, limit, f"the least plan of its kind ({_kind_name(s.kind)}): "
-                        "built, it holds less than the model's least plan", exhaustive, modes,
-                        corrections)
-            if built(alt) is None:
+        # the newest build: before refusing, build what the corrections now say fits, or
+        # else the least plan of a kind not built yet (the least first), until one fits
+        # or every kind was built; where one fits, plan once more with its kind's error
+        # known.
+        for _ in range(len(_KINDS) + 1):  # (a kind learnt per build, the least last)
+            fits: BudgetPlan | None
+            try:
+                fits = _plan_budget(profile, limit, exhaustive, modes, corrections)
+            except UsageError:
+                fits = None
+            if fits is not None and (fits.detailed, fits.mode) not in tried:
+                plan = fits
+            else:
+                others = [s for s in (_least(profile, exhaustive, modes, corrections, k)
+                                      for k in _KINDS if k not in corrections.by_kind)
+                          if s.kind not in corrections.by_kind and (s.choices, s.mode) not in tried]
+                if not others:
+                    # every kind built: the refusal names what the least plan, as the
+                    # corrections now see it, holds
+                    s = _least(profile, exhaustive, modes, corrections)
+                    if (s.choices, s.mode) in tried:
+                        break
+                    others = [s]
+                s = min(others, key=_smallest)
+                plan = _plan(profile, s, limit, f"the least plan of its kind "
+                             f"({_kind_name(s.kind)}): built, it holds less than the model's "
+                             "least plan", exhaustive, modes, corrections)
+            if built(plan) is None or fitted is not None:
                 break
         if fitted is not None:
             try:
