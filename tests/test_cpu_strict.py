@@ -259,3 +259,27 @@ def test_an_allocation_under_capture_is_no_work_of_the_graph(b):
     buf.fill_(3.0)
     g.replay()
     assert torch.all(buf == 3.0) and torch.all(out == 6.0)
+
+
+def test_the_footprint_read_while_another_thread_releases_allocations_counts_live_ones(b):
+    # The offload engine's driver worker releases allocations (closing their memfds) while
+    # the training thread may read the footprint (a budgeted build measures it): the read
+    # must not stat a file descriptor that is being closed, or one reused since.
+    import threading
+
+    allocs = [b.create(b.granularity) for _ in range(200)]
+    done = threading.Event()
+
+    def release_all() -> None:
+        for a in allocs:
+            b.release(a)
+            time.sleep(0)
+        done.set()
+
+    t = threading.Thread(target=release_all)
+    t.start()
+    try:
+        while not done.is_set():
+            assert b.footprint_bytes() >= 0
+    finally:
+        t.join()

@@ -169,7 +169,8 @@ class CpuBackend(Backend):
                 key, _, rest = line.partition(":")
                 if rest.strip().endswith("kB"):
                     fields[key] = int(rest.split()[0]) * 1024
-        memfd = sum(os.fstat(a.handle.fd).st_blocks * 512 for a in self.ledger.allocations)
+        with self.driver_lock:  # (the driver worker releases allocations, closing their fds)
+            memfd = sum(os.fstat(a.handle.fd).st_blocks * 512 for a in self.ledger.allocations)
         own = fields.get("Pss_Anon")
         if own is None:  # kernels before 5.9: all but shmem
             own = fields["Pss"] - fields["Pss_Shmem"]
