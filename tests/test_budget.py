@@ -280,7 +280,7 @@ def test_budgets_parse_as_sizes(text, want):
     assert parse_budget(text) == want
 
 
-@pytest.mark.parametrize("bad", ["lots", "-3GiB", 0, True, "10 parsecs", None])
+@pytest.mark.parametrize("bad", ["lots", "-3GiB", 0, True, "10 parsecs", None, 0.5, "0.5"])
 def test_a_bad_budget_is_named(bad):
     with pytest.raises(UsageError, match="budget"):
         parse_budget(bad)
@@ -591,3 +591,38 @@ def test_where_the_model_errs_by_kind_a_plan_that_fits_built_is_found(seed):
     assert held[plan.choices, plan.mode] == plan.predicted_peak_bytes <= limit
     assert build.built[-1] == (plan.choices, plan.mode)
     assert len(build.built) <= 2 * FIT_BUILDS + 2 * len(errors) + 2
+
+
+def test_auto_keeps_everything_where_its_plan_built_saves_nothing():
+    # The model's memory errs by hundreds of MiB on a device: "auto"'s plan, built, may
+    # hold as much as keeping everything would. Then keeping everything is built and kept,
+    # and the reason says what each held; where the plan saves clearly, nothing more is
+    # built; where it is in doubt and keeping everything, built, holds more, the plan is
+    # built again and stands.
+    p = llama_like()
+    auto = plan_budget(p, "auto")
+    keep = predict_peak_bytes(p, (KEEP,) * 8, "off")
+    assert any(c != KEEP for c in auto.choices)
+    saving = keep - auto.predicted_peak_bytes
+    assert saving > 100 * MiB
+    all_kept = ((KEEP,) * 8, "off")
+
+    # Built, the plan holds what keeping everything would (the model was low for it alone).
+    build = Builds(p, lambda plan: 0 if plan.choices == all_kept[0] else saving)
+    plan = fit_budget(p, "auto", build)
+    assert (plan.choices, plan.mode) == all_kept == build.built[-1]
+    assert plan.predicted_peak_bytes == keep and "nothing pays: built" in plan.reason
+    assert build.built == [(auto.choices, auto.mode), all_kept]
+
+    # The model right for both: one build.
+    build = Builds(p, lambda plan: 0)
+    plan = fit_budget(p, "auto", build)
+    assert (plan.choices, plan.mode) == (auto.choices, auto.mode) and len(build.built) == 1
+
+    # In doubt (the plan held more than said), but keeping everything, built, holds more
+    # still: the plan again.
+    build = Builds(p, lambda plan: saving if plan.choices == all_kept[0] else saving)
+    plan = fit_budget(p, "auto", build)
+    assert (plan.choices, plan.mode) == (auto.choices, auto.mode) == build.built[-1]
+    assert build.built == [(auto.choices, auto.mode), all_kept, (auto.choices, auto.mode)]
+    assert plan.predicted_peak_bytes == auto.predicted_peak_bytes + saving

@@ -294,4 +294,7 @@ def parse_budget(v: int | float | str) -> int:
         raise UsageError(f"memory budget must be bytes, a size string or 'auto', got {v!r}")
     if not n > 0 or n != n or n == math.inf:
         raise UsageError(f"memory budget must be positive, got {v!r}")
+    if n < 1:
+        raise UsageError(f"memory budget {v!r} is less than a byte; give bytes or a size "
+                         "with a unit (e.g. 0.5GiB)")
     return int(n)

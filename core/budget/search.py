@@ -326,12 +326,16 @@ def fit_budget(profile: StackProfile, budget: int | str | None,
         UsageError: as :func:`plan_budget`; or no plan fits once built (the message
             names the least that a built plan held).
     """
-    if (not measured or budget is None
-            or (isinstance(budget, str) and budget.strip().lower() == "auto")):
+    auto = isinstance(budget, str) and budget.strip().lower() == "auto"
+    if not measured or budget is None or auto:
         plan = plan_budget(profile, budget, exhaustive=exhaustive, modes=modes)
         got = build(plan)
-        return plan if got is None else replace(plan, predicted_peak_bytes=got,
-                                                model_peak_bytes=plan.predicted_peak_bytes)
+        if got is None:
+            return plan
+        done = replace(plan, predicted_peak_bytes=got, model_peak_bytes=plan.predicted_peak_bytes)
+        if auto and measured and any(c != KEEP for c in plan.choices):
+            return _auto_checked(profile, done, build, exhaustive, modes)
+        return done
     limit = parse_budget(budget)
     corrections = _Corrections()
     refusal: UsageError | None = None  # the model's, where it called the budget too small
@@ -437,6 +441,36 @@ def fit_budget(profile: StackProfile, budget: int | str | None,
                              "again; the layers' memory moves from one build to the next")
         fitted = fitted if got is None else replace(fitted, predicted_peak_bytes=got)
     return fitted
+
+
+def _auto_checked(profile: StackProfile, plan: BudgetPlan, build: Callable[[BudgetPlan], int | None],
+                  exhaustive: bool | None, modes: Sequence[str]) -> BudgetPlan:
+    """``"auto"``'s plan, built (``plan``), against keeping everything: where what it holds
+    is not clearly less than the model, corrected by that build, says keeping everything
+    holds, keeping everything is built too, and the plan stands only if it saves at least
+    :data:`AUTO_MIN_SAVING` of that (the model's memory errs by hundreds of MiB on a device,
+    more than the saving it planned)."""
+    n = len(profile.layers)
+    got = plan.predicted_peak_bytes
+    assert plan.model_peak_bytes is not None
+    error = got - plan.model_peak_bytes
+    keep = _scored_all(profile, (KEEP,) * n)[0]
+    same = keep.kind == (OFFLOAD in plan.choices, _has_homes(profile, plan.detailed, plan.mode))
+    # keeping everything as the model says it, with the build's error where the kinds
+    # agree, else with as much of it as makes the plan's saving smaller
+    keep_held = keep.peak + (error if same else min(0, error))
+    floor = max(profile.granularity, int(AUTO_MIN_SAVING * keep_held))
+    if got + floor <= keep_held:
+        return plan  # (clearly less)
+    kept = _plan(profile, keep, None, "", exhaustive, modes)
+    held = build(kept)
+    if held is not None and held - got < floor:
+        return replace(kept, predicted_peak_bytes=held, model_peak_bytes=kept.predicted_peak_bytes,
+                       reason=f"nothing pays: built, the plan that saves memory at most "
+                       f"{AUTO_SLACK:.0%} slower ({short(plan.detailed)}, {plan.mode}) held "
+                       f"{format_bytes(got)}, keeping everything {format_bytes(held)}")
+    again = build(plan)  # (it saves memory after all: back to it)
+    return plan if again is None else replace(plan, predicted_peak_bytes=again)
 
 
 def _kind_name(kind: Kind) -> str:
