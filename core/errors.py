@@ -77,11 +77,15 @@ class BudgetError(UsageError):
             model's least plan did not fit once built). From ``GraphedLayers``, that peak
             with room for what the process holds moving between builds (two granules, at
             least a MiB): a budget of at least this builds.
+        least_plan: the plan (a :class:`graphslot.budget.BudgetPlan`) that held
+            ``least_bytes`` built, or None where the model refused without building one.
     """
 
-    def __init__(self, message: str, *, budget_bytes: int, least_bytes: int) -> None:
+    def __init__(self, message: str, *, budget_bytes: int, least_bytes: int,
+                 least_plan: object = None) -> None:
         self.budget_bytes = budget_bytes
         self.least_bytes = least_bytes
+        self.least_plan = least_plan
         super().__init__(message)
 
 

@@ -163,6 +163,18 @@ def test_a_budget_below_what_the_least_plan_holds_built_is_refused_naming_that(c
     assert str(e.value.least_bytes) in str(e.value)
 
 
+def test_a_refusal_names_the_least_plan_per_layer_as_stack_plan_does(clean):
+    """Layers joined into graphs are planned per graph; the refusal names the least plan
+    with one letter per layer, as ``stack.plan`` does, and carries it."""
+    b = clean
+    if gt.stack._build_holds(b) is None:
+        pytest.skip(f"the {b.name} backend cannot tell what a build holds")
+    model = small_gpt(b, 4)
+    with pytest.raises(BudgetError, match=r"the least plan \([KORC]{4}, \w+\) holds") as e:
+        graphed(model, b, None, memory_budget=1, layers_per_graph=2)
+    assert len(e.value.least_plan.choices) == 4
+
+
 def test_budget_and_explicit_layer_lists_do_not_mix(clean):
     model = small_gpt(clean, 3)
     with pytest.raises(UsageError, match="not both"):

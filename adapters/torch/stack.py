@@ -73,7 +73,7 @@ from torch import nn
 
 from graphslot.backend import Backend, DeviceGraph, align_up
 from graphslot.budget import (OFFLOAD, RECOMPUTE, RECOMPUTE_CHEAP, BudgetPlan, StackProfile, banks_bytes,
-                              fit_budget, gradient_homes, parse_budget)
+                              fit_budget, gradient_homes, parse_budget, refusal_message)
 from graphslot.errors import BudgetError, CaptureMismatchError, StateError, UsageError
 from graphslot.memory import release_unused, saved_bytes_per_layer
 from graphslot.offload import SECTION_BYTES, Mode, OffloadEngine, ping_pong_banks
@@ -468,9 +468,13 @@ class GraphedLayers(nn.Module):
             # builds again, the least peak with that much room, in whole granules.
             g = b.granularity
             room = align_up(e.least_bytes + max(2 * g, 1 << 20), g)
-            raise BudgetError(f"{e}; a budget of {format_bytes(room)} ({room} bytes) builds it, "
-                              "with room for what the process holds moving between builds",
-                              budget_bytes=e.budget_bytes, least_bytes=room) from None
+            # (the least plan named per layer, as stack.plan names a plan)
+            least = _per_layer(e.least_plan, units) if isinstance(e.least_plan, BudgetPlan) else None
+            said = str(e) if least is None else refusal_message(e.budget_bytes, least)
+            raise BudgetError(f"{said}; a budget of {format_bytes(room)} ({room} bytes) builds "
+                              "it, with room for what the process holds moving between builds",
+                              budget_bytes=e.budget_bytes, least_bytes=room,
+                              least_plan=least) from None
         self.plan = _per_layer(plan, units)
 
     def _output_copy_bytes(self, held: int) -> int:

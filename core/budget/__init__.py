@@ -42,9 +42,9 @@ from .costs import (AUTO_MIN_SAVING, AUTO_SLACK, CHOICES, EXHAUSTIVE_LAYERS, FIT
                     StackProfile, parse_budget)
 from .model import (banks_bytes, banks_for, bound_ms, gradient_homes, lower_bound_ms,
                     predict_peak_bytes, predict_step_ms, slot_bytes)
-from .search import fit_budget, plan_budget, smallest_peak
+from .search import fit_budget, plan_budget, refusal_message, smallest_peak
 
 __all__ = ["KEEP", "OFFLOAD", "RECOMPUTE", "CHOICES", "RECOMPUTE_CHEAP", "LayerCost", "StackProfile",
            "BudgetPlan", "predict_step_ms", "predict_peak_bytes", "banks_bytes", "slot_bytes",
            "bound_ms", "lower_bound_ms", "plan_budget", "smallest_peak", "parse_budget",
-           "fit_budget", "gradient_homes"]
+           "fit_budget", "gradient_homes", "refusal_message"]

@@ -427,12 +427,8 @@ def fit_budget(profile: StackProfile, budget: int | str | None,
                 built(plan)
     if fitted is None:
         assert least is not None
-        raise BudgetError(
-            f"memory budget {format_bytes(limit)} ({limit} bytes) is below the smallest peak "
-            f"any plan reaches: built, the least plan ({short(least.detailed)}, "
-            f"{least.mode}) holds {format_bytes(least.predicted_peak_bytes)} "
-            f"({least.predicted_peak_bytes} bytes)",
-            budget_bytes=limit, least_bytes=least.predicted_peak_bytes)
+        raise BudgetError(refusal_message(limit, least), budget_bytes=limit,
+                          least_bytes=least.predicted_peak_bytes, least_plan=least)
     if last is not fitted:
         got = build(fitted)  # (the last one built did not fit: back to the one that did)
         if got is not None and got > limit:
@@ -441,6 +437,15 @@ def fit_budget(profile: StackProfile, budget: int | str | None,
                              "again; the layers' memory moves from one build to the next")
         fitted = fitted if got is None else replace(fitted, predicted_peak_bytes=got)
     return fitted
+
+
+def refusal_message(limit: int, least: BudgetPlan) -> str:
+    """What a refusal of ``limit`` says where ``least`` held the least built (its
+    ``predicted_peak_bytes``)."""
+    return (f"memory budget {format_bytes(limit)} ({limit} bytes) is below the smallest peak "
+            f"any plan reaches: built, the least plan ({short(least.detailed)}, {least.mode}) "
+            f"holds {format_bytes(least.predicted_peak_bytes)} ({least.predicted_peak_bytes} "
+            "bytes)")
 
 
 def _auto_checked(profile: StackProfile, plan: BudgetPlan, build: Callable[[BudgetPlan], int | None],
