@@ -626,3 +626,18 @@ def test_auto_keeps_everything_where_its_plan_built_saves_nothing():
     assert (plan.choices, plan.mode) == (auto.choices, auto.mode) == build.built[-1]
     assert build.built == [(auto.choices, auto.mode), all_kept, (auto.choices, auto.mode)]
     assert plan.predicted_peak_bytes == auto.predicted_peak_bytes + saving
+
+
+def test_where_keeping_everything_fits_it_is_the_plan_even_beside_a_recompute_timed_at_nothing():
+    # A cheap recompute the profile timed at 0 ms (noise clamped) ties keeping everything
+    # on time and holds less: under a budget everything fits in, keeping everything is
+    # still the plan (the recompute costs real time, and the budget asks for no saving).
+    layer = LayerCost(4.0, 8.0, 512 * MiB, cheap_saved_bytes=256 * MiB, cheap_recompute_ms=0.0)
+    p = StackProfile((layer,) * 4, 50.0, 50.0, fixed_bytes=GiB)
+    keep = predict_peak_bytes(p, (KEEP,) * 4, "off")
+    for budget_ in (keep, 10 * keep):
+        plan = plan_budget(p, budget_)
+        assert plan.choices == (KEEP,) * 4 and "nothing to save" in plan.reason
+    # Below it, a cheap recompute pays.
+    plan = plan_budget(p, keep - 1)
+    assert RECOMPUTE in plan.choices and plan.recompute_ops

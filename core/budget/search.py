@@ -282,7 +282,10 @@ def _plan_budget(profile: StackProfile, budget: int | str | None, exhaustive: bo
                      f"{AUTO_SLACK:.0%} slower than keeping everything", exhaustive, modes,
                      adjust)
     limit = None if budget is None else parse_budget(budget)
-    best = _search(profile, _fastest_within(limit), exhaustive, modes, adjust=adjust)
+    # Where keeping everything fits it is the plan: nothing is faster, and a plan the
+    # model calls as fast (a cheap recompute timed at nothing) would cost time and memory.
+    best = (keep_all if limit is None or keep_all.peak <= limit else
+            _search(profile, _fastest_within(limit), exhaustive, modes, adjust=adjust))
     if limit is not None and best.peak > limit:
         least = _least(profile, exhaustive, modes, adjust).peak
         raise BudgetError(
