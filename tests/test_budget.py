@@ -382,6 +382,15 @@ def test_a_correction_that_makes_the_model_refuse_still_builds_its_least_plan():
     assert build.built[-1] == (plan.choices, plan.mode)
 
 
+def test_bad_modes_are_refused_before_anything_is_built():
+    p = llama_like()
+    for modes in (("fast",), ()):
+        build = Builds(p, lambda plan: -200 * MiB)
+        with pytest.raises(UsageError, match="modes"):
+            fit_budget(p, smallest_peak(p) - 100 * MiB, build, modes=modes)
+        assert build.built == []
+
+
 def test_without_a_measured_figure_the_model_decides():
     p = llama_like()
     least = smallest_peak(p)
@@ -590,7 +599,7 @@ def test_where_the_model_errs_by_kind_a_plan_that_fits_built_is_found(seed):
     plan = fit_budget(p, limit, build)
     assert held[plan.choices, plan.mode] == plan.predicted_peak_bytes <= limit
     assert build.built[-1] == (plan.choices, plan.mode)
-    assert len(build.built) <= 2 * FIT_BUILDS + 2 * len(errors) + 2
+    assert len(build.built) <= FIT_BUILDS + len(errors) + 1 + 2
 
 
 def test_auto_keeps_everything_where_its_plan_built_saves_nothing():

@@ -35,8 +35,9 @@ AUTO_MIN_SAVING = 0.01
 EXHAUSTIVE_LAYERS = 8
 #: the local search starts from this many of the best position patterns
 SEARCH_STARTS = 12
-#: :func:`fit_budget` builds at most this many plans (then the one that fitted, again, or
-#: before a refusal the least plan that stores the gradients the other way)
+#: :func:`fit_budget` builds at most this many plans as it corrects the model; before a
+#: refusal at most one more per kind of plan and the least plan, and where one of those
+#: fitted a faster one; then the one that fitted, again, if it was not built last
 FIT_BUILDS = 4
 
 

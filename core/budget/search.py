@@ -311,8 +311,10 @@ def fit_budget(profile: StackProfile, budget: int | str | None,
     and where what the build holds differs from the model's figure, count the difference
     for plans of that kind (whether they offload, where the gradients live: the model
     errs by kind) and plan again (the model's figure is an estimate; the build's is
-    what the step will hold). Before a budget is refused, the least plan of every kind
-    not built yet is built too.
+    what the step will hold). Before a budget is refused, more is built, one plan at a
+    time until one fits: what the corrected model says fits, else the least plan of a
+    kind not built yet, else the least plan as now corrected; where one fits, the
+    fastest plan the corrections then allow, if it is clearly faster.
 
     Args:
         profile, budget, exhaustive, modes: as :func:`plan_budget`.
@@ -340,6 +342,9 @@ def fit_budget(profile: StackProfile, budget: int | str | None,
             return _auto_checked(profile, done, build, exhaustive, modes)
         return done
     limit = parse_budget(budget)
+    bad = [m for m in modes if m not in MODES]
+    if bad or not modes:  # (before the loop, which reads a UsageError as a refusal)
+        raise UsageError(f"modes {list(modes)}: each is one of {', '.join(MODES)}")
     corrections = _Corrections()
     refusal: UsageError | None = None  # the model's, where it called the budget too small
     fitted: BudgetPlan | None = None  # the fastest plan that fitted once built
@@ -366,9 +371,10 @@ def fit_budget(profile: StackProfile, budget: int | str | None,
             fitted = last
         return got
 
-    def least_plan(k: Kind | None = None) -> BudgetPlan:
-        # (the least plan the model knows, of kind k: planned for its own predicted peak)
-        s = _least(profile, exhaustive, modes, corrections, k)
+    def least_plan() -> BudgetPlan:
+        # (the least plan the model knows: its estimate is over the budget, what it holds
+        # built may be under)
+        s = _least(profile, exhaustive, modes, corrections)
         return _plan(profile, s, limit, "the least plan the model knows: its estimate is over "
                      "the budget, what it holds built is under", exhaustive, modes, corrections)
 
@@ -417,8 +423,9 @@ def fit_budget(profile: StackProfile, budget: int | str | None,
                     others = [s]
                 s = min(others, key=_smallest)
                 plan = _plan(profile, s, limit, f"the least plan of its kind "
-                             f"({_kind_name(s.kind)}): built, it holds less than the model's "
-                             "least plan", exhaustive, modes, corrections)
+                             f"({_kind_name(s.kind)}), which the model, corrected by the "
+                             "builds of other kinds, put over the budget: built, it fitted",
+                             exhaustive, modes, corrections)
             if built(plan) is None or fitted is not None:
                 break
         if fitted is not None:
@@ -426,7 +433,10 @@ def fit_budget(profile: StackProfile, budget: int | str | None,
                 plan = _plan_budget(profile, limit, exhaustive, modes, corrections)
             except UsageError:
                 plan = fitted
-            if (plan.detailed, plan.mode) not in tried:
+            # (a build or two for a plan the model calls faster by less than its error
+            # on time: not worth it)
+            if ((plan.detailed, plan.mode) not in tried
+                    and plan.predicted_step_ms < fitted.predicted_step_ms * (1 - AUTO_SLACK)):
                 built(plan)
     if fitted is None:
         assert least is not None
