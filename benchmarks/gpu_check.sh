@@ -30,6 +30,10 @@
 #           preset's `--budgets sweep` ran past ten minutes)
 #   sweep PRESET  the budget sweep with only checkpoint and graph beside it (SWEEP_CONFIGS
 #           names others: eager,checkpoint,graph, say), JSON
+#   budgets PRESET SIZES  the budgets named (e.g. 6.84GiB,7.03GiB) beside SWEEP_CONFIGS
+#           (default checkpoint,graph), JSON
+#   held [PRESET]  benchmarks/held_by_stream.py: what a build keeping everything and one with
+#           memory_budget="auto" hold after it, by the allocator's stream (default: launch)
 #   grads [PRESET]  eager and the three modes with zero_grad(), each beside its variant
 #           with .grad kept (zero_grad(set_to_none=False)) over four accumulated
 #           microbatches, in one run: what a kept gradient costs (default preset: default;
@@ -39,7 +43,7 @@
 # runs out of time), so nothing is piped through a filter that a timeout would cut off;
 # a bench's JSON is the last line of its log.
 set -uo pipefail
-part=${1:?"which part: abc, a, b, c, te, megatron_te, weakrefs, bench, launch, llama, peers, sweep or grads"}
+part=${1:?"which part: abc, a, b, c, te, megatron_te, weakrefs, bench, launch, llama, peers, sweep, budgets, held or grads"}
 out=${OUT:-/tmp/graphslot-gpu-check}
 mkdir -p "$out"
 cd "$(dirname "$0")/.."
@@ -135,11 +139,17 @@ PY
     preset=${2:?"sweep: which preset"}
     run "sweep_$preset" python3 -m graphslot.cli bench --preset "$preset" --budgets sweep --isolate \
       --json --quiet --steps 5 --warmup 2 --configs "${SWEEP_CONFIGS:-checkpoint,graph}" --plot "$out/sweep_$preset.png" ;;
+  budgets)
+    preset=${2:?"budgets: which preset"}; sizes=${3:?"budgets: which sizes, e.g. 6.84GiB,7.03GiB"}
+    run "budgets_$preset" python3 -m graphslot.cli bench --preset "$preset" --budgets "$sizes" \
+      --isolate --json --quiet --steps 5 --warmup 2 --configs "${SWEEP_CONFIGS:-checkpoint,graph}" ;;
+  held)
+    run "held_${2:-launch}" python3 benchmarks/held_by_stream.py --preset "${2:-launch}" ;;
   grads)  # a kept .grad over four microbatches beside zero_grad(), per mode, in one run
     preset=${2:-default}
     configs=""
     for c in eager graph graph_resident graph_remap; do configs+="$c,$c@keep@acc4,"; done
     run "grads_$preset" python3 -m graphslot.cli bench --preset "$preset" --isolate --json \
       --quiet --steps 3 --warmup 1 --configs "${configs%,}" ;;
-  *) echo "unknown part '$part': choose abc, a, b, c, te, megatron_te, weakrefs, bench, launch, llama or grads" >&2; exit 2 ;;
+  *) echo "unknown part '$part': choose abc, a, b, c, te, megatron_te, weakrefs, bench, launch, llama, peers, sweep, budgets, held or grads" >&2; exit 2 ;;
 esac
