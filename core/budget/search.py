@@ -70,9 +70,20 @@ def _unfixed(profile: StackProfile) -> StackProfile:
 @functools.lru_cache(maxsize=1 << 17)
 def _scored_unfixed(profile: StackProfile, choices: tuple[str, ...]) -> tuple[_Scored, ...]:
     # (cached: the searches score the same plans over and over)
-    return tuple(_Scored(choices, m, *score(profile, choices, m),
-                         kind=(OFFLOAD in choices, _has_homes(profile, choices, m)))
+    return tuple(_Scored(choices, m, *score(profile, choices, m), kind=_kind(profile, choices, m))
                  for m in _modes(choices))
+
+
+def _kind(profile: StackProfile, choices: Sequence[str], mode: str) -> Kind:
+    """The :data:`Kind` of ``choices`` (each layer's, as the model's functions take them)
+    in ``mode``."""
+    return (OFFLOAD in choices, _has_homes(profile, choices, mode))
+
+
+def _check_modes(modes: Sequence[str]) -> None:
+    bad = [m for m in modes if m not in MODES]
+    if bad or not modes:
+        raise UsageError(f"modes {list(modes)}: each is one of {', '.join(MODES)}")
 
 
 class _Corrections:
@@ -217,7 +228,7 @@ def _search(profile: StackProfile, key: Objective, exhaustive: bool | None = Non
 def smallest_peak(profile: StackProfile, exhaustive: bool | None = None,
                   modes: Sequence[str] = MODES) -> int:
     """The least predicted peak any plan (in ``modes``) reaches."""
-    return _search(profile, _smallest, exhaustive, modes).peak
+    return _least(profile, exhaustive, modes, None).peak
 
 
 def _least(profile: StackProfile, exhaustive: bool | None, modes: Sequence[str],
@@ -256,9 +267,7 @@ def plan_budget(profile: StackProfile, budget: int | str | None, *,
 def _plan_budget(profile: StackProfile, budget: int | str | None, exhaustive: bool | None,
                  modes: Sequence[str], adjust: _Corrections | None) -> BudgetPlan:
     """:func:`plan_budget`, with ``adjust``'s corrections counted in every plan's peak."""
-    bad = [m for m in modes if m not in MODES]
-    if bad or not modes:
-        raise UsageError(f"modes {list(modes)}: each is one of {', '.join(MODES)}")
+    _check_modes(modes)
     n = len(profile.layers)
     keep_all = _scored_all(profile, (KEEP,) * n)[0]
     if adjust is not None:
@@ -342,18 +351,13 @@ def fit_budget(profile: StackProfile, budget: int | str | None,
             return _auto_checked(profile, done, build, exhaustive, modes)
         return done
     limit = parse_budget(budget)
-    bad = [m for m in modes if m not in MODES]
-    if bad or not modes:  # (before the loop, which reads a UsageError as a refusal)
-        raise UsageError(f"modes {list(modes)}: each is one of {', '.join(MODES)}")
+    _check_modes(modes)  # (before the loop, which reads a UsageError as a refusal)
     corrections = _Corrections()
     refusal: UsageError | None = None  # the model's, where it called the budget too small
     fitted: BudgetPlan | None = None  # the fastest plan that fitted once built
     least: BudgetPlan | None = None   # the least a built plan held
     tried: set[tuple[tuple[str, ...], str]] = set()
     last: BudgetPlan | None = None
-
-    def kind(plan: BudgetPlan) -> Kind:
-        return (OFFLOAD in plan.choices, _has_homes(profile, plan.detailed, plan.mode))
 
     def built(plan: BudgetPlan) -> int | None:
         """Build ``plan``; count what it showed of the model's error for its kind."""
@@ -364,7 +368,7 @@ def fit_budget(profile: StackProfile, budget: int | str | None,
             last = plan
             return None
         last = replace(plan, predicted_peak_bytes=got, model_peak_bytes=plan.predicted_peak_bytes)
-        corrections.saw(kind(plan), got - (plan.predicted_peak_bytes - plan.fixed_correction_bytes))
+        corrections.saw(_kind(profile, plan.detailed, plan.mode), got - (plan.predicted_peak_bytes - plan.fixed_correction_bytes))
         if least is None or got < least.predicted_peak_bytes:
             least = last
         if got <= limit and (fitted is None or last.predicted_step_ms < fitted.predicted_step_ms):
@@ -473,7 +477,7 @@ def _auto_checked(profile: StackProfile, plan: BudgetPlan, build: Callable[[Budg
     assert plan.model_peak_bytes is not None
     error = got - plan.model_peak_bytes
     keep = _scored_all(profile, (KEEP,) * n)[0]
-    same = keep.kind == (OFFLOAD in plan.choices, _has_homes(profile, plan.detailed, plan.mode))
+    same = keep.kind == _kind(profile, plan.detailed, plan.mode)
     # keeping everything as the model says it, with the build's error where the kinds
     # agree, else with as much of it as makes the plan's saving smaller
     keep_held = keep.peak + (error if same else min(0, error))
