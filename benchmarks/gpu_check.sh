@@ -34,6 +34,8 @@
 #           (default checkpoint,graph), JSON
 #   held [PRESET]  benchmarks/held_by_stream.py: what a build keeping everything and one with
 #           memory_budget="auto" hold after it, by the allocator's stream (default: launch)
+#   pools [PRESET]  benchmarks/pool_split.py with every layer recomputed, remap and off: the
+#           graphs' shared pool against one pool per backward graph (default: llama)
 #   grads [PRESET]  eager and the three modes with zero_grad(), each beside its variant
 #           with .grad kept (zero_grad(set_to_none=False)) over four accumulated
 #           microbatches, in one run: what a kept gradient costs (default preset: default;
@@ -43,7 +45,7 @@
 # runs out of time), so nothing is piped through a filter that a timeout would cut off;
 # a bench's JSON is the last line of its log.
 set -uo pipefail
-part=${1:?"which part: abc, a, b, c, te, megatron_te, weakrefs, bench, launch, llama, peers, sweep, budgets, held or grads"}
+part=${1:?"which part: abc, a, b, c, te, megatron_te, weakrefs, bench, launch, llama, peers, sweep, budgets, held, pools or grads"}
 out=${OUT:-/tmp/graphslot-gpu-check}
 mkdir -p "$out"
 cd "$(dirname "$0")/.."
@@ -145,11 +147,17 @@ PY
       --isolate --json --quiet --steps 5 --warmup 2 --configs "${SWEEP_CONFIGS:-checkpoint,graph}" ;;
   held)
     run "held_${2:-launch}" python3 benchmarks/held_by_stream.py --preset "${2:-launch}" ;;
+  pools)  # every layer recomputed: the shared graphs' pool against one pool per backward
+          # graph (benchmarks/pool_split.py), remap and off
+    preset=${2:-llama}
+    for m in remap off; do
+      run "pools_${preset}_$m" python3 benchmarks/pool_split.py --preset "$preset" --mode "$m"
+    done ;;
   grads)  # a kept .grad over four microbatches beside zero_grad(), per mode, in one run
     preset=${2:-default}
     configs=""
     for c in eager graph graph_resident graph_remap; do configs+="$c,$c@keep@acc4,"; done
     run "grads_$preset" python3 -m graphslot.cli bench --preset "$preset" --isolate --json \
       --quiet --steps 3 --warmup 1 --configs "${configs%,}" ;;
-  *) echo "unknown part '$part': choose abc, a, b, c, te, megatron_te, weakrefs, bench, launch, llama, peers, sweep, budgets, held or grads" >&2; exit 2 ;;
+  *) echo "unknown part '$part': choose abc, a, b, c, te, megatron_te, weakrefs, bench, launch, llama, peers, sweep, budgets, held, pools or grads" >&2; exit 2 ;;
 esac
