@@ -77,6 +77,7 @@ from graphslot.budget import (OFFLOAD, RECOMPUTE, RECOMPUTE_CHEAP, BudgetPlan, S
 from graphslot.errors import BudgetError, CaptureMismatchError, StateError, UsageError
 from graphslot.memory import release_unused, saved_bytes_per_layer
 from graphslot.offload import SECTION_BYTES, Mode, OffloadEngine, ping_pong_banks
+from graphslot.optimizer_state import StateWatch, optimizers_holding, pending_state_bytes, state_bytes
 from graphslot.precision import autocast_dtype
 from graphslot.profile import copy_bandwidth, held_bytes, profile_units
 from graphslot.selection import get_backend
@@ -329,6 +330,8 @@ class GraphedLayers(nn.Module):
         self._users = 0  # forwards and backwards under way (close() waits for them)
         self._in_backward: set[int] = set()  # microbatches whose backward pass has begun
         self._closed = False
+        #: with a memory budget: warns where an optimizer's state outgrows what the plan counted
+        self._state_watch: StateWatch | None = None
         #: microbatches whose autograd graph died without a backward (appended by finalizers)
         self._abandoned: collections.deque[int] = collections.deque()
         #: the autocast dtype the graphs were captured under on the stack's device type
@@ -430,7 +433,16 @@ class GraphedLayers(nn.Module):
         if not (isinstance(budget, str) and budget.strip().lower() == "auto"):
             parse_budget(budget)  # (a bad one fails before any work)
         units = plan_graphs(n, set(), layers_per_graph, saved)
-        profile = self._profile(units, sample, section_bytes)
+        # torch's optimizers make their state at their first step: what those holding the
+        # layers' parameters will still make is counted as held from the start
+        params = [p for p in self.layers.parameters() if p.requires_grad]
+        counted: weakref.WeakKeyDictionary[torch.optim.Optimizer, int] = weakref.WeakKeyDictionary()
+        pending = 0
+        for opt in optimizers_holding(params):
+            will = pending_state_bytes(opt, params) or 0  # (None: a kind it cannot tell)
+            counted[opt] = state_bytes(opt, params, b.device.type) + will
+            pending += will
+        profile = self._profile(units, sample, section_bytes, pending)
         mapped_before = b.ledger.mapped_bytes  # (other stacks' pages, say)
         builds = 0
 
@@ -457,7 +469,7 @@ class GraphedLayers(nn.Module):
             # caller gets, as far as the allocator needs memory for it.
             banks = banks_bytes(profile, plan.detailed, plan.mode)
             unmapped = max(0, banks - (b.ledger.mapped_bytes - mapped_before))
-            return held + unmapped + self._output_copy_bytes(held)
+            return held + unmapped + self._output_copy_bytes(held) + pending
 
         try:
             plan = fit_budget(profile, budget, build, measured=_build_holds(b) is not None,
@@ -476,6 +488,10 @@ class GraphedLayers(nn.Module):
                               budget_bytes=e.budget_bytes, least_bytes=room,
                               least_plan=least) from None
         self.plan = _per_layer(plan, units)
+        if plan.budget_bytes is not None:
+            self._state_watch = StateWatch(params, counted, _state_warning(plan),
+                                           device_type=b.device.type)
+            weakref.finalize(self, self._state_watch.close).atexit = False
 
     def _output_copy_bytes(self, held: int) -> int:
         """What the caller's copy of the stack's output adds to ``held`` (what the process
@@ -488,7 +504,7 @@ class GraphedLayers(nn.Module):
         return 0 if grown is None else max(0, grown - held)
 
     def _profile(self, units: tuple[tuple[int, ...], ...], sample: torch.Tensor,
-                 section_bytes: int) -> StackProfile:
+                 section_bytes: int, optimizer_state: int) -> StackProfile:
         """What each graph's layers cost, measured eagerly (:mod:`graphslot.profile`)."""
         b = self.backend
         mods = [self.layers[u[0]] if len(u) == 1 else nn.Sequential(*(self.layers[i] for i in u))
@@ -506,10 +522,11 @@ class GraphedLayers(nn.Module):
         # step's tensors outside the graphs (the output the caller gets and the stack's
         # input gradient; the output's gradient is the caller's, as its loss is); the
         # gradients, boundary buffers and the graphs' pool depend on the plan.
-        fixed = (_build_holds(b) or 0) + 2 * costs[-1].input_bytes
+        # (and what the optimizers will make at their first step, ``optimizer_state``)
+        fixed = (_build_holds(b) or 0) + 2 * costs[-1].input_bytes + optimizer_state
         return StackProfile(tuple(costs), bw["d2h_gbps"], bw["h2d_gbps"], fixed_bytes=fixed,
                             granularity=b.granularity, section_bytes=section_bytes,
-                            d2d_gbps=bw.get("d2d_gbps"))
+                            d2d_gbps=bw.get("d2d_gbps"), optimizer_state_bytes=optimizer_state)
 
     def _new_graph(self) -> DeviceGraph:
         g = self.backend.new_graph(share_pool_with=self._pool_owner)
@@ -787,6 +804,8 @@ class GraphedLayers(nn.Module):
                                  f"after {timeout:g} s; close() once it is done")
             self._closed = True
         self._finalizer.detach()
+        if self._state_watch is not None:
+            self._state_watch.close()
         for r in self._runners:
             r.forget_draws()
         # The graphs go too, not only when the stack is collected: a stack still named
@@ -800,6 +819,24 @@ class GraphedLayers(nn.Module):
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+def _state_warning(plan: BudgetPlan) -> Callable[[torch.optim.Optimizer, int], str]:
+    """The warning for an optimizer whose state outgrew what ``plan`` counted, where the
+    step then holds more than the budget."""
+    budget, peak = plan.budget_bytes or 0, plan.predicted_peak_bytes
+
+    def say(opt: torch.optim.Optimizer, extra: int) -> str:
+        if peak + extra <= budget:
+            return ""  # (the budget holds all the same)
+        return (f"GraphedLayers: {type(opt).__name__} made {format_bytes(extra)} of state for "
+                f"the stack's parameters that its memory budget's plan did not count: the "
+                f"step holds about {format_bytes(peak + extra)} where the plan said "
+                f"{format_bytes(peak)}, against a budget of {format_bytes(budget)}. Build the "
+                "stack after the optimizer is made (torch's optimizers' state is then counted "
+                "before their first step) or after its first step (any optimizer's), or give "
+                f"a budget {format_bytes(extra)} lower")
+    return say
 
 
 def _build_holds(b: Backend) -> int | None:

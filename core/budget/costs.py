@@ -134,6 +134,9 @@ class StackProfile:
             layer with a slot (an offloaded one, or a recomputed one whose input goes to
             the host) copies into it as its forward runs, which lengthens that forward by
             its slot's bytes at this rate.
+        optimizer_state_bytes: of ``fixed_bytes``, the state that optimizers holding the
+            stack's parameters had still to make when it was built (torch's optimizers
+            make theirs at their first step; see :mod:`graphslot.optimizer_state`).
     """
 
     layers: tuple[LayerCost, ...]
@@ -143,6 +146,7 @@ class StackProfile:
     granularity: int = 2 << 20
     section_bytes: int = 32 << 20
     d2d_gbps: float | None = None
+    optimizer_state_bytes: int = 0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "layers", tuple(self.layers))
@@ -157,6 +161,9 @@ class StackProfile:
         if self.granularity < 1 or self.section_bytes < 1 or self.fixed_bytes < 0:
             raise UsageError("StackProfile: granularity and section_bytes must be >= 1, "
                              "fixed_bytes >= 0")
+        if self.optimizer_state_bytes < 0:
+            raise UsageError("StackProfile: optimizer_state_bytes must be >= 0, got "
+                             f"{self.optimizer_state_bytes!r}")
 
     def __hash__(self) -> int:
         # (the planner looks plans up by profile tens of thousands of times: hashed once)
