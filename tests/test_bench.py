@@ -722,3 +722,24 @@ def test_llama_refuses_options_it_cannot_take(capsys, nothing_runs):
         rc = cli.main(["bench", "--preset", "llama", "--quiet", *argv])
         err = capsys.readouterr().err
         assert rc == 2 and needle in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_an_adamw_run_steps_adamw_in_every_configuration(backend, monkeypatch):
+    """--optimizer adamw: every step of every configuration, a planned one too, is AdamW's
+    (made once, before the builds), and the report says so; another name is refused."""
+    stepped: list[str] = []
+    real = torch.optim.AdamW.step
+
+    def step(self, *a, **k):
+        stepped.append(type(self).__name__)
+        return real(self, *a, **k)
+
+    monkeypatch.setattr(torch.optim.AdamW, "step", step)
+    shape = BenchShape.preset("tiny")
+    r = run_bench(backend, shape, steps=1, warmup=1, progress=False, configs=("eager", "graph_auto"),
+                  optimizer="adamw")
+    assert r["optimizer"] == "adamw" and stepped and set(stepped) == {"AdamW"}
+    assert "step_ms" in r["configs"]["graph_auto"], r["configs"]["graph_auto"]
+    with pytest.raises(graphslot.UsageError, match="optimizer must be one of sgd, adamw"):
+        run_bench(backend, shape, steps=1, warmup=1, progress=False, configs=("eager",),
+                  optimizer="adam")

@@ -5,8 +5,9 @@ runs the configurations of :mod:`graphslot.cli.bench_configs` (the peers eager,
 save_on_cpu, checkpoint, torch_graphed, torch_graphed_checkpoint; graphslot's graph,
 graph_resident, graph_remap, graph_recompute, graph_auto; and one planned configuration
 per ``--budgets`` size). Every step is a training step: ``--accumulate`` microbatches'
-forward and backward, an SGD step over the layers' parameters and ``zero_grad()``
-(``--zero-grad``); every time is per optimizer step.
+forward and backward, an optimizer step over the layers' parameters (SGD, or AdamW with
+``--optimizer adamw``) and ``zero_grad()`` (``--zero-grad``); every time is per optimizer
+step.
 
 It reports for each: median step time, its phases, peak device memory (the allocator's
 peak reserved bytes plus graphslot's peak physical pages; ``context_bytes``, the device
@@ -43,7 +44,7 @@ from .bench_configs import (CONFIGS, PEERS, SWEEP_BUDGETS, base_config, budget_c
                             check_config, parse_size, plan_report, saved_on_device, split_variant,
                             sweep_budgets, unsupported)
 from ..profile import copy_bandwidth
-from .bench_measure import Inputs, measure, memory_breakdown, prepare, timed_steps
+from .bench_measure import OPTIMIZERS, Inputs, measure, memory_breakdown, prepare, timed_steps
 from .bench_models import BenchShape, transformers_missing
 from .bench_report import (check_output_path, derive, median_of_rounds, peer_ratios, plot,
                            render_table, variant_ratios)
@@ -68,13 +69,15 @@ class _Options:
     set_to_none: bool
     layers_per_graph: int | None
     progress: bool
+    optimizer: str = "sgd"
 
 
 def run_bench(b: Backend, shape: BenchShape, *, steps: int = 10, warmup: int = 3,
               configs: Sequence[str] = CONFIGS, budgets: str | Sequence[str | int] | None = None,
               trace_path: str | None = None, plot_path: str | None = None, progress: bool = True,
               rounds: int = 1, isolate: bool = False, layers_per_graph: int | None = None,
-              accumulate: int = 1, zero_grad: str = "none") -> dict[str, Any]:
+              accumulate: int = 1, zero_grad: str = "none", optimizer: str = "sgd"
+              ) -> dict[str, Any]:
     """Run the comparison on backend ``b`` (see the module docstring).
 
     Args:
@@ -104,6 +107,8 @@ def run_bench(b: Backend, shape: BenchShape, *, steps: int = 10, warmup: int = 3
         layers_per_graph: GraphedLayers' (None: it joins small layers).
         accumulate: microbatches (forward and backward) per optimizer step.
         zero_grad: ``"none"`` (``zero_grad(set_to_none=True)``) or ``"keep"`` (zeroed in place).
+        optimizer: ``"sgd"`` or ``"adamw"`` (:data:`~graphslot.cli.bench_measure.OPTIMIZERS`),
+            made before any configuration is built, as a training script makes it.
 
     Returns:
         The JSON-able report: ``backend``, ``device``, ``shape``, ``copy_ceiling_gbps``,
@@ -118,6 +123,8 @@ def run_bench(b: Backend, shape: BenchShape, *, steps: int = 10, warmup: int = 3
         raise UsageError(f"accumulate must be at least 1, got {accumulate}")
     if zero_grad not in ZERO_GRAD:
         raise UsageError(f"zero_grad must be one of {', '.join(ZERO_GRAD)}, got {zero_grad!r}")
+    if optimizer not in OPTIMIZERS:
+        raise UsageError(f"optimizer must be one of {', '.join(OPTIMIZERS)}, got {optimizer!r}")
     for path, what in ((trace_path, "trace_path"), (plot_path, "plot_path")):
         if path:
             check_output_path(path, what)
@@ -125,11 +132,12 @@ def run_bench(b: Backend, shape: BenchShape, *, steps: int = 10, warmup: int = 3
         names, sweep = _order(configs, budgets)
     except ValueError as e:
         raise UsageError(str(e)) from None
-    o = _Options(steps, warmup, rounds, accumulate, ZERO_GRAD[zero_grad], layers_per_graph, progress)
+    o = _Options(steps, warmup, rounds, accumulate, ZERO_GRAD[zero_grad], layers_per_graph, progress,
+                 optimizer)
     if isolate:
         return _run_isolated(b, shape, names, sweep, trace_path, plot_path, o)
     r = prepare(b, shape, steps, warmup, len(names) + (SWEEP_BUDGETS if sweep else 0), progress,
-                rounds, accumulate, o.set_to_none)
+                rounds, accumulate, o.set_to_none, optimizer)
     r.layers_per_graph = layers_per_graph
     out = {**_head(b, shape, o), "copy_ceiling_gbps": r.ceil_gbps, "copy": r.ceiling,
            "saved_activation_bytes": r.saved, "configs": {}}
@@ -190,7 +198,7 @@ def _sweep(out: dict[str, Any]) -> list[str]:
 def _head(b: Backend, shape: BenchShape, o: _Options) -> dict[str, Any]:
     return {"backend": b.name, "device": b.info()["device"], "shape": shape.as_dict(),
             "layers_per_graph": o.layers_per_graph or "auto", "steps": o.steps, "rounds": o.rounds,
-            "accumulate": o.accumulate, "set_to_none": o.set_to_none,
+            "accumulate": o.accumulate, "set_to_none": o.set_to_none, "optimizer": o.optimizer,
             "timing": "per optimizer step"}
 
 
@@ -306,7 +314,8 @@ def _child_argv(shape: BenchShape, configs: str, o: _Options, trace_path: str | 
     argv = [sys.executable, "-m", "graphslot.cli", "bench", "--json", "--quiet",
             "--configs", configs, "--steps", str(o.steps), "--warmup", str(o.warmup),
             "--layers-per-graph", str(o.layers_per_graph or "auto"),
-            "--accumulate", str(o.accumulate), "--zero-grad", "none" if o.set_to_none else "keep"]
+            "--accumulate", str(o.accumulate), "--zero-grad", "none" if o.set_to_none else "keep",
+            "--optimizer", o.optimizer]
     d = shape.as_dict()
     argv += ["--preset", "llama" if d.pop("model") == "llama" else "default"]
     for k, v in d.items():
@@ -488,7 +497,8 @@ def main(args: argparse.Namespace) -> int:
                       budgets=budgets, trace_path=args.trace, plot_path=args.plot,
                       progress=not args.quiet, rounds=args.rounds, isolate=args.isolate,
                       layers_per_graph=parse_layers_per_graph(args),
-                      accumulate=args.accumulate, zero_grad=args.zero_grad)
+                      accumulate=args.accumulate, zero_grad=args.zero_grad,
+                      optimizer=args.optimizer)
     except (RuntimeError, MemoryError) as e:
         if not _is_oom(e):
             raise
@@ -521,6 +531,8 @@ def add_parser(sub: Any) -> None:
                         "is per optimizer step")
     p.add_argument("--zero-grad", default="none", choices=tuple(ZERO_GRAD),
                    help="zero_grad(set_to_none=True) (none) or zeroing .grad in place (keep)")
+    p.add_argument("--optimizer", default="sgd", choices=tuple(OPTIMIZERS),
+                   help="the optimizer every step runs (made before the configurations are built)")
     p.add_argument("--rounds", type=int, default=1,
                    help="time every configuration this many times, taking turns (median of rounds)")
     p.add_argument("--isolate", action="store_true",

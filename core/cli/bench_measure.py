@@ -2,8 +2,8 @@
 phases, the bytes it copies, its memory over one step and its peak.
 
 A step is one optimizer step, as a training loop runs it: ``accumulate`` microbatches'
-forward and backward, ``torch.optim.SGD``'s step over the layers' parameters, then
-``zero_grad()`` (``set_to_none`` as the run asks). Every time and byte count is per
+forward and backward, the optimizer's step over the layers' parameters (``torch.optim.SGD``,
+or ``AdamW``: :data:`OPTIMIZERS`), then ``zero_grad()`` (``set_to_none`` as the run asks). Every time and byte count is per
 optimizer step; the peak counts the optimizer step too.
 """
 
@@ -26,12 +26,18 @@ from ..trace import Timeline
 from .bench_models import BenchShape, training_data
 from .output import Progress
 
-__all__ = ["GiB", "MiB", "LR", "Inputs", "Built", "prepare", "measure",
+__all__ = ["GiB", "MiB", "LR", "OPTIMIZERS", "Inputs", "Built", "prepare", "measure",
            "timed_steps", "memory_breakdown"]
 
 GiB, MiB = 1 << 30, 1 << 20
 #: the optimizer's learning rate: small, so that the weights stay near their init over a run
 LR = 1e-5
+#: the optimizers a run may step with, made (as a training script makes them) before any
+#: configuration is built: AdamW's two moments appear at its first step
+OPTIMIZERS: dict[str, Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer]] = {
+    "sgd": lambda params: torch.optim.SGD(params, lr=LR),
+    "adamw": lambda params: torch.optim.AdamW(params, lr=LR),
+}
 
 
 #: a configuration's variants follow its name: ``graph_resident@keep@acc4`` runs
@@ -89,7 +95,7 @@ class Built:
 
 def prepare(b: Backend, shape: BenchShape, steps: int, warmup: int, n_configs: int,
             progress: bool, rounds: int = 1, accumulate: int = 1,
-            set_to_none: bool = True) -> Inputs:
+            set_to_none: bool = True, optimizer: str = "sgd") -> Inputs:
     """The layers, data and optimizer every configuration runs on, and the copy ceiling."""
     layers, x, gy = training_data(shape, b.device)
     params = [p for m in layers for p in m.parameters()]
@@ -99,13 +105,14 @@ def prepare(b: Backend, shape: BenchShape, steps: int, warmup: int, n_configs: i
     ceiling = copy_bandwidth(b, copy_n)
     ceil_gbps = min(ceiling["d2h_gbps"], ceiling["h2d_gbps"])
     bar = Progress(n_configs * (warmup + steps + 2 + (rounds - 1) * (warmup + steps)), progress)
-    opt = torch.optim.SGD(params, lr=LR)
+    opt = OPTIMIZERS[optimizer](params)
     return Inputs(b, shape, steps, warmup, layers, params, x, gy, saved, per_layer, ceiling, ceil_gbps, bar,
                   opt, accumulate, set_to_none)
 
 
 def train_step(r: Inputs, built: Built) -> None:
-    """One optimizer step: the microbatches' forward and backward, SGD, ``zero_grad``."""
+    """One optimizer step: the microbatches' forward and backward, the optimizer's step,
+    ``zero_grad``."""
     for _ in range(r.accumulate):
         y = built.fwd()
         y.backward(r.gy)
