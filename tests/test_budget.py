@@ -3,6 +3,8 @@ out), checked against the model's own definitions and an exhaustive search."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import itertools
 import random
 
@@ -198,6 +200,13 @@ def test_gradient_homes_sit_beside_the_pool_where_the_layers_keep_little():
     # A kept layer's gigabyte outweighs the gradients: pool buffers, sharing it.
     mixed = predict_peak_bytes(p, (KEEP, OFFLOAD), "remap")
     assert mixed == 2 * GiB + banks_bytes(p, (KEEP, OFFLOAD), "remap")
+    # A loop that keeps .grad (keep_grads): homes whatever the layers keep, counted in full.
+    kept = dataclasses.replace(p, keep_grads=True)
+    assert gradient_homes(17, 256, keep_grads=True)
+    both = predict_peak_bytes(kept, (KEEP, OFFLOAD), "remap")
+    # (the pool's most: layer 1's activations made beside layer 0's, as its forward is captured)
+    assert both == 2 * GiB + 2 * 256 * MiB + banks_bytes(p, (KEEP, OFFLOAD), "remap")
+    assert both > mixed
 
 
 def test_offload_costs_its_banks_resident_two_remap_one():

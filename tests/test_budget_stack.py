@@ -14,6 +14,7 @@ from graphslot import budget as gb
 from graphslot.backend import align_up
 from graphslot.adapters import torch as gt
 from graphslot.errors import BudgetError, CaptureMismatchError, StateError, UsageError
+from graphslot.sizes import format_bytes
 from stacks import graphed, seeded_grads, small_gpt
 from test_graphed_grads import assert_bitwise, run
 
@@ -553,3 +554,58 @@ def test_module_hooks_are_named_at_build_since_they_do_not_run_at_each_replay(cl
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         gt.GraphedLayers([_NormLinear().to(b.device)], x, mode="resident", backend=b).close()
+
+
+@pytest.mark.parametrize("accumulate,set_to_none", [(3, True), (1, False)])
+def test_keep_grads_gives_the_gradients_homes_whatever_the_layers_keep(clean, accumulate, set_to_none):
+    """With keep_grads=True even mode off, whose layers keep every activation in the pool,
+    gives the gradients homes: a kept .grad stays at one address through every forward
+    (nothing copies it out of the pool), and training matches eager bit for bit."""
+    b = clean
+    base = small_gpt(b, 3)
+    want = run(copy.deepcopy(base), b, 2, accumulate, set_to_none)
+    for keep in (False, True):
+        model = copy.deepcopy(base)
+        with graphed(model, b, "off", keep_grads=keep) as stack:
+            where: list[dict[int, int]] = []
+            got = run(model, b, 2, accumulate, set_to_none,
+                      after_backward=lambda: where.append(
+                          {id(p): p.grad.data_ptr() for p in stack.parameters() if p.grad is not None}))
+            assert_bitwise(got, want)
+            # (.grad lives through the step's microbatches, or with set_to_none=False
+            # through every step: compare the backwards it lived through)
+            spans = ([where[s * accumulate:(s + 1) * accumulate] for s in range(2)]
+                     if set_to_none else [where])
+            moved = any(w[k] != span[0][k] for span in spans for w in span[1:] for k in w)
+            assert moved is not keep, f"keep_grads={keep}: .grad moved: {moved}"
+
+
+def test_keep_grads_is_a_bool(clean):
+    with pytest.raises(UsageError, match="keep_grads must be True or False"):
+        graphed(small_gpt(clean, 2), clean, "off", keep_grads="yes")
+
+
+@pytest.mark.parametrize("keep", [False, True])
+def test_a_kept_grad_that_takes_a_budgets_step_over_it_is_named_unless_planned_for(clean, monkeypatch, keep):
+    """A plan whose gradients share the pool with kept activations counts them as gone by
+    the next forward: a loop that accumulates into .grad then holds them beside it. Without
+    keep_grads, that is named once, with the figures, where it takes the step over the
+    budget; with keep_grads the plan gives them homes and counts them."""
+    b = clean
+    fake_profile(monkeypatch, [gb.LayerCost(1.0, 2.0, 4 * MiB, recompute_ms=4.0)] * 3)
+    base = small_gpt(b, 3)
+    with graphed(copy.deepcopy(base), b, None, memory_budget="auto", keep_grads=keep) as probe:
+        budget = probe.plan.predicted_peak_bytes + 64 * 1024  # (kept everything: nothing pays)
+        assert probe.plan.choices == ("keep",) * 3 and probe._grad_homes is keep
+    model = copy.deepcopy(base)
+    with graphed(model, b, None, memory_budget=budget, keep_grads=keep) as stack:
+        with warnings.catch_warnings(record=True) as w:
+            warnings.simplefilter("always")
+            run(model, b, 2, 3, True)
+    said = [str(m.message) for m in w if ".grad was kept through a forward" in str(m.message)]
+    if keep:
+        assert said == []
+    else:
+        assert len(said) == 1 and "keep_grads=True" in said[0]
+        grads = sum(p.numel() * p.element_size() for p in stack.parameters())
+        assert f"the gradients ({format_bytes(grads)})" in said[0]

@@ -137,6 +137,11 @@ class StackHost(Protocol):
                         ) -> torch.Tensor:
         """The first layer's input gradient, as eager hands it out."""
 
+    def saw_kept_grad(self) -> None:
+        """A gradient buffer lent as ``.grad`` was kept through a replay that overwrites
+        it (the loop accumulates into ``.grad``, or zeroes it in place): it got bytes of
+        its own."""
+
 
 class GraphRunner:
     """One graph's consecutive layers (one, or several small ones): its graphs, static
@@ -605,8 +610,10 @@ class GraphRunner:
             # The same tensor object keeps its identity (references to it stay good) and
             # gets its own bytes; autograd then adds the next gradient into it, as eagerly.
             g.data = g.clone()
+            self.host.saw_kept_grad()
         if pg.others_hold():
             self._move_out(pg)
+            self.host.saw_kept_grad()
 
     def _move_out(self, pg: ParamGrad) -> None:
         """Somebody kept an earlier ``.grad`` that is this buffer: give it a copy of its own

@@ -154,6 +154,9 @@ class _Host:
     def leave(self) -> None:
         self._stack._leave()
 
+    def saw_kept_grad(self) -> None:
+        self._stack._saw_kept_grad()
+
     def lend_input_grad(self, buf: torch.Tensor, input_ref: weakref.ref[torch.Tensor] | None
                         ) -> torch.Tensor:
         return self._stack._lend_input_grad(buf, input_ref)
@@ -224,6 +227,15 @@ class GraphedLayers(nn.Module):
             (``register_hook``) cannot. The parameters' gradients do not reach autograd
             (``torch.autograd.grad`` gets none), and a parameter also used outside the
             stack gets only the stack's part in ``main_grad``.
+        keep_grads: the training loop keeps ``.grad`` through the next forward: it
+            accumulates microbatches into it, or zeroes it in place
+            (``zero_grad(set_to_none=False)``). The gradients then get homes of their own,
+            which the backward graphs add into, so a kept ``.grad`` is their only copy
+            (without, where the layers keep activations in the graphs' pool, the gradient
+            buffers share that memory and a kept one is copied out of it at the next
+            forward), and a memory budget's plan counts them as held for the whole step.
+            With a budget and without ``keep_grads``, a ``.grad`` kept through a forward
+            that takes the step over the budget is named in a warning.
 
     Raises:
         BudgetError: a budget below the least any plan reaches (the message names that
@@ -247,7 +259,7 @@ class GraphedLayers(nn.Module):
                  memory_budget: int | str | None = None,
                  layers_per_graph: int | None = None, warmup_iters: int = 2,
                  backend: Backend | None = None, debug_checksums: bool = False,
-                 main_grad: bool = False) -> None:
+                 main_grad: bool = False, keep_grads: bool = False) -> None:
         super().__init__()
         check_layers(layers)
         hooked = hooked_modules(list(layers))
@@ -273,6 +285,10 @@ class GraphedLayers(nn.Module):
         self._grad_homes = False  # (decided per build, in _make)
         if self.main_grad:
             check_main_grads(self.layers)
+        if not isinstance(keep_grads, bool):
+            raise UsageError(f"keep_grads must be True or False, got {keep_grads!r}")
+        #: the training loop keeps ``.grad`` through the next forward (see ``keep_grads``)
+        self.keep_grads = keep_grads
         n = len(self.layers)
         if memory_budget is not None and (offload_layers is not None or recompute_layers is not None):
             raise UsageError("memory_budget plans which layers to offload and recompute: give "
@@ -310,6 +326,7 @@ class GraphedLayers(nn.Module):
         #: what ``memory_budget`` chose (:class:`graphslot.budget.BudgetPlan`, choices per
         #: layer); None without a budget
         self.plan: BudgetPlan | None = None
+        self._warned_kept_grads = False
         self._runners: list[GraphRunner] = []
         #: called with a label after each layer's forward and backward replay (for probes)
         self.probe: Callable[[str], None] | None = None
@@ -403,7 +420,7 @@ class GraphedLayers(nn.Module):
         gone = ((self.recompute_layers - self.cheap_layers)
                 | (self.offload_layers if mode is not Mode.OFF else set()))
         kept = [i for i in range(len(self.layers)) if i not in gone]
-        if not kept:
+        if not kept or self.keep_grads:
             return True
         if saved is None:  # (layers_per_graph given: not measured for joining layers)
             saved = saved_bytes_per_layer(list(self.layers),
@@ -526,7 +543,8 @@ class GraphedLayers(nn.Module):
         fixed = (_build_holds(b) or 0) + 2 * costs[-1].input_bytes + optimizer_state
         return StackProfile(tuple(costs), bw["d2h_gbps"], bw["h2d_gbps"], fixed_bytes=fixed,
                             granularity=b.granularity, section_bytes=section_bytes,
-                            d2d_gbps=bw.get("d2d_gbps"), optimizer_state_bytes=optimizer_state)
+                            d2d_gbps=bw.get("d2d_gbps"), optimizer_state_bytes=optimizer_state,
+                            keep_grads=self.keep_grads)
 
     def _new_graph(self) -> DeviceGraph:
         g = self.backend.new_graph(share_pool_with=self._pool_owner)
@@ -678,6 +696,27 @@ class GraphedLayers(nn.Module):
     def pool_bytes(self) -> int | None:
         """Bytes of the graphs' shared private pool, where the backend can tell."""
         return None if self._pool_owner is None else self._pool_owner.pool_bytes
+
+    def _saw_kept_grad(self) -> None:
+        """A ``.grad`` lent from the pool was kept through a forward: where a budget's plan
+        counted the gradients as sharing the pool (no ``keep_grads``), say once if their
+        copies take the step over the budget."""
+        plan = self.plan
+        if self._warned_kept_grads or plan is None or plan.budget_bytes is None:
+            return
+        self._warned_kept_grads = True
+        grads = sum(pg.buf.numel() * pg.buf.element_size()
+                    for r in self._runners for pg in r.grads if pg is not None)
+        if plan.predicted_peak_bytes + grads <= plan.budget_bytes:
+            return
+        warnings.warn(
+            f"GraphedLayers: .grad was kept through a forward (gradients accumulated over "
+            f"microbatches, or zeroed in place), so the gradients ({format_bytes(grads)}) were "
+            "copied out of the graphs' pool, where the memory budget's plan counted them as "
+            "sharing memory with the layers' activations: the step holds about "
+            f"{format_bytes(plan.predicted_peak_bytes + grads)} against a budget of "
+            f"{format_bytes(plan.budget_bytes)}. Build with keep_grads=True: the gradients "
+            "then have homes of their own, which the plan counts", stacklevel=4)
 
     def _give_back(self, layer: int | None) -> None:
         """Before a replay: gradient buffers it may overwrite stop being anyone's gradient.

@@ -137,6 +137,9 @@ class StackProfile:
         optimizer_state_bytes: of ``fixed_bytes``, the state that optimizers holding the
             stack's parameters had still to make when it was built (torch's optimizers
             make theirs at their first step; see :mod:`graphslot.optimizer_state`).
+        keep_grads: the training loop keeps ``.grad`` through the next forward (it
+            accumulates microbatches into it, or zeroes it in place): every plan gives the
+            gradients homes of their own (see :func:`~graphslot.budget.gradient_homes`).
     """
 
     layers: tuple[LayerCost, ...]
@@ -147,6 +150,7 @@ class StackProfile:
     section_bytes: int = 32 << 20
     d2d_gbps: float | None = None
     optimizer_state_bytes: int = 0
+    keep_grads: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "layers", tuple(self.layers))

@@ -140,7 +140,7 @@ def _peak(profile: StackProfile, choices: Sequence[str], mode: str, slots: Seque
     # sit outside the pool for good and the pool holds none.
     t = _table(profile)
     kept = _kept(t, choices, mode)
-    homes = gradient_homes(sum(kept), t.grads)
+    homes = gradient_homes(sum(kept), t.grads, profile.keep_grads)
     saved, work, grad = t.saved, t.work, t.grad
     kept_below = 0
     grads_above = 0 if homes else t.grads
@@ -166,17 +166,19 @@ def _peak(profile: StackProfile, choices: Sequence[str], mode: str, slots: Seque
 def _has_homes(profile: StackProfile, choices: Sequence[str], mode: str) -> bool:
     """Does the stack give gradients homes under ``choices`` (see :func:`gradient_homes`)?"""
     t = _table(profile)
-    return gradient_homes(sum(_kept(t, choices, mode)), t.grads)
+    return gradient_homes(sum(_kept(t, choices, mode)), t.grads, profile.keep_grads)
 
 
-def gradient_homes(kept_bytes: int, grad_bytes: int) -> bool:
+def gradient_homes(kept_bytes: int, grad_bytes: int, keep_grads: bool = False) -> bool:
     """Does a stack give its parameters' gradients homes outside the graphs' pool (one
     address each for good, the backward graphs adding into them, so a kept or accumulated
     ``.grad`` is the only copy)? Pool gradient buffers share memory with what the layers
     keep in the pool (``kept_bytes``), so with ``.grad`` set to None they save up to that
     much over homes; with ``.grad`` kept they cost a whole copy of the gradients more.
-    Homes, then, where the layers keep at most a sixteenth of the gradients' bytes."""
-    return 16 * kept_bytes <= grad_bytes
+    Homes, then, where the training loop keeps ``.grad`` through the next forward
+    (``keep_grads``), and where the layers keep at most a sixteenth of the gradients'
+    bytes."""
+    return keep_grads or 16 * kept_bytes <= grad_bytes
 
 
 def _copied(profile: StackProfile, choices: Sequence[str], mode: str

@@ -15,7 +15,10 @@ graph_auto                   ``GraphedLayers(memory_budget="auto")``
 ============================ ================================================================
 
 The last two are *planned*: the library's budget planner picks, per layer, keep, offload or
-recompute, and the stack's ``plan`` says what it chose and expects.
+recompute, and the stack's ``plan`` says what it chose and expects. In a run whose steps keep
+``.grad`` through the next forward (``--zero-grad keep``, ``--accumulate`` above one, or
+those variants), every ``GraphedLayers`` is built with ``keep_grads=True``, as a training
+script that does so would build it.
 """
 
 from __future__ import annotations
@@ -259,8 +262,10 @@ def build(r: Inputs, name: str) -> Built | str:
         kw["memory_budget"] = budget_bytes(name)
     bar.update(f"{label}: capture", advance=False)
     try:
+        # (a loop that keeps .grad through the next forward says so: see keep_grads)
         stack = GraphedLayers(layers, x, backend=b, warmup_iters=2,
-                              layers_per_graph=r.layers_per_graph, **kw)
+                              layers_per_graph=r.layers_per_graph,
+                              keep_grads=not r.set_to_none or r.accumulate > 1, **kw)
     except UsageError as e:
         if "memory_budget" not in kw:
             raise
