@@ -76,7 +76,8 @@ class BudgetError(UsageError):
         least_bytes: the smallest peak a plan reaches (as modelled, or as built where the
             model's least plan did not fit once built). From ``GraphedLayers``, that peak
             with room for what the process holds moving between builds (two granules, at
-            least a MiB): a budget of at least this builds.
+            least a MiB, or 4 MiB where the process's footprint is what is measured): a
+            budget of at least this builds.
         least_plan: the plan (a :class:`graphslot.budget.BudgetPlan`) that held
             ``least_bytes`` built, or None where the model refused without building one.
     """

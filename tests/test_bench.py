@@ -511,7 +511,7 @@ def test_a_budget_configuration_runs_and_reports_its_plan(backend):
                   configs=("checkpoint",), budgets=["1GiB", "1000"])
     cf = r["configs"]
     assert list(cf) == ["checkpoint", "graph", "budget:1GiB", "budget:1000"]
-    assert "below the smallest" in cf["budget:1000"]["reason"]
+    assert re.search(r"below (the smallest peak|what the plans built)", cf["budget:1000"]["reason"])
     c = cf["budget:1GiB"]
     plan = c["plan"]
     assert len(plan["choices"]) == 3 and set(plan["choices"]) <= {"keep", "offload", "recompute"}

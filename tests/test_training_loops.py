@@ -6,10 +6,9 @@ recompute lists, joined or per-layer graphs, each mode) and a loop (microbatches
 a gradient, a validation pass in eval mode, autocast, one seed set before the build).
 Losses, parameters, buffers and gradients must equal eager's bit for bit.
 
-Two differences are by design and drawn around: a recomputed layer's dropout draws from
-a stream of its own, so families recomputed are drawn without dropout; and under
-autocast a weight tied across layers is cast at each use (README), so no family here
-ties weights.
+One difference is by design and drawn around: under autocast a weight tied across layers
+is cast at each use (README), so no family here ties weights. Recomputed layers draw
+eager's dropout masks, so families with dropout are recomputed too.
 """
 
 from __future__ import annotations
@@ -116,10 +115,9 @@ def _cases(draw):
             layers_per_graph=draw(st.sampled_from([None, 1, 2])))
         if explicit["mode"] == "off":
             explicit["offload_layers"] = []
-    recomputes = build == "budget" or bool(explicit.get("recompute_layers"))
     return dict(
         family=draw(st.sampled_from(sorted(_FAMILIES))), n=n,
-        drop=0.0 if recomputes else draw(st.sampled_from([0.0, 0.2])),
+        drop=draw(st.sampled_from([0.0, 0.2])),
         inplace=draw(st.booleans()), budget=draw(st.sampled_from(["auto", "least"])),
         explicit=explicit,
         loop=dict(micro=draw(st.integers(1, 2)), keep_grad=draw(st.booleans()),
@@ -154,7 +152,8 @@ def test_a_training_loop_runs_as_eager_bitwise(clean, case, monkeypatch):
     if not case["explicit"]:
         kw["memory_budget"] = "auto"
         if case["budget"] == "least":
-            with pytest.raises(BudgetError, match=r"smallest peak any plan reaches") as refused:
+            with pytest.raises(BudgetError, match=r"smallest peak any plan reaches|below what "
+                                                  r"the plans built for it hold") as refused:
                 with torch.autocast(b.device.type, dtype=torch.bfloat16, enabled=loop["amp"]):
                     GraphedLayers(list(model.blocks), sample, **{**kw, "memory_budget": 1})
             kw["memory_budget"] = refused.value.least_bytes  # (it has room for what moves)

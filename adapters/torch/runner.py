@@ -435,17 +435,27 @@ class GraphRunner:
 
     # -- run -------------------------------------------------------------------------------
 
+    def fits(self, x: Any) -> bool:
+        """``x`` is one tensor of the shape, dtype and device the capture fixed."""
+        si = self.static_in
+        return (isinstance(x, torch.Tensor) and x.shape == si.shape and x.dtype == si.dtype
+                and x.device == si.device)
+
     def check_input(self, x: Any) -> None:
         """``x`` is what the capture fixed: one tensor of its shape, dtype and device, and
         no input that wants a gradient where the graphs were captured computing none."""
         si = self.static_in
         if not isinstance(x, torch.Tensor):
-            raise CaptureMismatchError(f"{self.label} was captured for one tensor input, got "
-                                       f"{type(x).__name__}")
-        if x.shape != si.shape or x.dtype != si.dtype or x.device != si.device:
+            raise CaptureMismatchError(f"the graph of {self.label} was captured for one tensor "
+                                       f"input, got {type(x).__name__}")
+        if not self.fits(x):
             raise CaptureMismatchError(
-                f"{self.label} was captured for input {list(si.shape)} {si.dtype} on "
-                f"{si.device}, got {list(x.shape)} {x.dtype} on {x.device}")
+                f"the graph of {self.label} was captured for input {list(si.shape)} {si.dtype} "
+                f"on {si.device}, got {list(x.shape)} {x.dtype} on {x.device}: a training "
+                "forward replays graphs, which fix their input's shape, dtype and device. Feed "
+                "that shape (a DataLoader with drop_last=True, or the last batch padded), or "
+                "build a stack for each shape; forwards without gradients (torch.no_grad(), "
+                "model.eval()) run the layers eagerly, on any input")
         if x.requires_grad and not self.wants_grad_in and torch.is_grad_enabled():
             # (its backward graph computes no input gradient: x.grad would stay None)
             raise CaptureMismatchError(
@@ -651,6 +661,15 @@ class LayerFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> Any:
+        if torch.is_grad_enabled():
+            # (the gradients a replay returns have no autograd history: a second backward
+            # through them would get none of these layers' part, silently)
+            raise StateError(
+                f"GraphedLayers: a backward with create_graph=True (a double backward, such as "
+                f"a gradient penalty) reached {ctx.runner.label}, whose backward is a captured "
+                "graph computing first-order gradients only: its gradients cannot be "
+                "differentiated again. Keep the layers that a double backward goes through "
+                "outside GraphedLayers")
         grads = ctx.runner.backward(grad, ctx.mb, getattr(ctx, "input", None))
         return (None, None, *grads)
 

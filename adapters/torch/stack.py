@@ -495,8 +495,11 @@ class GraphedLayers(nn.Module):
             # What a process holds moves a little between builds (a granule of the
             # allocator, tens of KiB of the host's heap): the figure given back is one that
             # builds again, the least peak with that much room, in whole granules.
+            # (a process's footprint, where the allocator keeps no figures, moves by MiBs:
+            # the host's heap keeps what it freed as it likes)
             g = b.granularity
-            room = align_up(e.least_bytes + max(2 * g, 1 << 20), g)
+            moves = (1 << 20) if held_bytes(b) is not None else (4 << 20)
+            room = align_up(e.least_bytes + max(2 * g, moves), g)
             # (the least plan named per layer, as stack.plan names a plan)
             least = _per_layer(e.least_plan, units) if isinstance(e.least_plan, BudgetPlan) else None
             said = str(e) if least is None else refusal_message(e.budget_bytes, least)
@@ -736,13 +739,36 @@ class GraphedLayers(nn.Module):
                 runner.give_back(pg)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if _compiling():
+            # Inside torch.compile: the stack runs outside the compiled graph (a graph
+            # break), as it is, its graphs replaying; dynamo would trace its bookkeeping.
+            return _uncompiled_forward(self, x)
+        return self._forward(x)
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> GraphedLayers:
+        raise UsageError(
+            "GraphedLayers cannot be copied: its graphs read fixed device memory that a copy "
+            "would share. Copy the layers (or the model's state_dict) before building the "
+            "stack, or build another stack over the copy")
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        raise UsageError(
+            "GraphedLayers cannot be pickled (torch.save of a model holding it): its graphs and "
+            "device memory are this process's. Save the model's state_dict(): its keys are "
+            "the layers' own, and it loads into the model with or without the stack")
+
+    def _forward(self, x: torch.Tensor) -> torch.Tensor:
         if self._closed:
             raise StateError("GraphedLayers: forward after close(); its slots and graphs are "
                              "released, build a new stack")
         if any(m.training is not was for m, was in self._captured_modes):
             return self._eager(x)  # (any input: a validation batch may have its own size)
-        self._runners[0].check_input(x)  # (before anything runs: a mismatch loses nothing)
+        # (before anything runs: a mismatch loses nothing; moved parameters first, since
+        # .double() or .half() on the model changes the input's dtype too)
         self._check_in_place()
+        if not torch.is_grad_enabled() and not self._runners[0].fits(x):
+            return self._eager(x)  # no backward can follow: any input, as in eval mode
+        self._runners[0].check_input(x)
         if autocast_dtype(x.device.type) != self.autocast_dtype:
             def under(dtype: torch.dtype | None) -> str:
                 return "without autocast" if dtype is None else f"under autocast to {dtype}"
@@ -858,6 +884,12 @@ class GraphedLayers(nn.Module):
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+_compiling: Callable[[], bool] = getattr(torch.compiler, "is_compiling", lambda: False)
+# (torch's lazily importing form of torch.compiler.disable: dynamo is imported by the
+# first call, which comes only under torch.compile, where it is imported already)
+_uncompiled_forward = torch._disable_dynamo(GraphedLayers._forward)
 
 
 def _state_warning(plan: BudgetPlan) -> Callable[[torch.optim.Optimizer, int], str]:

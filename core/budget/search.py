@@ -459,10 +459,12 @@ def fit_budget(profile: StackProfile, budget: int | str | None,
 def refusal_message(limit: int, least: BudgetPlan) -> str:
     """What a refusal of ``limit`` says where ``least`` held the least built (its
     ``predicted_peak_bytes``)."""
-    return (f"memory budget {format_bytes(limit)} ({limit} bytes) is below the smallest peak "
-            f"any plan reaches: built, the least plan ({short(least.detailed)}, {least.mode}) "
-            f"holds {format_bytes(least.predicted_peak_bytes)} ({least.predicted_peak_bytes} "
-            "bytes)")
+    # (what the plans built held, not what every plan would: the model's order within a
+    # kind of plan is a model's, and only the plans it puts least are built)
+    return (f"memory budget {format_bytes(limit)} ({limit} bytes) is below what the plans built "
+            f"for it hold, and the model, corrected by those builds, puts no plan lower: the "
+            f"least built ({short(least.detailed)}, {least.mode}) holds "
+            f"{format_bytes(least.predicted_peak_bytes)} ({least.predicted_peak_bytes} bytes)")
 
 
 def _auto_checked(profile: StackProfile, plan: BudgetPlan, build: Callable[[BudgetPlan], int | None],

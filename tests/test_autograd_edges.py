@@ -1,0 +1,121 @@
+"""What a training script does around a GraphedLayers stack beyond forward and backward:
+a double backward, copying or pickling the model, torch.compile over it, batches of
+another shape, and the model moved to another dtype. Each works as in eager or is refused
+with a message that names the cause and the way out; nothing is silently wrong."""
+
+from __future__ import annotations
+
+import copy
+import io
+import sys
+
+import pytest
+import torch
+from torch import nn
+
+from graphslot.adapters.torch import GraphedLayers
+from graphslot.errors import CaptureMismatchError, StateError, UsageError
+
+H, B = 32, 8
+
+
+class Model(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.pre = nn.Linear(16, H)
+        self.stack = nn.Sequential(*[nn.Sequential(nn.LayerNorm(H), nn.Linear(H, 2 * H), nn.GELU(),
+                                                   nn.Linear(2 * H, H)) for _ in range(3)])
+        self.head = nn.Linear(H, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.stack(self.pre(x)))
+
+
+def _pair(b) -> tuple[Model, Model]:
+    """An eager model and a copy whose stack is graphed."""
+    eager = Model().to(b.device)
+    m = copy.deepcopy(eager)
+    m.stack = GraphedLayers(list(m.stack), torch.randn(B, H, device=b.device, requires_grad=True),
+                            backend=b)
+    return eager, m
+
+
+def _data(b, n: int = B, k: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(k)
+    return (torch.randn(n, 16, generator=g).to(b.device), torch.randn(n, 1, generator=g).to(b.device))
+
+
+def _grads(m: nn.Module) -> list[torch.Tensor | None]:
+    return [None if p.grad is None else p.grad.clone() for p in m.parameters()]
+
+
+def test_a_double_backward_through_the_stack_is_refused_and_the_stack_trains_on(clean):
+    """A gradient penalty through the layers: the replayed backward's gradients have no
+    history, so a second backward would silently leave the layers' part out. Refused."""
+    b = clean
+    eager, m = _pair(b)
+    with m.stack:
+        x, y = _data(b)
+        x.requires_grad_()
+        out = m(x)
+        with pytest.raises(StateError, match="create_graph=True.*Keep the layers"):
+            torch.autograd.grad(out.sum(), x, create_graph=True)
+        del out
+        for net in (eager, m):  # a plain step after it, as eager's
+            nn.functional.mse_loss(net(x.detach()), y).backward()
+        assert all(torch.equal(a, c) for a, c in zip(_grads(eager), _grads(m)))
+
+
+def test_copying_or_pickling_the_stack_is_refused_naming_what_to_do(clean):
+    b = clean
+    eager, m = _pair(b)
+    with m.stack:
+        with pytest.raises(UsageError, match="cannot be copied.*before building the stack"):
+            copy.deepcopy(m)
+        with pytest.raises(UsageError, match="cannot be pickled.*state_dict"):
+            torch.save(m, io.BytesIO())
+        state = m.state_dict()  # (what to save instead: the layers' own keys)
+        assert list(state) == list(eager.state_dict())
+        eager.load_state_dict(state)
+
+
+@pytest.mark.skipif(sys.version_info >= (3, 14), reason="torch.compile needs Python < 3.14 here")
+def test_torch_compile_over_a_model_holding_the_stack_trains_as_eager(clean):
+    """The stack runs outside the compiled graph (a graph break), its graphs replaying."""
+    b = clean
+    eager, m = _pair(b)
+    compiled = torch.compile(m, backend="aot_eager")
+    with m.stack:
+        for k in range(2):
+            x, y = _data(b, k=k)
+            for net in (eager, compiled):
+                nn.functional.mse_loss(net(x), y).backward()
+            assert all(torch.equal(a, c) for a, c in zip(_grads(eager), _grads(m)))
+
+
+def test_a_batch_of_another_size_runs_eagerly_without_gradients_and_is_refused_with_them(clean):
+    """A validation pass in train mode under no_grad, on a short last batch, runs the layers
+    eagerly (no backward can follow); a training forward of that shape is refused, naming
+    the ways out."""
+    b = clean
+    eager, m = _pair(b)
+    with m.stack:
+        x, _ = _data(b, n=5)
+        with torch.no_grad():
+            assert torch.equal(m(x), eager(x))
+        with pytest.raises(CaptureMismatchError, match=r"captured for input \[8, 32\].*got \[5, 32\]"
+                           r".*drop_last=True.*torch\.no_grad\(\)"):
+            m(x)
+
+
+def test_a_model_moved_to_another_dtype_is_refused_naming_the_moved_parameters(clean):
+    """``model.double()`` changes the input's dtype too: the parameters that moved are the
+    cause, and the message names them, not the input."""
+    b = clean
+    _, m = _pair(b)
+    with m.stack:
+        m.double()
+        x, _ = _data(b)
+        with pytest.raises(CaptureMismatchError, match=r"layer 0\.0\.weight lies elsewhere"):
+            m(x.double())
