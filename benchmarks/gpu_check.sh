@@ -29,9 +29,9 @@
 #           preset's sweep in two calls: one run of every configuration of the default
 #           preset's `--budgets sweep` ran past ten minutes)
 #   sweep PRESET  the budget sweep with only checkpoint and graph beside it (SWEEP_CONFIGS
-#           names others: eager,checkpoint,graph, say), JSON
+#           names others: eager,checkpoint,graph, say), JSON; OPTIMIZER=adamw steps AdamW
 #   budgets PRESET SIZES  the budgets named (e.g. 6.84GiB,7.03GiB) beside SWEEP_CONFIGS
-#           (default checkpoint,graph), JSON
+#           (default checkpoint,graph), JSON; OPTIMIZER=adamw steps AdamW instead of SGD
 #   held [PRESET]  benchmarks/held_by_stream.py: what a build keeping everything and one with
 #           memory_budget="auto" hold after it, by the allocator's stream (default: launch)
 #   pools [PRESET]  benchmarks/pool_split.py with every layer recomputed, remap and off: the
@@ -139,11 +139,13 @@ PY
       --configs eager,save_on_cpu,checkpoint,torch_graphed,torch_graphed_checkpoint,graph,graph_recompute,graph_auto ;;
   sweep)
     preset=${2:?"sweep: which preset"}
-    run "sweep_$preset" python3 -m graphslot.cli bench --preset "$preset" --budgets sweep --isolate \
-      --json --quiet --steps 5 --warmup 2 --configs "${SWEEP_CONFIGS:-checkpoint,graph}" --plot "$out/sweep_$preset.png" ;;
+    run "sweep_$preset${OPTIMIZER:+_$OPTIMIZER}" python3 -m graphslot.cli bench --preset "$preset" \
+      --budgets sweep --isolate --optimizer "${OPTIMIZER:-sgd}" --json --quiet --steps 5 --warmup 2 \
+      --configs "${SWEEP_CONFIGS:-checkpoint,graph}" --plot "$out/sweep_$preset${OPTIMIZER:+_$OPTIMIZER}.png" ;;
   budgets)
     preset=${2:?"budgets: which preset"}; sizes=${3:?"budgets: which sizes, e.g. 6.84GiB,7.03GiB"}
-    run "budgets_$preset" python3 -m graphslot.cli bench --preset "$preset" --budgets "$sizes" \
+    run "budgets_$preset${OPTIMIZER:+_$OPTIMIZER}" python3 -m graphslot.cli bench --preset "$preset" \
+      --budgets "$sizes" --optimizer "${OPTIMIZER:-sgd}" \
       --isolate --json --quiet --steps 5 --warmup 2 --configs "${SWEEP_CONFIGS:-checkpoint,graph}" ;;
   held)
     run "held_${2:-launch}" python3 benchmarks/held_by_stream.py --preset "${2:-launch}" ;;
