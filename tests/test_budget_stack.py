@@ -608,3 +608,21 @@ def test_a_kept_grad_that_takes_a_budgets_step_over_it_is_named_unless_planned_f
         assert len(said) == 1 and "keep_grads=True" in said[0]
         grads = sum(p.numel() * p.element_size() for p in stack.parameters())
         assert f"the gradients ({format_bytes(grads)})" in said[0]
+
+
+def test_with_main_grad_the_plan_counts_no_gradient_buffers(clean, monkeypatch):
+    """With main_grad=True the backward graphs add into main_grad, which the process holds
+    before the build: the plan counts no gradient buffers of the stack's (before, every
+    plan counted the gradients a second time, in homes or in the pool)."""
+    b = clean
+    fake_profile(monkeypatch, [gb.LayerCost(1.0, 2.0, 4 * MiB, grad_bytes=8 * MiB)] * 3)
+    peaks = {}
+    for main in (False, True):
+        model = small_gpt(b, 3)
+        if main:
+            for p in model.parameters():
+                p.main_grad = torch.zeros_like(p)
+        with graphed(model, b, None, memory_budget="auto", main_grad=main) as stack:
+            assert all(c.grad_bytes == (0 if main else 8 * MiB) for c in stack.plan.profile.layers)
+            peaks[main] = gb.predict_peak_bytes(stack.plan.profile, stack.plan.detailed, stack.plan.mode)
+    assert peaks[True] < peaks[False]

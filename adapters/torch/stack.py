@@ -535,6 +535,10 @@ class GraphedLayers(nn.Module):
         b.synchronize()
         with b.stream(self._warmup_stream):
             costs = profile_units(b, mods, sample)
+        if self.main_grad:
+            # (the backward graphs add into main_grad, made before the build and so in the
+            # fixed memory: the pool holds no gradient buffers and the stack no homes)
+            costs = [replace(c, grad_bytes=0) for c in costs]
         probe = min(max(c.saved_bytes for c in costs), 256 << 20) or (1 << 20)
         bw = copy_bandwidth(b, probe, reps=3)
         release_unused(b)
