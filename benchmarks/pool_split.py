@@ -64,20 +64,23 @@ def child(variant: str, preset: str, mode: str, max_split_mib: int, steps: int) 
     if variant == "split":
         build_backward = GraphRunner.build_backward
 
-        def own_pool(self, *args, **kwargs):  # the backward graph in a pool of its own
-            host_new_graph = self.host.new_graph
+        shared_new_graph = GraphedLayers._new_graph
 
-            def new_graph():
+        def own_pool(self, *args, **kwargs):  # the backward graph in a pool of its own
+            def new_graph(stack):
                 g = b.new_graph()
                 backward_pools.append(g)
                 return g
-            self.host.new_graph = new_graph
+            GraphedLayers._new_graph = new_graph  # (what the runner's host calls)
             try:
                 return build_backward(self, *args, **kwargs)
             finally:
-                self.host.new_graph = host_new_graph
+                GraphedLayers._new_graph = shared_new_graph
         GraphRunner.build_backward = own_pool
-    stack = GraphedLayers(layers, x, mode=mode, recompute_layers=range(len(layers)))
+    n = len(layers)
+    # (remap: every recomputed layer's input goes to the host, as in the least plan)
+    stack = GraphedLayers(layers, x, mode=mode, recompute_layers=range(n),
+                          offload_layers=range(n) if mode != "off" else [])
     opt = torch.optim.SGD([p for m in layers for p in m.parameters()], lr=1e-3)
     times, peak = train(b, stack, opt, x, gy, steps)
     pools: dict[str, dict] = {}

@@ -4,23 +4,27 @@ to count though it does not exist yet when a stack is built.
 torch's optimizers make their per-parameter state (Adam's two moments, SGD's momentum
 buffer) lazily, at the first ``step()`` that sees a gradient. A stack built under a memory
 budget before that step would plan without it, and the first step would then add, for
-Adam, twice the parameters' bytes on top of the plan. :func:`optimizers_holding` finds the
-optimizers that hold given parameters, :func:`pending_state_bytes` says what they will
-still make for them, and :func:`state_bytes` what they hold now.
+Adam, twice the parameters' bytes on top of the plan. :func:`live_optimizers` finds the
+process's optimizers, :func:`pending_state_bytes` says what one will still make,
+:func:`state_bytes` what it holds now, and :class:`StateWatch` names state that outgrew
+what was counted.
 """
 
 from __future__ import annotations
 
 import gc
 import math
+import threading
 import warnings
 import weakref
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
-__all__ = ["optimizers_holding", "pending_state_bytes", "state_bytes", "StateWatch"]
+from .memory import tracked_objects
+
+__all__ = ["live_optimizers", "pending_state_bytes", "state_bytes", "StateWatch"]
 
 Group = dict
 
@@ -78,92 +82,117 @@ def _rule(opt: torch.optim.Optimizer) -> Callable[[Group, torch.Tensor], int] | 
     return next((rule for cls, rule in _STATE if isinstance(opt, cls)), None)
 
 
-def optimizers_holding(params: Iterable[torch.Tensor]) -> list[torch.optim.Optimizer]:
-    """The live optimizers (``torch.optim.Optimizer`` instances) any of whose parameter
-    groups hold one of ``params``."""
-    ids = {id(p) for p in params}
+def live_optimizers() -> list[torch.optim.Optimizer]:
+    """The process's optimizers (``torch.optim.Optimizer`` instances), frozen ones
+    included, after a collection (an optimizer dead in a cycle holds nothing to come)."""
+    gc.collect()
     opt = torch.optim.Optimizer
     # (type(), not isinstance: some objects answer isinstance through a __class__ that
-    # warns or raises)
-    return [o for o in gc.get_objects() if issubclass(type(o), opt)
-            and any(id(p) in ids for g in o.param_groups for p in g["params"])]
+    # warns or raises; and one whose constructor raised has no param_groups)
+    return [o for o in tracked_objects() if issubclass(type(o), opt)
+            and isinstance(getattr(o, "param_groups", None), list)]
 
 
-def _held(opt: torch.optim.Optimizer, ids: frozenset[int]) -> list[tuple[Group, torch.Tensor]]:
-    return [(g, p) for g in opt.param_groups for p in g["params"] if id(p) in ids]
+def _held(opt: torch.optim.Optimizer, params: Sequence[torch.Tensor] | None,
+          device_type: str | None) -> list[tuple[Group, torch.Tensor]]:
+    """``opt``'s parameters, with their groups: those of ``params`` (all where None), on
+    ``device_type`` (any where None)."""
+    ids = None if params is None else {id(p) for p in params}
+    return [(g, p) for g in opt.param_groups if isinstance(g, dict)
+            for p in g.get("params", ()) if isinstance(p, torch.Tensor)
+            and (ids is None or id(p) in ids)
+            and (device_type is None or p.device.type == device_type)]
 
 
-def pending_state_bytes(opt: torch.optim.Optimizer, params: Sequence[torch.Tensor]) -> int | None:
-    """Bytes of state ``opt`` will make at its next steps for those of ``params`` it holds
-    that want a gradient and have no state yet; None where ``opt``'s kind is not known
-    (not one of torch's optimizers, or LBFGS, whose history grows as it goes)."""
+def pending_state_bytes(opt: torch.optim.Optimizer, params: Sequence[torch.Tensor] | None = None,
+                        device_type: str | None = None) -> int | None:
+    """Bytes of state ``opt`` will make at its next steps for its parameters (those of
+    ``params``, on ``device_type``, where given) that want a gradient and have no state
+    yet; None where ``opt``'s kind is not known (not one of torch's optimizers, or LBFGS,
+    whose history grows as it goes)."""
     rule = _rule(opt)
     if rule is None:
         return None
-    return sum(rule(g, p) for g, p in _held(opt, frozenset(map(id, params)))
+    return sum(rule(g, p) for g, p in _held(opt, params, device_type)
                if p.requires_grad and not opt.state.get(p))
 
 
-def state_bytes(opt: torch.optim.Optimizer, params: Sequence[torch.Tensor],
+def state_bytes(opt: torch.optim.Optimizer, params: Sequence[torch.Tensor] | None = None,
                 device_type: str | None = None) -> int:
-    """Bytes of the state tensors ``opt`` holds now for those of ``params`` it holds (those
-    on ``device_type`` only, where given)."""
-    return _state_bytes_by_id(opt, frozenset(map(id, params)), device_type)
-
-
-def _state_bytes_by_id(opt: torch.optim.Optimizer, ids: frozenset[int],
-                       device_type: str | None) -> int:
+    """Bytes of the state tensors ``opt`` holds now for its parameters (those of
+    ``params`` where given), the tensors on ``device_type`` alone where given."""
     n = 0
-    for _, p in _held(opt, ids):
+    for _, p in _held(opt, params, None):
         for v in opt.state.get(p, {}).values():
             if isinstance(v, torch.Tensor) and (device_type is None or v.device.type == device_type):
                 n += v.numel() * v.element_size()
     return n
 
 
-
 class StateWatch:
-    """Warns, once per optimizer, when after a step an optimizer holds more state for
-    ``params`` than was counted for it (an optimizer made after a budget was planned, or
-    one whose state :func:`pending_state_bytes` cannot tell). Watches every optimizer's
-    steps through torch's global step hook until :meth:`close`.
+    """Warns, once per optimizer, when after a step an optimizer holds more state on
+    ``device_type`` than was counted for it (one made after a budget was planned, or one
+    whose state :func:`pending_state_bytes` cannot tell). Watches every optimizer's steps
+    until :meth:`close`.
 
     Args:
-        params: the parameters watched (held by their ids: the watch keeps none alive).
-        counted: per optimizer, the bytes of its state for ``params`` that were counted.
+        counted: per optimizer, the bytes of its state that were counted (0 for others).
         say: the warning's text for an optimizer and the bytes beyond what was counted
             ("": no warning, the bytes mattering not).
         device_type: count state tensors on this device type only.
         slack: bytes beyond the counted figure that go unremarked.
     """
 
-    def __init__(self, params: Iterable[torch.Tensor],
-                 counted: weakref.WeakKeyDictionary[torch.optim.Optimizer, int],
+    def __init__(self, counted: weakref.WeakKeyDictionary[torch.optim.Optimizer, int],
                  say: Callable[[torch.optim.Optimizer, int], str], *,
                  device_type: str | None = None, slack: int = 1 << 20) -> None:
-        self._ids = frozenset(id(p) for p in params)
         self._counted = counted
         self._say = say
         self._device_type = device_type
         self._slack = slack
         self._checked: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
-        self._handle: Any = register_optimizer_step_post_hook(self._after_step)
+        _watching(self)
 
-    def _after_step(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    def after_step(self, opt: torch.optim.Optimizer) -> None:
         if opt in self._checked:
             return
-        now = _state_bytes_by_id(opt, self._ids, self._device_type)
+        now = state_bytes(opt, device_type=self._device_type)
         if not now:
-            return  # (not holding, or no state for these parameters yet)
+            # Nothing made yet: look again at its next step, unless it never will (none of
+            # its parameters here, or a kind that keeps no state, such as plain SGD).
+            if not _held(opt, None, self._device_type) or pending_state_bytes(
+                    opt, device_type=self._device_type) == 0:
+                self._checked.add(opt)
+            return
         self._checked.add(opt)
         extra = now - self._counted.get(opt, 0)
         if extra > self._slack:
             said = self._say(opt, extra)
             if said:
-                warnings.warn(said, stacklevel=3)
+                warnings.warn(said, stacklevel=4)
 
     def close(self) -> None:
-        """Stop watching (safe to call again)."""
-        if self._handle is not None:
-            self._handle.remove()
-            self._handle = None
+        """Stop watching (safe to call again, from any thread, at any time)."""
+        _WATCHES.discard(self)
+
+
+# One step hook for every watch, registered once: a watch's close() (a finalizer may run
+# it inside a step, as a collection comes) then never changes torch's hook table while
+# torch walks it.
+_WATCHES: weakref.WeakSet[StateWatch] = weakref.WeakSet()
+_hook_lock = threading.Lock()
+_hooked = False
+
+
+def _watching(watch: StateWatch) -> None:
+    global _hooked
+    with _hook_lock:
+        _WATCHES.add(watch)
+        if not _hooked:
+            register_optimizer_step_post_hook(_after_any_step)
+            _hooked = True
+
+
+def _after_any_step(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    for watch in list(_WATCHES):
+        watch.after_step(opt)

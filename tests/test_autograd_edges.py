@@ -119,3 +119,41 @@ def test_a_model_moved_to_another_dtype_is_refused_naming_the_moved_parameters(c
         x, _ = _data(b)
         with pytest.raises(CaptureMismatchError, match=r"layer 0\.0\.weight lies elsewhere"):
             m(x.double())
+
+
+def test_a_shallow_copy_or_a_replica_is_refused_too(clean):
+    b = clean
+    _, m = _pair(b)
+    with m.stack:
+        with pytest.raises(UsageError, match="cannot be copied"):
+            copy.copy(m.stack)
+        with pytest.raises(UsageError, match="cannot be replicated"):
+            m.stack._replicate_for_data_parallel()
+
+
+def test_without_gradients_another_autocast_runs_eagerly_and_a_non_tensor_is_named(clean):
+    b = clean
+    eager, m = _pair(b)
+    with m.stack:
+        x, _ = _data(b)
+        with torch.no_grad(), torch.autocast(b.device.type, dtype=torch.bfloat16):
+            assert torch.equal(m(x), eager(x))
+        with torch.no_grad(), pytest.raises(CaptureMismatchError, match="one tensor input, got list"):
+            m.stack([x])
+
+
+def test_tensors_without_memory_alive_in_the_process_do_not_trip_the_holders_scan(clean):
+    """Before graphslot writes a gradient buffer again, it finds who else holds it among
+    every tensor alive; torch.compile leaves fake tensors in its caches, which have no
+    memory to ask about."""
+    from torch._subclasses.functional_tensor import FunctionalTensorMode
+
+    from graphslot.adapters.torch.grads import give_holders_own_bytes
+
+    with FunctionalTensorMode():
+        functional = torch.empty(4)  # noqa: F841 (alive, as compile's caches keep them)
+    t = torch.arange(8.0)
+    view = t[2:4]
+    lo = t.data_ptr()
+    give_holders_own_bytes(t, lo, lo + t.untyped_storage().nbytes(), (t,))
+    assert view.data_ptr() != t.data_ptr() + 8 and torch.equal(view, torch.tensor([2.0, 3.0]))

@@ -333,7 +333,7 @@ def test_a_budget_the_model_refuses_fits_when_the_least_plan_built_holds_less():
 def test_a_budget_no_built_plan_fits_is_refused_naming_what_the_least_held():
     p = llama_like()
     least = smallest_peak(p)
-    with pytest.raises(UsageError, match=f"built, the least plan .* holds .*{least - 50 * MiB} bytes"):
+    with pytest.raises(UsageError, match=f"the least built .* holds .*{least - 50 * MiB} bytes"):
         fit_budget(p, least - 100 * MiB, Builds(p, lambda plan: -50 * MiB))
 
 

@@ -626,3 +626,27 @@ def test_with_main_grad_the_plan_counts_no_gradient_buffers(clean, monkeypatch):
             assert all(c.grad_bytes == (0 if main else 8 * MiB) for c in stack.plan.profile.layers)
             peaks[main] = gb.predict_peak_bytes(stack.plan.profile, stack.plan.detailed, stack.plan.mode)
     assert peaks[True] < peaks[False]
+
+
+def test_a_kept_input_gradient_is_no_kept_parameter_gradient(clean, monkeypatch):
+    """A leaf input used again keeps its .grad (the first layer's buffer, copied out at the
+    next forward): that is the caller's tensor, not the parameters' gradients, and no
+    keep_grads would change it: nothing is said."""
+    b = clean
+    fake_profile(monkeypatch, [gb.LayerCost(1.0, 2.0, 4 * MiB, recompute_ms=4.0)] * 3)
+    torch.manual_seed(0)
+    layers = [torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.GELU()).to(b.device)
+              for _ in range(3)]
+    x = torch.randn(16, 64, device=b.device, requires_grad=True)
+    with gt.GraphedLayers(layers, x, memory_budget="auto", layers_per_graph=1, backend=b) as probe:
+        budget = probe.plan.predicted_peak_bytes + 1024  # (less than the gradients' bytes)
+        assert not probe._grad_homes
+    with gt.GraphedLayers(layers, x, memory_budget=budget, layers_per_graph=1, backend=b) as stack:
+        with warnings.catch_warnings(record=True) as w:
+            warnings.simplefilter("always")
+            for _ in range(3):
+                stack(x).sum().backward()  # (x.grad kept and accumulated; parameters' too)
+                for m in layers:
+                    m.zero_grad(set_to_none=True)
+        assert x.grad is not None
+    assert not [m for m in w if ".grad was kept through a forward" in str(m.message)]

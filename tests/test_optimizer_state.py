@@ -9,13 +9,11 @@ import warnings
 import pytest
 import torch
 from torch import nn
-from torch.optim.optimizer import _global_optimizer_post_hooks
-
 from graphslot import budget as gb
+from graphslot import optimizer_state
 from graphslot.adapters import torch as gt
 from graphslot.errors import BudgetError
-from graphslot.optimizer_state import (StateWatch, optimizers_holding, pending_state_bytes,
-                                       state_bytes)
+from graphslot.optimizer_state import StateWatch, live_optimizers, pending_state_bytes, state_bytes
 from test_budget_stack import fake_profile
 
 MiB = 1 << 20
@@ -58,7 +56,6 @@ def test_the_state_told_before_the_first_step_is_what_the_step_makes(name, kw):
     opt.step()
     assert told == _big_state(opt, params) - made_before
     assert pending_state_bytes(opt, params) == 0  # (made now)
-    assert state_bytes(opt, params) >= _big_state(opt, params)
 
 
 def test_state_is_told_for_the_parameters_asked_about_alone():
@@ -83,11 +80,24 @@ def test_an_optimizer_of_a_kind_it_cannot_tell_says_so():
     assert pending_state_bytes(torch.optim.LBFGS(params[:1]), params) is None
 
 
-def test_the_optimizers_holding_parameters_are_found():
-    mine, theirs = _params(), _params()
-    a, b = torch.optim.Adam(mine[:1]), torch.optim.SGD(theirs, lr=0.1)
-    found = optimizers_holding(mine)
-    assert a in found and b not in found
+def test_live_optimizers_are_found_frozen_ones_too_and_half_built_ones_are_passed_over():
+    import gc
+
+    mine = _params()
+    a = torch.optim.Adam(mine[:1])
+    try:
+        torch.optim.Adam(_params(), lr=-1.0)  # (raises before it has param_groups)
+    except ValueError as e:
+        kept = e  # (its traceback keeps the half-built optimizer alive)
+    gc.freeze()
+    try:
+        b = torch.optim.SGD(mine, lr=0.1)
+        found = live_optimizers()
+        assert any(o is a for o in found) and any(o is b for o in found)
+        assert all(isinstance(o.param_groups, list) for o in found)
+    finally:
+        gc.unfreeze()
+    del kept
 
 
 def _step(opt: torch.optim.Optimizer, params: list[nn.Parameter]) -> None:
@@ -102,21 +112,39 @@ def test_the_watch_warns_once_per_optimizer_past_what_was_counted_and_stops_at_c
 
     params = _params()
     counted_one, uncounted = torch.optim.Adam(params), torch.optim.Adam(params)
-    want = pending_state_bytes(counted_one, params)
+    want = pending_state_bytes(counted_one)
     counted = weakref.WeakKeyDictionary({counted_one: want})
-    hooks = len(_global_optimizer_post_hooks)
-    watch = StateWatch(params, counted, lambda o, extra: f"{type(o).__name__} {extra}",
+    watch = StateWatch(counted, lambda o, extra: f"{type(o).__name__} {extra}",
                        slack=64)  # (the step counters, a few bytes each, are not counted)
-    assert len(_global_optimizer_post_hooks) == hooks + 1
     with warnings.catch_warnings(record=True) as w:
         warnings.simplefilter("always")
         _step(counted_one, params)
         _step(uncounted, params)
         _step(uncounted, params)  # (once)
-    assert [str(m.message) for m in w] == [f"Adam {state_bytes(uncounted, params)}"]
+    assert [str(m.message) for m in w] == [f"Adam {state_bytes(uncounted)}"]
     watch.close()
     watch.close()
-    assert len(_global_optimizer_post_hooks) == hooks
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        _step(torch.optim.Adam(params), params)
+    assert w == []
+
+
+def test_a_watch_closed_inside_a_step_leaves_the_step_alone():
+    """A stack dropped without close() is collected when a collection comes, which may be
+    inside an optimizer's step: its watch closing then must not disturb torch's hooks."""
+    import weakref
+
+    params = _params()
+    watches = [StateWatch(weakref.WeakKeyDictionary(), lambda o, extra: "") for _ in range(3)]
+    from torch.optim.optimizer import register_optimizer_step_post_hook
+
+    closing = register_optimizer_step_post_hook(lambda o, a, k: [w.close() for w in watches])
+    try:
+        _step(torch.optim.Adam(params), params)  # (raised "mutated during iteration" before)
+    finally:
+        closing.remove()
+    assert not any(w in optimizer_state._WATCHES for w in watches)
 
 
 def _blocks(h: int = 256, n: int = 3) -> list[nn.Module]:
@@ -144,13 +172,36 @@ def test_the_state_an_optimizer_made_before_the_build_will_make_is_in_the_plan(c
         params = [p for m in layers for p in m.parameters()]
         opt = torch.optim.SGD(params, lr=0.1) if name == "SGD" else torch.optim.Adam(params)
         moments = 0 if name == "SGD" else 2 * sum(p.numel() * p.element_size() for p in params)
+        others = _others_pending(b, opt)
         with gt.GraphedLayers(layers, _sample(b), memory_budget="auto", backend=b) as stack:
-            assert stack.plan.profile.optimizer_state_bytes == moments
+            assert stack.plan.profile.optimizer_state_bytes == moments + others
         with pytest.raises(BudgetError) as e:
             gt.GraphedLayers(layers, _sample(b), memory_budget=1, backend=b)
         least[name] = e.value.least_bytes  # (with room, in whole granules)
         del opt
     assert moments > 0 and abs(least["Adam"] - least["SGD"] - moments) <= b.granularity
+
+
+def _others_pending(b, *mine: torch.optim.Optimizer) -> int:
+    """What the process's other live optimizers will make on ``b``'s device (the test
+    session's own)."""
+    return sum(pending_state_bytes(o, device_type=b.device.type) or 0 for o in live_optimizers()
+               if all(o is not m for m in mine))
+
+
+def test_the_state_for_parameters_outside_the_stack_is_counted_too(clean, monkeypatch):
+    """The budget is the process's peak: an optimizer's state for the model's other
+    parameters (an embedding, a head) comes at the same first step."""
+    b = clean
+    _fake(monkeypatch)
+    layers = [m.to(b.device) for m in _blocks()]
+    embed = nn.Embedding(1000, 256).to(b.device)
+    opt = torch.optim.AdamW(list(embed.parameters()) + [p for m in layers for p in m.parameters()])
+    everything = 2 * sum(p.numel() * p.element_size() for g in opt.param_groups for p in g["params"])
+    others = _others_pending(b, opt)
+    with gt.GraphedLayers(layers, _sample(b), memory_budget="auto", backend=b) as stack:
+        assert stack.plan.profile.optimizer_state_bytes == everything + others
+    del opt
 
 
 @pytest.mark.parametrize("made", ["before", "after"])
@@ -163,9 +214,9 @@ def test_state_an_optimizer_made_after_the_build_is_named_at_its_first_step(clea
     # (a budget the plan without Adam's moments fits, with a MiB to spare)
     with gt.GraphedLayers(layers, _sample(b), memory_budget="auto", backend=b) as probe:
         budget = probe.plan.predicted_peak_bytes + MiB
-    hooks = len(_global_optimizer_post_hooks)
+    watching = len(optimizer_state._WATCHES)
     with gt.GraphedLayers(layers, _sample(b), memory_budget=budget, backend=b) as stack:
-        assert len(_global_optimizer_post_hooks) == hooks + 1
+        assert len(optimizer_state._WATCHES) == watching + 1
         opt = opt or torch.optim.Adam(params)
         with warnings.catch_warnings(record=True) as w:
             warnings.simplefilter("always")
@@ -181,4 +232,4 @@ def test_state_an_optimizer_made_after_the_build_is_named_at_its_first_step(clea
             assert len(said) == 1 and "did not count" in said[0] and "Build the stack after" in said[0]
             from graphslot.sizes import format_bytes
             assert format_bytes(moments) in said[0]
-    assert len(_global_optimizer_post_hooks) == hooks  # (closed with the stack)
+    assert len(optimizer_state._WATCHES) == watching  # (closed with the stack)

@@ -615,14 +615,17 @@ class GraphRunner:
         ``.grad`` under accumulation, or a kept reference) gets bytes of its own first."""
         if use_count is not None and use_count(pg.storage) <= pg.base_refs:
             return  # nobody kept it: the usual case after zero_grad(set_to_none=True)
+        kept = False
         g = pg.grad()
         if g is not None and g.data_ptr() == pg.ptr:
             # The same tensor object keeps its identity (references to it stay good) and
             # gets its own bytes; autograd then adds the next gradient into it, as eagerly.
             g.data = g.clone()
-            self.host.saw_kept_grad()
+            kept = True
         if pg.others_hold():
             self._move_out(pg)
+            kept = True
+        if kept and pg.param is not None:  # (the stack's input gradient is no parameter's)
             self.host.saw_kept_grad()
 
     def _move_out(self, pg: ParamGrad) -> None:

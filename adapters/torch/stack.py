@@ -77,7 +77,7 @@ from graphslot.budget import (OFFLOAD, RECOMPUTE, RECOMPUTE_CHEAP, BudgetPlan, S
 from graphslot.errors import BudgetError, CaptureMismatchError, StateError, UsageError
 from graphslot.memory import release_unused, saved_bytes_per_layer
 from graphslot.offload import SECTION_BYTES, Mode, OffloadEngine, ping_pong_banks
-from graphslot.optimizer_state import StateWatch, optimizers_holding, pending_state_bytes, state_bytes
+from graphslot.optimizer_state import StateWatch, live_optimizers, pending_state_bytes, state_bytes
 from graphslot.precision import autocast_dtype
 from graphslot.profile import copy_bandwidth, held_bytes, profile_units
 from graphslot.selection import get_backend
@@ -450,14 +450,15 @@ class GraphedLayers(nn.Module):
         if not (isinstance(budget, str) and budget.strip().lower() == "auto"):
             parse_budget(budget)  # (a bad one fails before any work)
         units = plan_graphs(n, set(), layers_per_graph, saved)
-        # torch's optimizers make their state at their first step: what those holding the
-        # layers' parameters will still make is counted as held from the start
-        params = [p for p in self.layers.parameters() if p.requires_grad]
+        # torch's optimizers make their state at their first step: what the process's
+        # optimizers will still make on this device (for the layers' parameters and any
+        # other, the budget being the process's) is counted as held from the start
+        dev = b.device.type
         counted: weakref.WeakKeyDictionary[torch.optim.Optimizer, int] = weakref.WeakKeyDictionary()
         pending = 0
-        for opt in optimizers_holding(params):
-            will = pending_state_bytes(opt, params) or 0  # (None: a kind it cannot tell)
-            counted[opt] = state_bytes(opt, params, b.device.type) + will
+        for opt in live_optimizers():
+            will = pending_state_bytes(opt, device_type=dev) or 0  # (None: a kind it cannot tell)
+            counted[opt] = state_bytes(opt, device_type=dev) + will
             pending += will
         profile = self._profile(units, sample, section_bytes, pending)
         mapped_before = b.ledger.mapped_bytes  # (other stacks' pages, say)
@@ -509,8 +510,7 @@ class GraphedLayers(nn.Module):
                               least_plan=least) from None
         self.plan = _per_layer(plan, units)
         if plan.budget_bytes is not None:
-            self._state_watch = StateWatch(params, counted, _state_warning(plan),
-                                           device_type=b.device.type)
+            self._state_watch = StateWatch(counted, _state_warning(plan), device_type=dev)
             weakref.finalize(self, self._state_watch.close).atexit = False
 
     def _output_copy_bytes(self, held: int) -> int:
@@ -755,6 +755,16 @@ class GraphedLayers(nn.Module):
             "would share. Copy the layers (or the model's state_dict) before building the "
             "stack, or build another stack over the copy")
 
+    def __copy__(self) -> GraphedLayers:
+        raise UsageError(
+            "GraphedLayers cannot be copied: its graphs read fixed device memory that a copy "
+            "would share. Build another stack over copies of the layers")
+
+    def _replicate_for_data_parallel(self) -> Any:
+        raise UsageError(
+            "GraphedLayers cannot be replicated (nn.DataParallel): its graphs are this "
+            "device's. Run one process per device, each building its own stack")
+
     def __reduce_ex__(self, protocol: Any) -> Any:
         raise UsageError(
             "GraphedLayers cannot be pickled (torch.save of a model holding it): its graphs and "
@@ -770,7 +780,10 @@ class GraphedLayers(nn.Module):
         # (before anything runs: a mismatch loses nothing; moved parameters first, since
         # .double() or .half() on the model changes the input's dtype too)
         self._check_in_place()
-        if not torch.is_grad_enabled() and not self._runners[0].fits(x):
+        if not isinstance(x, torch.Tensor):
+            self._runners[0].check_input(x)  # (names what it got)
+        if not torch.is_grad_enabled() and (not self._runners[0].fits(x) or
+                                            autocast_dtype(x.device.type) != self.autocast_dtype):
             return self._eager(x)  # no backward can follow: any input, as in eval mode
         self._runners[0].check_input(x)
         if autocast_dtype(x.device.type) != self.autocast_dtype:
@@ -904,8 +917,8 @@ def _state_warning(plan: BudgetPlan) -> Callable[[torch.optim.Optimizer, int], s
     def say(opt: torch.optim.Optimizer, extra: int) -> str:
         if peak + extra <= budget:
             return ""  # (the budget holds all the same)
-        return (f"GraphedLayers: {type(opt).__name__} made {format_bytes(extra)} of state for "
-                f"the stack's parameters that its memory budget's plan did not count: the "
+        return (f"GraphedLayers: {type(opt).__name__} made {format_bytes(extra)} of state on the "
+                f"device that the stack's memory budget's plan did not count: the "
                 f"step holds about {format_bytes(peak + extra)} where the plan said "
                 f"{format_bytes(peak)}, against a budget of {format_bytes(budget)}. Build the "
                 "stack after the optimizer is made (torch's optimizers' state is then counted "
