@@ -906,7 +906,19 @@ class GraphedLayers(nn.Module):
 _compiling: Callable[[], bool] = getattr(torch.compiler, "is_compiling", lambda: False)
 # (torch's lazily importing form of torch.compiler.disable: dynamo is imported by the
 # first call, which comes only under torch.compile, where it is imported already)
-_uncompiled_forward = torch._disable_dynamo(GraphedLayers._forward)
+def _lazily_uncompiled(fn: Callable[..., Any]) -> Callable[..., Any]:
+    made: list[Callable[..., Any]] = []
+
+    def call(*args: Any) -> Any:
+        if not made:
+            import torch._dynamo
+
+            made.append(torch._dynamo.disable(fn))
+        return made[0](*args)
+    return call
+
+
+_uncompiled_forward = getattr(torch, "_disable_dynamo", _lazily_uncompiled)(GraphedLayers._forward)
 
 
 def _state_warning(plan: BudgetPlan) -> Callable[[torch.optim.Optimizer, int], str]:
