@@ -738,6 +738,7 @@ def test_an_adamw_run_steps_adamw_in_every_configuration(backend, monkeypatch):
                   optimizer="adamw")
     # (each configuration: a warm-up and a timed step, then a timeline and a memory step)
     assert r["optimizer"] == "adamw" and stepped == ["AdamW"] * 8
+    assert "forward, backward, AdamW, zero_grad" in bench_report.render_table(r)
     assert "step_ms" in r["configs"]["graph_auto"], r["configs"]["graph_auto"]
     with pytest.raises(graphslot.UsageError, match="optimizer must be one of sgd, adamw"):
         run_bench(backend, shape, steps=1, warmup=1, progress=False, configs=("eager",),

@@ -138,7 +138,7 @@ def test_the_least_budget_a_refusal_names_builds_again(clean):
         try:
             graphed(model, b, None, memory_budget=1)
         except BudgetError as e:
-            assert re.search(rf"a budget of .* \({e.least_bytes} bytes\) builds it", str(e))
+            assert re.search(rf"a budget of .* \({e.least_bytes} bytes\) fits it", str(e))
             assert e.least_bytes % b.granularity == 0
             with graphed(model, b, None, memory_budget=e.least_bytes) as stack:
                 assert stack.plan.predicted_peak_bytes <= e.least_bytes

@@ -239,7 +239,7 @@ class GraphedLayers(nn.Module):
 
     Raises:
         BudgetError: a budget below the least any plan reaches (the message names that
-            least peak and a budget that builds it, with room for what the process holds
+            least peak and a budget that fits it, with room for what the process holds
             moving between builds; ``least_bytes`` holds that budget).
         UsageError: no layers, a sample that is not a tensor on the backend's device, a
             bad layer index or mode, a budget beside explicit layer lists, or
@@ -504,8 +504,9 @@ class GraphedLayers(nn.Module):
             # (the least plan named per layer, as stack.plan names a plan)
             least = _per_layer(e.least_plan, units) if isinstance(e.least_plan, BudgetPlan) else None
             said = str(e) if least is None else refusal_message(e.budget_bytes, least)
-            raise BudgetError(f"{said}; a budget of {format_bytes(room)} ({room} bytes) builds "
-                              "it, with room for what the process holds moving between builds",
+            raise BudgetError(f"{said}; a budget of {format_bytes(room)} ({room} bytes) fits "
+                              "it, with room for what the process holds moving between builds "
+                              "(built at that budget, the stack takes the fastest plan that fits)",
                               budget_bytes=e.budget_bytes, least_bytes=room,
                               least_plan=least) from None
         self.plan = _per_layer(plan, units)

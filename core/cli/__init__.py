@@ -111,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
     Returns the exit status instead of raising ``SystemExit``: 0 on success (and for
     ``--help``), 1 where a subcommand reports a failed check (e.g. ``demo --strict``),
     2 for bad input (one line on stderr naming the argument or what was wrong), 130 on
-    an interrupt.
+    an interrupt; 0 where the reader of its output stopped reading (``| head``).
     """
     import logging
 
@@ -129,3 +129,10 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"{where}: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:
+        # The reader stopped reading (``| head``): what it took was written; say nothing
+        # more, and let the interpreter's last flush of stdout go nowhere.
+        import os
+
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0

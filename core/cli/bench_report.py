@@ -253,6 +253,10 @@ def _plan_text(plan: dict[str, Any]) -> str:
     return f"{letters} ({plan.get('mode', '?')})"
 
 
+#: the optimizers' names as the table's head gives them (``--optimizer``)
+_OPTIMIZER_NAMES = {"sgd": "SGD", "adamw": "AdamW"}
+
+
 def render_table(r: dict[str, Any]) -> str:
     """The report as text: a head, every configuration's row, the planned configurations'
     table, then what was skipped and what warned."""
@@ -261,7 +265,8 @@ def render_table(r: dict[str, Any]) -> str:
             + ("; each configuration in a process of its own" if r.get("isolated") else "")]
     head.append("times per optimizer step (" + (f"{per} microbatches' forward and backward, "
                 if per > 1 else "forward, backward, ")
-                + f"SGD, zero_grad(set_to_none={r.get('set_to_none', True)}))")
+                + f"{_OPTIMIZER_NAMES.get(r.get('optimizer', 'sgd'), r.get('optimizer'))}, "
+                f"zero_grad(set_to_none={r.get('set_to_none', True)}))")
     if r.get("copy_ceiling_gbps") is not None:
         head.append(f"copy ceiling {r['copy_ceiling_gbps']:.1f} GB/s; saved activations "
                     f"{format_bytes(r['saved_activation_bytes'])} per forward")
