@@ -1,7 +1,7 @@
 """GraphedLayers in the training loops users write, over model families: random draws of
 a family (encoder layers, MLPs with in-place activations, batch-norm convolutions,
 layers that change the hidden size), a build (a memory budget or explicit offload and
-recompute lists, joined or per-layer graphs, each mode) and a loop (microbatches,
+recompute lists, joined or per-layer graphs, each mode, ``keep_grads`` or not) and a loop (microbatches,
 ``.grad`` kept or set to None, SGD or AdamW, frozen parameters, an input with or without
 a gradient, a validation pass in eval mode, autocast, one seed set before the build).
 Losses, parameters, buffers and gradients must equal eager's bit for bit.
@@ -119,7 +119,7 @@ def _cases(draw):
         family=draw(st.sampled_from(sorted(_FAMILIES))), n=n,
         drop=draw(st.sampled_from([0.0, 0.2])),
         inplace=draw(st.booleans()), budget=draw(st.sampled_from(["auto", "least"])),
-        explicit=explicit,
+        explicit=explicit, keep_grads=draw(st.booleans()),
         loop=dict(micro=draw(st.integers(1, 2)), keep_grad=draw(st.booleans()),
                   adam=draw(st.booleans()), amp=draw(st.booleans()),
                   validate=draw(st.booleans()), input_grad=draw(st.booleans()),
@@ -148,7 +148,7 @@ def test_a_training_loop_runs_as_eager_bitwise(clean, case, monkeypatch):
 
     model = copy.deepcopy(base)
     sample = torch.randn(2, 8, h, device=b.device, requires_grad=loop["input_grad"])
-    kw: dict = dict(backend=b, **case["explicit"])
+    kw: dict = dict(backend=b, keep_grads=case["keep_grads"], **case["explicit"])
     if not case["explicit"]:
         kw["memory_budget"] = "auto"
         if case["budget"] == "least":
