@@ -478,7 +478,8 @@ def test_an_isolated_variant_reaches_its_process(backend):
     assert r["configs"]["eager@acc2"]["accumulate"] == 2
 
 
-@pytest.mark.parametrize("name", ["eager@keeps", "graph@acc0", "graph@", "bogus@keep"])
+@pytest.mark.parametrize("name", ["eager@keeps", "graph@acc0", "graph@", "bogus@keep", "graph@acc2@acc3",
+                                  "graph@keep@none"])
 def test_a_bad_variant_is_refused_naming_it(capsys, nothing_runs, name):
     rc = cli.main(["bench", "--preset", "tiny", "--quiet", "--configs", name])
     err = capsys.readouterr().err.strip()

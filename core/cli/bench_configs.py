@@ -99,8 +99,13 @@ def split_variant(name: str) -> tuple[str, bool | None, int | None]:
     accumulate: int | None = None
     for part in parts:
         if part in ("keep", "none"):
+            if set_to_none is not None:
+                raise ValueError(f"{name!r}: two zero_grad variants; give {VARIANT_SEP}keep or "
+                                 f"{VARIANT_SEP}none once")
             set_to_none = part == "none"
         elif re.fullmatch(r"acc[1-9][0-9]*", part):
+            if accumulate is not None:
+                raise ValueError(f"{name!r}: two {VARIANT_SEP}accN variants; give one")
             accumulate = int(part[3:])
         else:
             raise ValueError(f"{name!r}: unknown variant {VARIANT_SEP}{part}; variants are "
