@@ -22,7 +22,6 @@ from typing import Any, Callable, Sequence
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
-from .memory import tracked_objects
 
 __all__ = ["live_optimizers", "pending_state_bytes", "state_bytes", "StateWatch"]
 
@@ -83,93 +82,112 @@ def _rule(opt: torch.optim.Optimizer) -> Callable[[Group, torch.Tensor], int] | 
 
 
 def live_optimizers() -> list[torch.optim.Optimizer]:
-    """The process's optimizers (``torch.optim.Optimizer`` instances), frozen ones
-    included, after a collection (an optimizer dead in a cycle holds nothing to come)."""
+    """The process's optimizers (``torch.optim.Optimizer`` instances) that the garbage
+    collector sees, after a collection (an optimizer dead in a cycle holds nothing to
+    come). Those set aside by ``gc.freeze()`` are not seen (looking would mean freezing
+    everything made since, the stack being built included, for good); what they make is
+    named by :class:`StateWatch` at their first step."""
     gc.collect()
     opt = torch.optim.Optimizer
     # (type(), not isinstance: some objects answer isinstance through a __class__ that
     # warns or raises; and one whose constructor raised has no param_groups)
-    return [o for o in tracked_objects() if issubclass(type(o), opt)
+    return [o for o in gc.get_objects() if issubclass(type(o), opt)
             and isinstance(getattr(o, "param_groups", None), list)]
 
 
+def _on(t: torch.Tensor, device: torch.device | None) -> bool:
+    return device is None or t.device == device
+
+
 def _held(opt: torch.optim.Optimizer, params: Sequence[torch.Tensor] | None,
-          device_type: str | None) -> list[tuple[Group, torch.Tensor]]:
+          device: torch.device | None) -> list[tuple[Group, torch.Tensor]]:
     """``opt``'s parameters, with their groups: those of ``params`` (all where None), on
-    ``device_type`` (any where None)."""
+    ``device`` (any where None)."""
     ids = None if params is None else {id(p) for p in params}
     return [(g, p) for g in opt.param_groups if isinstance(g, dict)
             for p in g.get("params", ()) if isinstance(p, torch.Tensor)
-            and (ids is None or id(p) in ids)
-            and (device_type is None or p.device.type == device_type)]
+            and (ids is None or id(p) in ids) and _on(p, device)]
 
 
 def pending_state_bytes(opt: torch.optim.Optimizer, params: Sequence[torch.Tensor] | None = None,
-                        device_type: str | None = None) -> int | None:
+                        device: torch.device | str | None = None) -> int | None:
     """Bytes of state ``opt`` will make at its next steps for its parameters (those of
-    ``params``, on ``device_type``, where given) that want a gradient and have no state
-    yet; None where ``opt``'s kind is not known (not one of torch's optimizers, or LBFGS,
-    whose history grows as it goes)."""
+    ``params``, on ``device``, where given) that want a gradient and have no state yet;
+    None where ``opt``'s kind is not known (not one of torch's optimizers, or LBFGS, whose
+    history grows as it goes)."""
     rule = _rule(opt)
     if rule is None:
         return None
-    return sum(rule(g, p) for g, p in _held(opt, params, device_type)
+    return sum(rule(g, p) for g, p in _held(opt, params, _device(device))
                if p.requires_grad and not opt.state.get(p))
 
 
 def state_bytes(opt: torch.optim.Optimizer, params: Sequence[torch.Tensor] | None = None,
-                device_type: str | None = None) -> int:
+                device: torch.device | str | None = None) -> int:
     """Bytes of the state tensors ``opt`` holds now for its parameters (those of
-    ``params`` where given), the tensors on ``device_type`` alone where given."""
+    ``params`` where given), the tensors on ``device`` alone where given."""
+    dev = _device(device)
     n = 0
     for _, p in _held(opt, params, None):
         for v in opt.state.get(p, {}).values():
-            if isinstance(v, torch.Tensor) and (device_type is None or v.device.type == device_type):
+            if isinstance(v, torch.Tensor) and _on(v, dev):
                 n += v.numel() * v.element_size()
     return n
 
 
+def _device(device: torch.device | str | None) -> torch.device | None:
+    return None if device is None else torch.device(device)
+
+
+#: a watch looks at an optimizer whose state may still come at each of its first steps,
+#: then at every this many (a layer unfrozen later makes its state late)
+_EARLY_STEPS, _LATER_EVERY = 10, 100
+
+
 class StateWatch:
     """Warns, once per optimizer, when after a step an optimizer holds more state on
-    ``device_type`` than was counted for it (one made after a budget was planned, or one
-    whose state :func:`pending_state_bytes` cannot tell). Watches every optimizer's steps
-    until :meth:`close`.
+    ``device`` than was counted for it (one made after a budget was planned, one whose
+    state :func:`pending_state_bytes` cannot tell, or state for a layer unfrozen since).
+    Watches every optimizer's steps until :meth:`close`.
 
     Args:
         counted: per optimizer, the bytes of its state that were counted (0 for others).
         say: the warning's text for an optimizer and the bytes beyond what was counted
             ("": no warning, the bytes mattering not).
-        device_type: count state tensors on this device type only.
+        device: count state tensors on this device only.
         slack: bytes beyond the counted figure that go unremarked.
     """
 
     def __init__(self, counted: weakref.WeakKeyDictionary[torch.optim.Optimizer, int],
                  say: Callable[[torch.optim.Optimizer, int], str], *,
-                 device_type: str | None = None, slack: int = 1 << 20) -> None:
+                 device: torch.device | str | None = None, slack: int = 1 << 20) -> None:
         self._counted = counted
         self._say = say
-        self._device_type = device_type
+        self._device = _device(device)
         self._slack = slack
+        #: optimizers done with: warned about, or with nothing more to come here
         self._checked: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
+        self._steps: weakref.WeakKeyDictionary[torch.optim.Optimizer, int] = weakref.WeakKeyDictionary()
         _watching(self)
 
     def after_step(self, opt: torch.optim.Optimizer) -> None:
         if opt in self._checked:
             return
-        now = state_bytes(opt, device_type=self._device_type)
-        if not now:
-            # Nothing made yet: look again at its next step, unless it never will (none of
-            # its parameters here, or a kind that keeps no state, such as plain SGD).
-            if not _held(opt, None, self._device_type) or pending_state_bytes(
-                    opt, device_type=self._device_type) == 0:
-                self._checked.add(opt)
+        n = self._steps[opt] = self._steps.get(opt, 0) + 1
+        if n > _EARLY_STEPS and n % _LATER_EVERY:
             return
-        self._checked.add(opt)
-        extra = now - self._counted.get(opt, 0)
+        held = _held(opt, None, self._device)
+        extra = state_bytes(opt, device=self._device) - self._counted.get(opt, 0)
         if extra > self._slack:
+            self._checked.add(opt)
             said = self._say(opt, extra)
             if said:
                 warnings.warn(said, stacklevel=4)
+            return
+        rule = _rule(opt)
+        if not held or rule is not None and all(opt.state.get(p) or rule(g, p) == 0
+                                                for g, p in held):
+            self._checked.add(opt)  # (nothing more can come here)
 
     def close(self) -> None:
         """Stop watching (safe to call again, from any thread, at any time)."""
@@ -194,5 +212,9 @@ def _watching(watch: StateWatch) -> None:
 
 
 def _after_any_step(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-    for watch in list(_WATCHES):
-        watch.after_step(opt)
+    # (a copy of the weak references taken in one step, which another thread's add or
+    # discard cannot change under it; iterating the WeakSet itself could)
+    for ref in list(_WATCHES.data):  # type: ignore[attr-defined]
+        watch = ref()
+        if watch is not None:
+            watch.after_step(opt)

@@ -59,8 +59,8 @@ def _choose(requested: str) -> tuple[str, str]:
     if requested != "auto":
         why = probe(requested)
         if why is not None:
-            raise BackendUnavailableError(f"the {requested} backend was asked for ({ENV_VAR} or "
-                                          f"--backend) but cannot run here: {why}")
+            raise BackendUnavailableError(f"the {requested} backend was asked for but cannot run "
+                                          f"here: {why}")
         return requested, f"{ENV_VAR}={requested}"
     skipped: list[str] = []
     for name in BACKENDS:

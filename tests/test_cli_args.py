@@ -304,3 +304,22 @@ def test_the_console_command_exits_2_with_one_line(argv, env, names):
     proc = subprocess.run([sys.executable, "-m", "graphslot.cli", *argv], env=full_env,
                           capture_output=True, text=True, timeout=120)
     assert_one_line_error(proc.returncode, proc.stdout, proc.stderr, names=names)
+
+
+def test_a_reader_that_stops_reading_ends_a_command_quietly():
+    """``graphslot info | head -0``: the reader is gone before the output is flushed;
+    the command says nothing more and exits 0, with stdout buffered as in a terminal's
+    pipe."""
+    import os
+    import subprocess
+    import sys
+
+    r, w = os.pipe()
+    os.close(r)
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}
+    try:
+        done = subprocess.run([sys.executable, "-m", "graphslot.cli", "info"], stdout=w,
+                              stderr=subprocess.PIPE, env=env, timeout=120)
+    finally:
+        os.close(w)
+    assert done.returncode == 0 and done.stderr == b"", done.stderr

@@ -5,8 +5,9 @@ does eagerly under DDP, with gradient homes and with the pool's gradient buffers
 from __future__ import annotations
 
 import copy
-import os
-import socket
+import datetime
+import queue
+import time
 
 import pytest
 import torch
@@ -28,13 +29,14 @@ class _Model(nn.Module):
         return self.head(self.stack(self.pre(x)))
 
 
-def _rank(rank: int, port: int, mode: str, out: "mp.Queue[tuple[int, bool, bool]]") -> None:
+def _rank(rank: int, store: str, mode: str, out: "mp.Queue[tuple[int, bool, bool]]") -> None:
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from graphslot.adapters.torch import GraphedLayers
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=2)
+    # (a file store: no port to race for; a short timeout: a rank that dies ends the other)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2,
+                            timeout=datetime.timedelta(seconds=60))
     try:
         torch.manual_seed(0)
         eager = _Model()
@@ -62,18 +64,30 @@ def _rank(rank: int, port: int, mode: str, out: "mp.Queue[tuple[int, bool, bool]
 
 
 @pytest.mark.parametrize("mode,homes", [("remap", True), ("off", False)])
-def test_ddp_over_a_graphed_stack_trains_as_eager_ddp(backend, mode, homes):
+def test_ddp_over_a_graphed_stack_trains_as_eager_ddp(backend, tmp_path, mode, homes):
     if backend.name != "cpu" or not dist.is_gloo_available():
         pytest.skip("two ranks on gloo, on the cpu backend")
-    with socket.socket() as s:  # (a free port)
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
-    ranks = [ctx.Process(target=_rank, args=(r, port, mode, out)) for r in range(2)]
-    for p in ranks:
-        p.start()
-    got = sorted(out.get(timeout=300) for _ in ranks)
-    for p in ranks:
-        p.join(60)
-    assert got == [(0, homes, True), (1, homes, True)]
+    ranks = [ctx.Process(target=_rank, args=(r, str(tmp_path / "store"), mode, out), daemon=True)
+             for r in range(2)]
+    got = []
+    try:
+        for p in ranks:
+            p.start()
+        deadline = time.monotonic() + 300
+        while len(got) < len(ranks):
+            try:
+                got.append(out.get(timeout=1))
+            except queue.Empty:
+                dead = [p.exitcode for p in ranks if p.exitcode not in (None, 0)]
+                assert not dead, f"a rank failed (exit codes {dead})"
+                assert time.monotonic() < deadline, "the ranks did not report in 300 s"
+        for p in ranks:
+            p.join(60)
+        assert [p.exitcode for p in ranks] == [0, 0]
+    finally:
+        for p in ranks:
+            if p.is_alive():
+                p.kill()
+    assert sorted(got) == [(0, homes, True), (1, homes, True)]

@@ -80,24 +80,44 @@ def test_an_optimizer_of_a_kind_it_cannot_tell_says_so():
     assert pending_state_bytes(torch.optim.LBFGS(params[:1]), params) is None
 
 
-def test_live_optimizers_are_found_frozen_ones_too_and_half_built_ones_are_passed_over():
-    import gc
-
+def test_live_optimizers_are_found_and_half_built_ones_are_passed_over():
     mine = _params()
     a = torch.optim.Adam(mine[:1])
+    kept = None
     try:
         torch.optim.Adam(_params(), lr=-1.0)  # (raises before it has param_groups)
     except ValueError as e:
         kept = e  # (its traceback keeps the half-built optimizer alive)
-    gc.freeze()
-    try:
-        b = torch.optim.SGD(mine, lr=0.1)
-        found = live_optimizers()
-        assert any(o is a for o in found) and any(o is b for o in found)
-        assert all(isinstance(o.param_groups, list) for o in found)
-    finally:
-        gc.unfreeze()
+    assert kept is not None
+    b = torch.optim.SGD(mine, lr=0.1)
+    found = live_optimizers()
+    assert any(o is a for o in found) and any(o is b for o in found)
+    assert all(isinstance(o.param_groups, list) for o in found)
     del kept
+
+
+def test_state_made_late_is_named_when_it_comes():
+    """A layer frozen when the optimizer first steps and unfrozen later makes its state
+    late; the watch names it then (the build counted none for it)."""
+    import weakref
+
+    params = _params()
+    frozen = nn.Parameter(torch.randn(512, 512), requires_grad=False)
+    opt = torch.optim.Adam(params + [frozen])
+    counted = weakref.WeakKeyDictionary({opt: pending_state_bytes(opt)})
+    watch = StateWatch(counted, lambda o, extra: f"late {extra}", slack=1024)
+    try:
+        with warnings.catch_warnings(record=True) as w:
+            warnings.simplefilter("always")
+            _step(opt, params + [frozen])  # (the frozen one has no gradient: no state)
+            frozen.requires_grad_(True)
+            for _ in range(2):
+                _step(opt, params + [frozen])
+        said = [str(m.message) for m in w]
+        assert len(said) == 1 and said[0].startswith("late ")
+        assert int(said[0].split()[1]) >= 2 * frozen.numel() * frozen.element_size()
+    finally:
+        watch.close()
 
 
 def _step(opt: torch.optim.Optimizer, params: list[nn.Parameter]) -> None:
@@ -185,7 +205,7 @@ def test_the_state_an_optimizer_made_before_the_build_will_make_is_in_the_plan(c
 def _others_pending(b, *mine: torch.optim.Optimizer) -> int:
     """What the process's other live optimizers will make on ``b``'s device (the test
     session's own)."""
-    return sum(pending_state_bytes(o, device_type=b.device.type) or 0 for o in live_optimizers()
+    return sum(pending_state_bytes(o, device=b.device) or 0 for o in live_optimizers()
                if all(o is not m for m in mine))
 
 

@@ -453,12 +453,12 @@ class GraphedLayers(nn.Module):
         # torch's optimizers make their state at their first step: what the process's
         # optimizers will still make on this device (for the layers' parameters and any
         # other, the budget being the process's) is counted as held from the start
-        dev = b.device.type
+        dev = b.device
         counted: weakref.WeakKeyDictionary[torch.optim.Optimizer, int] = weakref.WeakKeyDictionary()
         pending = 0
         for opt in live_optimizers():
-            will = pending_state_bytes(opt, device_type=dev) or 0  # (None: a kind it cannot tell)
-            counted[opt] = state_bytes(opt, device_type=dev) + will
+            will = pending_state_bytes(opt, device=dev) or 0  # (None: a kind it cannot tell)
+            counted[opt] = state_bytes(opt, device=dev) + will
             pending += will
         profile = self._profile(units, sample, section_bytes, pending)
         mapped_before = b.ledger.mapped_bytes  # (other stacks' pages, say)
@@ -511,7 +511,7 @@ class GraphedLayers(nn.Module):
                               least_plan=least) from None
         self.plan = _per_layer(plan, units)
         if plan.budget_bytes is not None:
-            self._state_watch = StateWatch(counted, _state_warning(plan), device_type=dev)
+            self._state_watch = StateWatch(counted, _state_warning(plan), device=dev)
             weakref.finalize(self, self._state_watch.close).atexit = False
 
     def _output_copy_bytes(self, held: int) -> int:
@@ -905,21 +905,9 @@ class GraphedLayers(nn.Module):
 
 
 _compiling: Callable[[], bool] = getattr(torch.compiler, "is_compiling", lambda: False)
-# (torch's lazily importing form of torch.compiler.disable: dynamo is imported by the
-# first call, which comes only under torch.compile, where it is imported already)
-def _lazily_uncompiled(fn: Callable[..., Any]) -> Callable[..., Any]:
-    made: list[Callable[..., Any]] = []
-
-    def call(*args: Any) -> Any:
-        if not made:
-            import torch._dynamo
-
-            made.append(torch._dynamo.disable(fn))
-        return made[0](*args)
-    return call
-
-
-_uncompiled_forward = getattr(torch, "_disable_dynamo", _lazily_uncompiled)(GraphedLayers._forward)
+# torch's lazily importing form of torch.compiler.disable: dynamo is imported by the
+# first call, which comes only under torch.compile, where it is imported already.
+_uncompiled_forward: Callable[..., Any] = torch._disable_dynamo(GraphedLayers._forward)
 
 
 def _state_warning(plan: BudgetPlan) -> Callable[[torch.optim.Optimizer, int], str]:

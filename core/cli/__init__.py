@@ -122,7 +122,9 @@ def main(argv: list[str] | None = None) -> int:
         return e.code if isinstance(e.code, int) else (0 if e.code is None else 2)
     where = f"graphslot {args.command}"
     try:
-        return int(args.func(args))
+        rc = int(args.func(args))
+        sys.stdout.flush()  # (here, where a reader gone away is caught, not at exit)
+        return rc
     except GraphslotError as e:
         print(f"{where}: error: {one_line(str(e))}", file=sys.stderr)
         return 2
@@ -131,8 +133,15 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     except BrokenPipeError:
         # The reader stopped reading (``| head``): what it took was written; say nothing
-        # more, and let the interpreter's last flush of stdout go nowhere.
+        # more, and let the interpreter's last flush of stdout go nowhere (where stdout
+        # is a file descriptor at all: not in a notebook or a test's capture).
         import os
 
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        try:
+            fd = sys.stdout.fileno()
+        except (AttributeError, OSError, ValueError):
+            return 0
+        null = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(null, fd)
+        os.close(null)
         return 0
