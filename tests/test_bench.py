@@ -609,10 +609,19 @@ def test_sizes(text, n):
     assert bench_configs.parse_size(text) == n
 
 
-@pytest.mark.parametrize("text", ["", "GiB", "-1GiB", "0", "10XB", "nan", "inf", "1.2.3G"])
+@pytest.mark.parametrize("text", ["", "GiB", "-1GiB", "0", "10XB", "nan", "inf", "1.2.3G", "1e400",
+                                  "99999999999999999999999GiB"])
 def test_bad_sizes(text):
-    with pytest.raises(ValueError, match="size"):
+    with pytest.raises(ValueError, match="size|beyond any device's memory"):
         bench_configs.parse_size(text)
+
+
+def test_sizes_not_finite_read_alike_and_absurd_ones_are_refused():
+    for text in ("inf", "1e400", "nan"):
+        with pytest.raises(ValueError, match=rf"^'{text}' is not a size"):
+            bench_configs.parse_size(text)
+    with pytest.raises(ValueError, match="beyond any device's memory"):
+        bench_configs.parse_size(str(2 << 60))
 
 
 def test_the_memory_plot_places_each_point_by_its_label():
@@ -744,3 +753,14 @@ def test_an_adamw_run_steps_adamw_in_every_configuration(backend, monkeypatch):
     with pytest.raises(graphslot.UsageError, match="optimizer must be one of sgd, adamw"):
         run_bench(backend, shape, steps=1, warmup=1, progress=False, configs=("eager",),
                   optimizer="adam")
+
+
+def test_the_table_says_where_the_trace_and_plot_went_or_why_not(backend, tmp_path):
+    r = run_bench(backend, BenchShape.preset("tiny"), steps=1, warmup=0, progress=False,
+                  configs=("eager",), trace_path=str(tmp_path / "t.json"))
+    assert r["trace"]["path"] is None and not (tmp_path / "t.json").exists()
+    assert "trace: none of graph_auto, graph_resident, graph_remap ran" in bench_report.render_table(r)
+    r = run_bench(backend, BenchShape.preset("tiny"), steps=1, warmup=0, progress=False,
+                  configs=("graph_remap",), trace_path=str(tmp_path / "t.json"))
+    assert (tmp_path / "t.json").exists()
+    assert f"trace of graph_remap's step: {tmp_path / 't.json'}" in bench_report.render_table(r)

@@ -282,6 +282,10 @@ _UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 10**3, "kib": 1 << 10, "m": 1 << 20
           "tib": 1 << 40}
 
 
+#: the largest budget :func:`parse_budget` takes (an exbibyte: beyond any device's memory)
+MAX_BUDGET_BYTES = 1 << 60
+
+
 def parse_budget(v: int | float | str) -> int:
     """Bytes from a size: an integer, or a number with a unit (``"10GiB"``, ``"9.5G"``,
     ``"12000MiB"``, ``"8e9"``; k, M, G, T alone are binary).
@@ -304,8 +308,14 @@ def parse_budget(v: int | float | str) -> int:
                              "12000MiB or bytes)") from None
     else:
         raise UsageError(f"memory budget must be bytes, a size string or 'auto', got {v!r}")
-    if not n > 0 or n != n or n == math.inf:
+    if n != n or n in (math.inf, -math.inf):
+        raise UsageError(f"memory budget {v!r} is not a size: give a finite number of bytes "
+                         "(e.g. 10GiB, 9.5G, 12000MiB or bytes)")
+    if not n > 0:
         raise UsageError(f"memory budget must be positive, got {v!r}")
+    if n > MAX_BUDGET_BYTES:
+        raise UsageError(f"memory budget {v!r} is beyond any device's memory (over 1 EiB): "
+                         "give the device memory the step may hold")
     if n < 1:
         raise UsageError(f"memory budget {v!r} is less than a byte; give bytes or a size "
                          "with a unit (e.g. 0.5GiB)")

@@ -159,6 +159,9 @@ def run_bench(b: Backend, shape: BenchShape, *, steps: int = 10, warmup: int = 3
         if pick:
             traces[pick].write(trace_path)
             out["trace"] = {"config": pick, "path": trace_path}
+        else:
+            out["trace"] = {"config": None, "path": None,
+                            "reason": f"none of {', '.join(_TRACED)} ran: nothing written"}
     if plot_path:
         plot(out, curves, plot_path)
         out["plot"] = plot_path
@@ -397,6 +400,9 @@ def _run_isolated(b: Backend, shape: BenchShape, names: list[str], sweep: bool,
         out["copy"] = {k: statistics.median(c[k] for c in ceilings) for k in ceilings[0]}
         out["copy_ceiling_gbps"] = min(out["copy"]["d2h_gbps"], out["copy"]["h2d_gbps"])
         derive(out, timings, out["copy_ceiling_gbps"])
+    if trace_path and "trace" not in out:
+        out["trace"] = {"config": None, "path": None,
+                        "reason": f"none of {', '.join(_TRACED)} ran: nothing written"}
     if plot_path:
         curves = {n: [(p[0], p[1]) for p in c.get("memory_curve", [])]
                   for n, c in out["configs"].items() if "reason" not in c}

@@ -334,7 +334,14 @@ def render_table(r: dict[str, Any]) -> str:
                   table(variants, ("variant", "of", "step/microbatch ratio", "peak ratio",
                                    "peak more"), "llrrr")]
     warned = [f"{name} warned: {w}" for name, c in r["configs"].items() for w in c.get("warnings", ())]
-    return "\n".join([*parts, *skipped, *warned])
+    written = []
+    tr = r.get("trace")
+    if isinstance(tr, dict):
+        written.append(f"trace of {tr['config']}'s step: {tr['path']}" if tr.get("path")
+                       else f"trace: {tr.get('reason', 'not written')}")
+    if r.get("plot"):
+        written.append(f"plot: {r['plot']}")
+    return "\n".join([*parts, *skipped, *warned, *written])
 
 
 def _label_key(label: str, seen: dict[str, int]) -> tuple[float, int]:
