@@ -26,7 +26,6 @@ what it can see and blind to the rest:
 
 from __future__ import annotations
 
-import gc
 import statistics
 from dataclasses import asdict, dataclass, fields
 from contextlib import contextmanager
@@ -38,8 +37,7 @@ from .backend import Backend
 from .errors import UsageError
 from .offload import SavedTensorSpec, never_offloaded, recording_saved_tensors, state_storages
 
-__all__ = ["MemoryReport", "report", "measure", "release_unused", "used_bytes", "tracked_objects",
-           "saved_activation_bytes",
+__all__ = ["MemoryReport", "report", "measure", "release_unused", "used_bytes", "saved_activation_bytes",
            "run_counting_saved",
            "saved_bytes_per_layer"]
 
@@ -104,23 +102,6 @@ def report(backend: Backend, samples: int = 3) -> MemoryReport:
         driver_total_bytes=total,
         host_pinned_bytes=backend.pinned_bytes,
     )
-
-
-def tracked_objects() -> list[Any]:
-    """Every object the garbage collector tracks, frozen ones included: gc.get_objects()
-    skips what gc.freeze() set aside, and training loops freeze after their first steps,
-    with whatever they keep (a ``.grad`` an optimizer holds, the optimizer) among the
-    frozen."""
-    if not gc.get_freeze_count():
-        return gc.get_objects()
-    gc.unfreeze()
-    try:
-        return gc.get_objects()
-    finally:
-        # Frozen again, with what was young now too: those are only spared cycle
-        # collection (this runs once per parameter whose old gradient someone kept, and
-        # once per budgeted build).
-        gc.freeze()
 
 
 def release_unused(backend: Backend) -> None:

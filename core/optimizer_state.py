@@ -23,7 +23,7 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 
-__all__ = ["live_optimizers", "pending_state_bytes", "state_bytes", "StateWatch"]
+__all__ = ["live_optimizers", "pending_state_bytes", "state_bytes", "state_to_come", "StateWatch"]
 
 Group = dict
 
@@ -133,6 +133,20 @@ def state_bytes(opt: torch.optim.Optimizer, params: Sequence[torch.Tensor] | Non
             if isinstance(v, torch.Tensor) and _on(v, dev):
                 n += v.numel() * v.element_size()
     return n
+
+
+def state_to_come(device: torch.device | str
+                  ) -> tuple[int, weakref.WeakKeyDictionary[torch.optim.Optimizer, int]]:
+    """What the process's optimizers will still make on ``device`` at their next steps (a
+    kind it cannot tell counts nothing), and per optimizer what that leaves it holding
+    there (what a :class:`StateWatch` compares against)."""
+    counted: weakref.WeakKeyDictionary[torch.optim.Optimizer, int] = weakref.WeakKeyDictionary()
+    pending = 0
+    for opt in live_optimizers():
+        will = pending_state_bytes(opt, device=device) or 0
+        counted[opt] = state_bytes(opt, device=device) + will
+        pending += will
+    return pending, counted
 
 
 def _device(device: torch.device | str | None) -> torch.device | None:

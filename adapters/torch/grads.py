@@ -1,11 +1,11 @@
 """Parameter gradients of graphed layers: the backward graphs' gradient buffers lent as
 ``.grad`` (:class:`ParamGrad`), gradient homes outside the graphs' pool
 (:class:`GradHome`), and a backward that adds each gradient into a target as it arrives
-(:func:`backward_into`). Imports nothing of the package but
-:func:`graphslot.memory.tracked_objects`."""
+(:func:`backward_into`). Imports nothing of the package."""
 
 from __future__ import annotations
 
+import gc
 import sys
 import warnings
 import weakref
@@ -14,9 +14,22 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import nn
 
-from graphslot.memory import tracked_objects
-
 use_count: Callable[[int], int] | None = getattr(torch._C, "_storage_Use_Count", None)
+
+
+def _tracked_objects() -> list[Any]:
+    """Every object the garbage collector tracks, frozen ones included: gc.get_objects()
+    skips what gc.freeze() set aside, and training loops freeze after their first steps,
+    with whatever they keep (a ``.grad`` an optimizer holds) among the frozen."""
+    if not gc.get_freeze_count():
+        return gc.get_objects()
+    gc.unfreeze()
+    try:
+        return gc.get_objects()
+    finally:
+        # Frozen again, with what was young now too: those are only spared cycle
+        # collection (this runs once per parameter whose old gradient someone kept).
+        gc.freeze()
 
 
 def give_holders_own_bytes(t: torch.Tensor, lo: int, hi: int, spare: Sequence[torch.Tensor]) -> None:
@@ -33,7 +46,7 @@ def give_holders_own_bytes(t: torch.Tensor, lo: int, hi: int, spare: Sequence[to
 
     with warnings.catch_warnings():  # isinstance() wakes deprecated module attributes
         warnings.simplefilter("ignore")
-        held = [o for o in tracked_objects() if isinstance(o, torch.Tensor)
+        held = [o for o in _tracked_objects() if isinstance(o, torch.Tensor)
                 and all(o is not x for x in spare) and o.device == t.device and over(o)]
     for o in held:
         o.data = o.clone()

@@ -77,7 +77,7 @@ from graphslot.budget import (OFFLOAD, RECOMPUTE, RECOMPUTE_CHEAP, BudgetPlan, S
 from graphslot.errors import BudgetError, CaptureMismatchError, StateError, UsageError
 from graphslot.memory import release_unused, saved_bytes_per_layer
 from graphslot.offload import SECTION_BYTES, Mode, OffloadEngine, ping_pong_banks
-from graphslot.optimizer_state import StateWatch, live_optimizers, pending_state_bytes, state_bytes
+from graphslot.optimizer_state import StateWatch, state_to_come
 from graphslot.precision import autocast_dtype
 from graphslot.profile import copy_bandwidth, held_bytes, profile_units
 from graphslot.selection import get_backend
@@ -453,13 +453,7 @@ class GraphedLayers(nn.Module):
         # torch's optimizers make their state at their first step: what the process's
         # optimizers will still make on this device (for the layers' parameters and any
         # other, the budget being the process's) is counted as held from the start
-        dev = b.device
-        counted: weakref.WeakKeyDictionary[torch.optim.Optimizer, int] = weakref.WeakKeyDictionary()
-        pending = 0
-        for opt in live_optimizers():
-            will = pending_state_bytes(opt, device=dev) or 0  # (None: a kind it cannot tell)
-            counted[opt] = state_bytes(opt, device=dev) + will
-            pending += will
+        pending, counted = state_to_come(b.device)
         profile = self._profile(units, sample, section_bytes, pending)
         mapped_before = b.ledger.mapped_bytes  # (other stacks' pages, say)
         builds = 0
@@ -511,7 +505,7 @@ class GraphedLayers(nn.Module):
                               least_plan=least) from None
         self.plan = _per_layer(plan, units)
         if plan.budget_bytes is not None:
-            self._state_watch = StateWatch(counted, _state_warning(plan), device=dev)
+            self._state_watch = StateWatch(counted, _state_warning(plan), device=b.device)
             weakref.finalize(self, self._state_watch.close).atexit = False
 
     def _output_copy_bytes(self, held: int) -> int:
@@ -750,16 +744,14 @@ class GraphedLayers(nn.Module):
             return _uncompiled_forward(self, x)
         return self._forward(x)
 
-    def __deepcopy__(self, memo: dict[int, Any]) -> GraphedLayers:
+    def __copy__(self) -> GraphedLayers:
         raise UsageError(
             "GraphedLayers cannot be copied: its graphs read fixed device memory that a copy "
             "would share. Copy the layers (or the model's state_dict) before building the "
             "stack, or build another stack over the copy")
 
-    def __copy__(self) -> GraphedLayers:
-        raise UsageError(
-            "GraphedLayers cannot be copied: its graphs read fixed device memory that a copy "
-            "would share. Build another stack over copies of the layers")
+    def __deepcopy__(self, memo: dict[int, Any]) -> GraphedLayers:
+        return self.__copy__()
 
     def _replicate_for_data_parallel(self) -> Any:
         raise UsageError(
@@ -783,17 +775,17 @@ class GraphedLayers(nn.Module):
         self._check_in_place()
         if not isinstance(x, torch.Tensor):
             self._runners[0].check_input(x)  # (names what it got)
+        cast = autocast_dtype(x.device.type)
         if not torch.is_grad_enabled() and (not self._runners[0].fits(x) or
-                                            autocast_dtype(x.device.type) != self.autocast_dtype):
+                                            cast != self.autocast_dtype):
             return self._eager(x)  # no backward can follow: any input, as in eval mode
         self._runners[0].check_input(x)
-        if autocast_dtype(x.device.type) != self.autocast_dtype:
+        if cast != self.autocast_dtype:
             def under(dtype: torch.dtype | None) -> str:
                 return "without autocast" if dtype is None else f"under autocast to {dtype}"
             raise CaptureMismatchError(
                 f"GraphedLayers was captured {under(self.autocast_dtype)}, and this forward "
-                f"runs {under(autocast_dtype(x.device.type))}: build the stack under the "
-                "autocast its forwards run under")
+                f"runs {under(cast)}: build the stack under the autocast its forwards run under")
         if self._abandoned:
             self._reap()
         self._microbatch += 1

@@ -134,9 +134,9 @@ class StackProfile:
             layer with a slot (an offloaded one, or a recomputed one whose input goes to
             the host) copies into it as its forward runs, which lengthens that forward by
             its slot's bytes at this rate.
-        optimizer_state_bytes: of ``fixed_bytes``, the state that optimizers holding the
-            stack's parameters had still to make when it was built (torch's optimizers
-            make theirs at their first step; see :mod:`graphslot.optimizer_state`).
+        optimizer_state_bytes: of ``fixed_bytes``, the state the process's optimizers had
+            still to make on the device when the stack was built (torch's optimizers make
+            theirs at their first step; see :mod:`graphslot.optimizer_state`).
         keep_grads: the training loop keeps ``.grad`` through the next forward (it
             accumulates microbatches into it, or zeroes it in place): every plan gives the
             gradients homes of their own (see :func:`~graphslot.budget.gradient_homes`).

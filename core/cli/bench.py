@@ -55,6 +55,8 @@ __all__ = ["BenchShape", "CONFIGS", "PEERS", "run_bench", "copy_bandwidth", "mem
 
 #: the configurations whose timeline ``--trace`` writes, the first of them that ran
 _TRACED = ("graph_auto", "graph_resident", "graph_remap")
+#: the report's ``trace`` where ``--trace`` was asked for and none of those ran
+_NO_TRACE = {"config": None, "path": None, "reason": f"none of {', '.join(_TRACED)} ran: nothing written"}
 ZERO_GRAD = {"none": True, "keep": False}  #: --zero-grad -> zero_grad's set_to_none
 
 
@@ -160,8 +162,7 @@ def run_bench(b: Backend, shape: BenchShape, *, steps: int = 10, warmup: int = 3
             traces[pick].write(trace_path)
             out["trace"] = {"config": pick, "path": trace_path}
         else:
-            out["trace"] = {"config": None, "path": None,
-                            "reason": f"none of {', '.join(_TRACED)} ran: nothing written"}
+            out["trace"] = _NO_TRACE
     if plot_path:
         plot(out, curves, plot_path)
         out["plot"] = plot_path
@@ -401,8 +402,7 @@ def _run_isolated(b: Backend, shape: BenchShape, names: list[str], sweep: bool,
         out["copy_ceiling_gbps"] = min(out["copy"]["d2h_gbps"], out["copy"]["h2d_gbps"])
         derive(out, timings, out["copy_ceiling_gbps"])
     if trace_path and "trace" not in out:
-        out["trace"] = {"config": None, "path": None,
-                        "reason": f"none of {', '.join(_TRACED)} ran: nothing written"}
+        out["trace"] = _NO_TRACE
     if plot_path:
         curves = {n: [(p[0], p[1]) for p in c.get("memory_curve", [])]
                   for n, c in out["configs"].items() if "reason" not in c}

@@ -34,10 +34,8 @@ GiB, MiB = 1 << 30, 1 << 20
 LR = 1e-5
 #: the optimizers a run may step with, made (as a training script makes them) before any
 #: configuration is built: AdamW's two moments appear at its first step
-OPTIMIZERS: dict[str, Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer]] = {
-    "sgd": lambda params: torch.optim.SGD(params, lr=LR),
-    "adamw": lambda params: torch.optim.AdamW(params, lr=LR),
-}
+OPTIMIZERS: dict[str, type[torch.optim.SGD] | type[torch.optim.AdamW]] = {
+    "sgd": torch.optim.SGD, "adamw": torch.optim.AdamW}
 
 
 #: a configuration's variants follow its name: ``graph_resident@keep@acc4`` runs
@@ -105,7 +103,7 @@ def prepare(b: Backend, shape: BenchShape, steps: int, warmup: int, n_configs: i
     ceiling = copy_bandwidth(b, copy_n)
     ceil_gbps = min(ceiling["d2h_gbps"], ceiling["h2d_gbps"])
     bar = Progress(n_configs * (warmup + steps + 2 + (rounds - 1) * (warmup + steps)), progress)
-    opt = OPTIMIZERS[optimizer](params)
+    opt = OPTIMIZERS[optimizer](params, lr=LR)
     return Inputs(b, shape, steps, warmup, layers, params, x, gy, saved, per_layer, ceiling, ceil_gbps, bar,
                   opt, accumulate, set_to_none)
 

@@ -14,7 +14,7 @@ from ..budget import bound_ms
 from ..errors import UsageError
 from ..sizes import format_bytes
 from .bench_configs import PEERS, base_config, budget_bytes, is_planned
-from .bench_measure import GiB
+from .bench_measure import OPTIMIZERS, GiB
 from .output import table
 
 __all__ = ["derive", "lower_bound_ms", "planned_figures", "peer_ratios", "variant_ratios", "median_of_rounds",
@@ -253,8 +253,10 @@ def _plan_text(plan: dict[str, Any]) -> str:
     return f"{letters} ({plan.get('mode', '?')})"
 
 
-#: the optimizers' names as the table's head gives them (``--optimizer``)
-_OPTIMIZER_NAMES = {"sgd": "SGD", "adamw": "AdamW"}
+def _optimizer_name(key: str) -> str:
+    """The optimizer as the table's head names it (its class: ``--optimizer adamw``, AdamW)."""
+    cls = OPTIMIZERS.get(key)
+    return key if cls is None else cls.__name__
 
 
 def render_table(r: dict[str, Any]) -> str:
@@ -265,7 +267,7 @@ def render_table(r: dict[str, Any]) -> str:
             + ("; each configuration in a process of its own" if r.get("isolated") else "")]
     head.append("times per optimizer step (" + (f"{per} microbatches' forward and backward, "
                 if per > 1 else "forward, backward, ")
-                + f"{_OPTIMIZER_NAMES.get(r.get('optimizer', 'sgd'), r.get('optimizer'))}, "
+                + f"{_optimizer_name(r.get('optimizer', 'sgd'))}, "
                 f"zero_grad(set_to_none={r.get('set_to_none', True)}))")
     if r.get("copy_ceiling_gbps") is not None:
         head.append(f"copy ceiling {r['copy_ceiling_gbps']:.1f} GB/s; saved activations "
