@@ -30,6 +30,7 @@
 #           preset's `--budgets sweep` ran past ten minutes)
 #   sweep PRESET  the budget sweep with only checkpoint and graph beside it (SWEEP_CONFIGS
 #           names others: eager,checkpoint,graph, say), JSON; OPTIMIZER=adamw steps AdamW
+#           (the default preset's, with eager and checkpoint, ran past five minutes)
 #   budgets PRESET SIZES  the budgets named (e.g. 6.84GiB,7.03GiB) beside SWEEP_CONFIGS
 #           (default checkpoint,graph), JSON; OPTIMIZER=adamw steps AdamW instead of SGD
 #   held [PRESET]  benchmarks/held_by_stream.py: what a build keeping everything and one with
@@ -38,12 +39,13 @@
 #           graphs' shared pool against one pool per backward graph (default: llama)
 #   grads [PRESET]  eager and the three modes with zero_grad(), each beside its variant
 #           with .grad kept (zero_grad(set_to_none=False)) over four accumulated
-#           microbatches, in one run: what a kept gradient costs (default preset: default;
-#           about four minutes for llama)
+#           microbatches, in one run: what a kept gradient costs (default preset: default,
+#           which ran past four minutes; a process of one configuration takes 30-60 s)
 #
 # Logs and results go to $OUT (the device tool brings that folder back, also when a part
-# runs out of time), so nothing is piped through a filter that a timeout would cut off;
-# a bench's JSON is the last line of its log.
+# runs out of time), so nothing is piped through a filter that a timeout would cut off.
+# A bench's log says, a line each, which configuration it started and when, then ends with
+# its JSON.
 set -uo pipefail
 part=${1:?"which part: abc, a, b, c, te, megatron_te, weakrefs, bench, launch, llama, peers, sweep, budgets, held, pools or grads"}
 out=${OUT:-/tmp/graphslot-gpu-check}
@@ -120,33 +122,33 @@ for name, r in runs.items():
 PY
     ;;
   bench)
-    run bench python3 -m graphslot.cli bench --isolate --json --quiet --plot "$out/bench_default.png" \
+    run bench python3 -m graphslot.cli bench --isolate --json --plot "$out/bench_default.png" \
       --trace "$out/bench_default_trace.json" ;;
   launch)
-    run launch python3 -m graphslot.cli bench --preset launch --isolate --rounds 3 --json --quiet \
+    run launch python3 -m graphslot.cli bench --preset launch --isolate --rounds 3 --json \
       --plot "$out/bench_launch.png" &&
       run launch_remap python3 -m graphslot.cli bench --preset launch --configs graph_remap \
-        --json --quiet --trace "$out/launch_remap_trace.json" ;;
+        --json --trace "$out/launch_remap_trace.json" ;;
   llama)  # the memory budget sweep beside every peer (about seven minutes; needs transformers)
     run llama python3 -m graphslot.cli bench --preset llama --budgets sweep --isolate --json \
-      --quiet --steps 5 --warmup 2 \
+      --steps 5 --warmup 2 \
       --configs eager,save_on_cpu,checkpoint,torch_graphed,torch_graphed_checkpoint,graph,graph_recompute,graph_auto \
       --plot "$out/llama.png" ;;
   peers)
     preset=${2:?"peers: which preset"}
-    run "peers_$preset" python3 -m graphslot.cli bench --preset "$preset" --isolate --json --quiet \
+    run "peers_$preset" python3 -m graphslot.cli bench --preset "$preset" --isolate --json \
       --steps 5 --warmup 2 \
       --configs eager,save_on_cpu,checkpoint,torch_graphed,torch_graphed_checkpoint,graph,graph_recompute,graph_auto ;;
   sweep)
     preset=${2:?"sweep: which preset"}
     run "sweep_$preset${OPTIMIZER:+_$OPTIMIZER}" python3 -m graphslot.cli bench --preset "$preset" \
-      --budgets sweep --isolate --optimizer "${OPTIMIZER:-sgd}" --json --quiet --steps 5 --warmup 2 \
+      --budgets sweep --isolate --optimizer "${OPTIMIZER:-sgd}" --json --steps 5 --warmup 2 \
       --configs "${SWEEP_CONFIGS:-checkpoint,graph}" --plot "$out/sweep_$preset${OPTIMIZER:+_$OPTIMIZER}.png" ;;
   budgets)
     preset=${2:?"budgets: which preset"}; sizes=${3:?"budgets: which sizes, e.g. 6.84GiB,7.03GiB"}
     run "budgets_$preset${OPTIMIZER:+_$OPTIMIZER}" python3 -m graphslot.cli bench --preset "$preset" \
       --budgets "$sizes" --optimizer "${OPTIMIZER:-sgd}" \
-      --isolate --json --quiet --steps 5 --warmup 2 --configs "${SWEEP_CONFIGS:-checkpoint,graph}" ;;
+      --isolate --json --steps 5 --warmup 2 --configs "${SWEEP_CONFIGS:-checkpoint,graph}" ;;
   held)
     run "held_${2:-launch}" python3 benchmarks/held_by_stream.py --preset "${2:-launch}" ;;
   pools)  # every layer recomputed: the shared graphs' pool against one pool per backward
@@ -160,6 +162,6 @@ PY
     configs=""
     for c in eager graph graph_resident graph_remap; do configs+="$c,$c@keep@acc4,"; done
     run "grads_$preset" python3 -m graphslot.cli bench --preset "$preset" --isolate --json \
-      --quiet --steps 3 --warmup 1 --configs "${configs%,}" ;;
+      --steps 3 --warmup 1 --configs "${configs%,}" ;;
   *) echo "unknown part '$part': choose abc, a, b, c, te, megatron_te, weakrefs, bench, launch, llama, peers, sweep, budgets, held, pools or grads" >&2; exit 2 ;;
 esac

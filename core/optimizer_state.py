@@ -96,7 +96,9 @@ def live_optimizers() -> list[torch.optim.Optimizer]:
 
 
 def _on(t: torch.Tensor, device: torch.device | None) -> bool:
-    return device is None or t.device == device
+    # "cuda" names every cuda device; "cpu:0" and "cpu" name the one host
+    return device is None or (t.device.type == device.type and (
+        device.index is None or t.device.index is None or t.device.index == device.index))
 
 
 def _held(opt: torch.optim.Optimizer, params: Sequence[torch.Tensor] | None,

@@ -249,13 +249,30 @@ def test_bench_command_prints_a_table(backend, capsys):
 @pytest.mark.parametrize("module,flag", [("tabulate", "--quiet"), ("tqdm", "--json")])
 def test_bench_without_its_output_libraries_is_a_clear_error(backend, capsys, monkeypatch, module, flag):
     """The table needs tabulate and the progress bar tqdm (the cli extra); without one the
-    command says so before running anything, and names the option that does without it."""
+    command says so before running anything, and names the option that does without it.
+    (The bar shows on a terminal alone: here stderr is made one.)"""
     monkeypatch.setitem(sys.modules, module, None)  # import now raises ImportError
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True, raising=False)
     rc = cli.main(["bench", "--preset", "tiny", "--steps", "1", flag])
     cap = capsys.readouterr()
     other = "--json" if module == "tabulate" else "--quiet"
     assert rc == 1 and cap.out == "", cap
     assert f"needs {module}" in cap.err and "pip install tabulate tqdm" in cap.err and other in cap.err, cap.err
+
+
+def test_progress_off_a_terminal_is_a_line_per_configuration_without_tqdm(backend, capsys, monkeypatch):
+    """Where stderr is no terminal (a log file), progress is plain lines, one as each
+    configuration starts, so a log a timeout cut off says how far the run got; it needs no
+    tqdm; --quiet prints none."""
+    monkeypatch.setitem(sys.modules, "tqdm", None)  # import now raises ImportError
+    argv = ["bench", "--preset", "tiny", "--steps", "1", "--warmup", "0", "--json",
+            "--configs", "eager,graph"]
+    assert cli.main(argv) == 0
+    lines = capsys.readouterr().err.splitlines()
+    assert [ln for ln in lines if "] eager: " in ln] and [ln for ln in lines if "] graph: " in ln], lines
+    assert re.fullmatch(r"\[\d+/\d+, \d+ s\] done", lines[-1]), lines
+    assert cli.main(argv + ["--quiet"]) == 0
+    assert capsys.readouterr().err == ""
 
 
 def test_isolated_configurations_each_run_in_a_process_of_their_own(backend, tmp_path):

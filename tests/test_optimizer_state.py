@@ -65,6 +65,22 @@ def test_state_is_told_for_the_parameters_asked_about_alone():
     assert pending_state_bytes(opt, mine) == 2 * mine_bytes
 
 
+def test_a_device_named_with_or_without_its_index_counts_alike():
+    """"cuda" names every cuda device and "cuda:0" the first; a tensor's device always has
+    its index on cuda and never on the host, so both spellings must count the same
+    tensors (the cuda suite found "cuda" counting nothing of state on cuda:0)."""
+    params = _params()
+    opt = torch.optim.Adam(params)
+    for p in params:
+        if p.requires_grad:
+            p.grad = torch.randn_like(p)
+    told = {d: pending_state_bytes(opt, params, d) for d in ("cpu", "cpu:0")}
+    opt.step()
+    held = {d: state_bytes(opt, params, d) for d in ("cpu", "cpu:0")}
+    assert told["cpu"] == told["cpu:0"] > 0 and held["cpu"] == held["cpu:0"] == state_bytes(opt, params) > 0
+    assert state_bytes(opt, params, "meta") == 0  # (another kind holds none of it)
+
+
 def test_an_optimizer_of_a_kind_it_cannot_tell_says_so():
     class Mine(torch.optim.Optimizer):
         def __init__(self, params):

@@ -48,7 +48,7 @@ from .bench_measure import OPTIMIZERS, Inputs, measure, memory_breakdown, prepar
 from .bench_models import BenchShape, transformers_missing
 from .bench_report import (check_output_path, derive, median_of_rounds, peer_ratios, plot,
                            render_table, variant_ratios)
-from .output import Progress, missing
+from .output import Progress, bar_wanted, missing
 
 __all__ = ["BenchShape", "CONFIGS", "PEERS", "run_bench", "copy_bandwidth", "memory_breakdown",
            "check_args", "add_parser"]
@@ -96,7 +96,8 @@ def run_bench(b: Backend, shape: BenchShape, *, steps: int = 10, warmup: int = 3
         trace_path: where to write a Chrome/Perfetto trace of one offloading step (.json).
         plot_path: where to write the figure (needs matplotlib): step time against peak
             memory, and device memory over one step.
-        progress: show a progress bar on stderr (needs tqdm, the ``cli`` extra).
+        progress: show progress on stderr: a bar on a terminal (needs tqdm, the ``cli``
+            extra), plain lines elsewhere.
         rounds: time every configuration this many times, the configurations taking turns
             (built and timed again in each later round), so that a slow spell of the machine
             falls on all of them alike; ``step_ms`` is the median of the rounds' medians,
@@ -493,7 +494,7 @@ def main(args: argparse.Namespace) -> int:
         print(f"graphslot bench: error: {e}", file=sys.stderr)
         return 2
     for needed in ((None if args.json else missing("tabulate", "the bench table", "--json")),
-                   (None if args.quiet else missing("tqdm", "the progress bar", "--quiet"))):
+                   (None if args.quiet or not bar_wanted() else missing("tqdm", "the progress bar", "--quiet"))):
         if needed:
             print(f"graphslot bench: error: {needed}", file=sys.stderr)
             return 1
@@ -554,5 +555,6 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--layers-per-graph", default="auto", metavar="N|auto",
                    help="layers per device graph of the graph configurations (auto: "
                         "GraphedLayers joins small layers)")
-    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument("--quiet", action="store_true",
+                   help="no progress (a bar on a terminal, lines elsewhere)")
     p.set_defaults(func=main)

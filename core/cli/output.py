@@ -1,4 +1,5 @@
-"""What the commands print through: tables (``tabulate``) and the progress bar (``tqdm``).
+"""What the commands print through: tables (``tabulate``) and the progress bar (``tqdm``,
+on a terminal; plain lines elsewhere).
 
 Both are dependencies of the package, imported only
 when a command prints a table or a bar. A command checks :func:`missing` before it does
@@ -9,11 +10,12 @@ from __future__ import annotations
 
 import importlib
 import sys
+import time
 from typing import Any, Sequence
 
 from ..errors import UsageError
 
-__all__ = ["EXTRA", "missing", "table", "Progress"]
+__all__ = ["EXTRA", "missing", "table", "Progress", "bar_wanted"]
 
 #: How to install the commands' output libraries (dependencies of the package, missing only
 #: from an install without them).
@@ -68,22 +70,38 @@ def table(rows: Sequence[Sequence[Any]], headers: Sequence[str], align: str) -> 
 
 
 class Progress:
-    """A progress bar on stderr (``tqdm``) of ``total`` steps, labelled with the step that
-    runs; with ``enabled=False`` it prints nothing and needs nothing.
+    """Progress on stderr of ``total`` steps, labelled with the step that runs: a bar
+    (``tqdm``) on a terminal; elsewhere (a log file, a pipe) a plain line when a new
+    configuration starts or half a minute has passed, so a log cut off by a timeout still
+    says how far the run got. With ``enabled=False`` it prints nothing and needs nothing.
 
     Raises:
-        UsageError: ``enabled`` and ``tqdm`` is not installed.
+        UsageError: ``enabled``, stderr is a terminal and ``tqdm`` is not installed.
     """
+
+    #: Seconds between two lines about the same configuration, where stderr is no terminal.
+    LINE_EVERY_S = 30.0
 
     def __init__(self, total: int, enabled: bool) -> None:
         self._bar: Any = None
-        if enabled:
+        self._lines = enabled and not bar_wanted()
+        self._total, self._done = total, 0
+        self._start = self._last = time.monotonic()
+        self._said = ""
+        if enabled and not self._lines:
             tqdm = _load("tqdm", "the progress bar")
             self._bar = tqdm.tqdm(total=total, file=sys.stderr, leave=False, dynamic_ncols=True,
                                   bar_format="{bar:24} {n_fmt}/{total_fmt} {desc}")
 
     def update(self, label: str, advance: bool = True) -> None:
         """Show ``label``; count one step done unless ``advance`` is false."""
+        self._done += bool(advance)
+        if self._lines:
+            now, what = time.monotonic(), label.split(":", 1)[0]
+            if what != self._said or now - self._last >= self.LINE_EVERY_S:
+                self._said, self._last = what, now
+                print(f"[{self._done}/{self._total}, {now - self._start:.0f} s] {label}",
+                      file=sys.stderr, flush=True)
         if self._bar is None:
             return
         self._bar.set_description_str(label, refresh=not advance)
@@ -92,9 +110,21 @@ class Progress:
 
     def skip(self, steps: int) -> None:
         """Count ``steps`` as done without running them (a configuration skipped)."""
+        self._done += steps
         if self._bar is not None:
             self._bar.update(steps)
 
     def close(self) -> None:
+        if self._lines:
+            print(f"[{self._done}/{self._total}, {time.monotonic() - self._start:.0f} s] done",
+                  file=sys.stderr, flush=True)
         if self._bar is not None:
             self._bar.close()
+
+
+def bar_wanted() -> bool:
+    """Whether progress shows as a bar (stderr is a terminal) rather than as lines."""
+    try:
+        return sys.stderr.isatty()
+    except (AttributeError, ValueError):  # (a replaced or closed stderr)
+        return False
