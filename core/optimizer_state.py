@@ -17,13 +17,15 @@ import math
 import threading
 import warnings
 import weakref
-from typing import Any, Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 
-__all__ = ["live_optimizers", "pending_state_bytes", "state_bytes", "state_to_come", "StateWatch"]
+__all__ = ["live_optimizers", "pending_state_bytes", "state_bytes", "state_to_come", "StateCount",
+           "StateWatch"]
 
 Group = dict
 
@@ -114,9 +116,9 @@ def _held(opt: torch.optim.Optimizer, params: Sequence[torch.Tensor] | None,
 def pending_state_bytes(opt: torch.optim.Optimizer, params: Sequence[torch.Tensor] | None = None,
                         device: torch.device | str | None = None) -> int | None:
     """Bytes of state ``opt`` will make at its next steps for its parameters (those of
-    ``params``, on ``device``, where given) that want a gradient and have no state yet;
-    None where ``opt``'s kind is not known (not one of torch's optimizers, or LBFGS, whose
-    history grows as it goes)."""
+    ``params``, on ``device`` ("cuda" names every cuda device), where given) that want a
+    gradient and have no state yet; None where ``opt``'s kind is not known (not one of
+    torch's optimizers, or LBFGS, whose history grows as it goes)."""
     rule = _rule(opt)
     if rule is None:
         return None
@@ -127,83 +129,139 @@ def pending_state_bytes(opt: torch.optim.Optimizer, params: Sequence[torch.Tenso
 def state_bytes(opt: torch.optim.Optimizer, params: Sequence[torch.Tensor] | None = None,
                 device: torch.device | str | None = None) -> int:
     """Bytes of the state tensors ``opt`` holds now for its parameters (those of
-    ``params`` where given), the tensors on ``device`` alone where given."""
+    ``params`` where given), the tensors on ``device`` alone where given ("cuda" names
+    every cuda device). Tensors in lists, tuples and dicts count too (LBFGS keeps its
+    history so), each storage once."""
     dev = _device(device)
+    seen: set[tuple[int, int]] = set()
     n = 0
     for _, p in _held(opt, params, None):
-        for v in opt.state.get(p, {}).values():
-            if isinstance(v, torch.Tensor) and _on(v, dev):
-                n += v.numel() * v.element_size()
+        for t in _tensors(opt.state.get(p, {}).values()):
+            key = (t.untyped_storage().data_ptr(), t.untyped_storage().nbytes())
+            if _on(t, dev) and key not in seen:
+                seen.add(key)
+                n += key[1]
     return n
 
 
-def state_to_come(device: torch.device | str
-                  ) -> tuple[int, weakref.WeakKeyDictionary[torch.optim.Optimizer, int]]:
-    """What the process's optimizers will still make on ``device`` at their next steps (a
-    kind it cannot tell counts nothing), and per optimizer what that leaves it holding
-    there (what a :class:`StateWatch` compares against)."""
-    counted: weakref.WeakKeyDictionary[torch.optim.Optimizer, int] = weakref.WeakKeyDictionary()
-    pending = 0
+def _tensors(values: Any, depth: int = 0) -> Iterator[torch.Tensor]:
+    for v in values:
+        if isinstance(v, torch.Tensor):
+            yield v
+        elif depth < 4 and isinstance(v, (list, tuple)):
+            yield from _tensors(v, depth + 1)
+        elif depth < 4 and isinstance(v, dict):
+            yield from _tensors(v.values(), depth + 1)
+
+
+@dataclass(frozen=True)
+class StateCount:
+    """What was counted of the process's optimizers' state on one device, when a plan was
+    made (:func:`state_to_come`)."""
+
+    #: bytes they will still make at their next steps (a kind it cannot tell counts none)
+    pending: int
+    #: bytes they hold then, plus ``pending``: what the plan counted in all
+    counted: int
+    #: the optimizers counted
+    optimizers: tuple[weakref.ref[torch.optim.Optimizer], ...]
+
+
+def state_to_come(device: torch.device | str) -> StateCount:
+    """What the process's optimizers will still make on ``device`` at their next steps,
+    and what that leaves them holding there (what a :class:`StateWatch` compares
+    against)."""
+    pending = held = 0
+    refs = []
     for opt in live_optimizers():
-        will = pending_state_bytes(opt, device=device) or 0
-        counted[opt] = state_bytes(opt, device=device) + will
-        pending += will
-    return pending, counted
+        pending += pending_state_bytes(opt, device=device) or 0
+        held += state_bytes(opt, device=device)
+        refs.append(weakref.ref(opt))
+    return StateCount(pending, held + pending, tuple(refs))
 
 
 def _device(device: torch.device | str | None) -> torch.device | None:
     return None if device is None else torch.device(device)
 
 
-#: a watch looks at an optimizer whose state may still come at each of its first steps,
-#: then at every this many (a layer unfrozen later makes its state late)
+#: a watch looks after each of an optimizer's first steps, then after every this many,
+#: and again whenever its parameters change (``add_param_group``)
 _EARLY_STEPS, _LATER_EVERY = 10, 100
 
 
+@dataclass
+class _Seen:
+    ref: weakref.ref[torch.optim.Optimizer]
+    steps: int = 0
+    params: int = -1  # how many parameters it had when last looked at
+    done: bool = False  # every parameter has its state: nothing more can come
+
+
 class StateWatch:
-    """Warns, once per optimizer, when after a step an optimizer holds more state on
-    ``device`` than was counted for it (one made after a budget was planned, one whose
-    state :func:`pending_state_bytes` cannot tell, or state for a layer unfrozen since).
-    Watches every optimizer's steps until :meth:`close`.
+    """Warns when, after an optimizer's step, the process's optimizers hold more state on
+    ``device`` than was counted (one made after a budget was planned, one whose state
+    :func:`pending_state_bytes` cannot tell, state for a layer unfrozen or a parameter
+    group added since), and again each time that grows by more than ``slack``. Watches
+    every optimizer's steps until :meth:`close`.
 
     Args:
-        counted: per optimizer, the bytes of its state that were counted (0 for others).
-        say: the warning's text for an optimizer and the bytes beyond what was counted
-            ("": no warning, the bytes mattering not).
+        count: what was counted, and of which optimizers (:func:`state_to_come`).
+        say: the warning's text for the optimizer that just stepped and the bytes beyond
+            what was counted ("": no warning, the bytes mattering not).
         device: count state tensors on this device only.
         slack: bytes beyond the counted figure that go unremarked.
     """
 
-    def __init__(self, counted: weakref.WeakKeyDictionary[torch.optim.Optimizer, int],
-                 say: Callable[[torch.optim.Optimizer, int], str], *,
+    def __init__(self, count: StateCount, say: Callable[[torch.optim.Optimizer, int], str], *,
                  device: torch.device | str | None = None, slack: int = 1 << 20) -> None:
-        self._counted = counted
+        # (by id, not by the optimizer: an optimizer class may define __eq__ without
+        # __hash__; each entry's weak reference says whether it is still that optimizer)
+        self._seen: dict[int, _Seen] = {id(o): _Seen(r) for r in count.optimizers
+                                        if (o := r()) is not None}
+        self._counted = count.counted
         self._say = say
         self._device = _device(device)
         self._slack = slack
-        #: optimizers done with: warned about, or with nothing more to come here
-        self._checked: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
-        self._steps: weakref.WeakKeyDictionary[torch.optim.Optimizer, int] = weakref.WeakKeyDictionary()
+        self._warned = 0  # the excess last warned about
+        self._lock = threading.Lock()
         _watching(self)
 
+    def _entry(self, opt: torch.optim.Optimizer) -> _Seen:
+        e = self._seen.get(id(opt))
+        if e is None or e.ref() is not opt:
+            e = self._seen[id(opt)] = _Seen(weakref.ref(opt))
+        return e
+
     def after_step(self, opt: torch.optim.Optimizer) -> None:
-        if opt in self._checked:
-            return
-        n = self._steps[opt] = self._steps.get(opt, 0) + 1
-        if n > _EARLY_STEPS and n % _LATER_EVERY:
-            return
-        held = _held(opt, None, self._device)
-        extra = state_bytes(opt, device=self._device) - self._counted.get(opt, 0)
-        if extra > self._slack:
-            self._checked.add(opt)
+        with self._lock:
+            e = self._entry(opt)
+            e.steps += 1
+            params = sum(len(g.get("params", ())) for g in opt.param_groups if isinstance(g, dict))
+            if params == e.params and (e.done or e.steps > _EARLY_STEPS and e.steps % _LATER_EVERY):
+                return
+            e.params = params
+            held = _held(opt, None, self._device)
+            rule = _rule(opt)
+            e.done = not held or rule is not None and all(opt.state.get(p) or rule(g, p) == 0
+                                                          for g, p in held)
+            extra = self._held_now() - self._counted
+            if extra <= max(self._warned, 0) + self._slack:
+                return
             said = self._say(opt, extra)
             if said:
-                warnings.warn(said, stacklevel=4)
-            return
-        rule = _rule(opt)
-        if not held or rule is not None and all(opt.state.get(p) or rule(g, p) == 0
-                                                for g, p in held):
-            self._checked.add(opt)  # (nothing more can come here)
+                self._warned = extra
+        if said:
+            warnings.warn(said, stacklevel=4)
+
+    def _held_now(self) -> int:
+        total = 0
+        for k, e in list(self._seen.items()):
+            o = e.ref()
+            if o is None:
+                del self._seen[k]
+            else:
+                total += state_bytes(o, device=self._device)
+        return total
 
     def close(self) -> None:
         """Stop watching (safe to call again, from any thread, at any time)."""
@@ -232,5 +290,11 @@ def _after_any_step(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
     # discard cannot change under it; iterating the WeakSet itself could)
     for ref in list(_WATCHES.data):  # type: ignore[attr-defined]
         watch = ref()
-        if watch is not None:
+        if watch is None:
+            continue
+        try:
             watch.after_step(opt)
+        except Exception as e:  # (a check must never break the user's step)
+            watch.close()
+            warnings.warn(f"graphslot: stopped watching the optimizers' state after "
+                          f"{type(opt).__name__}'s step: {type(e).__name__}: {e}", stacklevel=3)

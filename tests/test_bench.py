@@ -275,6 +275,29 @@ def test_progress_off_a_terminal_is_a_line_per_configuration_without_tqdm(backen
     assert capsys.readouterr().err == ""
 
 
+def test_progress_lines_tell_budgets_and_rounds_apart_and_need_a_stderr(monkeypatch, capsys):
+    """A budget's name holds a colon of its own ("budget:7GiB"), and each round of a
+    configuration starts with a label that counts nothing: each gets its line. Without a
+    stderr (a daemon, ``2>&-``), nothing is printed, least of all into stdout's report."""
+    from graphslot.cli.output import Progress
+
+    bar = Progress(12, True)
+    for size in ("6GiB", "7GiB"):
+        for rnd in (1, 2):
+            bar.update(f"budget:{size}: round {rnd}/2, own process", advance=False)
+            bar.update(f"budget:{size}: step 1/1")
+    bar.close()
+    err = capsys.readouterr().err
+    for size in ("6GiB", "7GiB"):
+        for rnd in (1, 2):
+            assert f"budget:{size}: round {rnd}/2, own process" in err, err
+    monkeypatch.setattr(sys, "stderr", None)
+    bar = Progress(2, True)
+    bar.update("eager: step 1/1")
+    bar.close()
+    assert capsys.readouterr().out == ""
+
+
 def test_isolated_configurations_each_run_in_a_process_of_their_own(backend, tmp_path):
     """With isolate, every configuration runs in a bench process of its own (none is
     charged for what an earlier one left behind); the options reach every process."""

@@ -15,7 +15,7 @@ from graphslot.budget import (CHOICES, FIT_BUILDS, KEEP, OFFLOAD, RECOMPUTE, Bud
                               lower_bound_ms, parse_budget, plan_budget, predict_peak_bytes,
                               predict_step_ms, smallest_peak)
 from graphslot import budget
-from graphslot.errors import UsageError
+from graphslot.errors import BudgetError, UsageError
 
 GiB, MiB = 1 << 30, 1 << 20
 
@@ -659,3 +659,46 @@ def test_where_keeping_everything_fits_it_is_the_plan_even_beside_a_recompute_ti
     # Below it, a cheap recompute pays.
     plan = plan_budget(p, keep - 1)
     assert RECOMPUTE in plan.choices and plan.recompute_ops
+
+
+def test_layers_that_take_no_time_still_get_a_plan():
+    layers = [budget.LayerCost(0.0, 0.0, 64 * MiB, recompute_ms=0.5, input_bytes=MiB)] * 3
+    prof = budget.StackProfile(tuple(layers), d2h_gbps=10.0, h2d_gbps=10.0)
+    keep = budget.predict_peak_bytes(prof, ["keep"] * 3, "off")
+    plan = budget.plan_budget(prof, keep - 32 * MiB)
+    assert plan.predicted_peak_bytes <= keep - 32 * MiB and set(plan.choices) != {"keep"}
+
+
+# A profile and builds from a fuzzed search (figures as a process measured them, moving by
+# a few hundred kB between builds of one plan): CCRRRR fits, a faster plan built after it
+# does not, and CCRRRR built again holds 0.3 MB over the budget.
+_MOVING = StackProfile(layers=(LayerCost(forward_ms=4.265912867130016, backward_ms=0, saved_bytes=337641472, recompute_ms=4.265912867130016, work_bytes=39845888, input_bytes=0, grad_bytes=90177536, cheap_saved_bytes=122027053, cheap_recompute_ms=0.7495001799214492), LayerCost(forward_ms=4.12009507422728, backward_ms=0, saved_bytes=62914560, recompute_ms=1.67455789865038, work_bytes=2097152, input_bytes=34603008, grad_bytes=35651584, cheap_saved_bytes=12155383, cheap_recompute_ms=0.05516878329402097), LayerCost(forward_ms=0.8864269274015115, backward_ms=7.519260050462016, saved_bytes=34603008, recompute_ms=0.8864269274015115, work_bytes=23068672, input_bytes=2097152, grad_bytes=0, cheap_saved_bytes=6745417, cheap_recompute_ms=0.6970537534437385), LayerCost(forward_ms=4.442373839029115, backward_ms=0.49215215914831245, saved_bytes=304087040, recompute_ms=0, work_bytes=23068672, input_bytes=24117248, grad_bytes=16777216, cheap_saved_bytes=72528955, cheap_recompute_ms=0.2055444035501911), LayerCost(forward_ms=0, backward_ms=6.9209022022088, saved_bytes=264241152, recompute_ms=0.0, work_bytes=20971520, input_bytes=23068672, grad_bytes=26214400, cheap_saved_bytes=97077695, cheap_recompute_ms=0.13383288438749785), LayerCost(forward_ms=1.2503542380221024, backward_ms=7.36071379532548, saved_bytes=387973120, recompute_ms=2.0784027385752255, work_bytes=35651584, input_bytes=15728640, grad_bytes=37748736, cheap_saved_bytes=None, cheap_recompute_ms=None)), d2h_gbps=21.70820817047743, h2d_gbps=19.661408245947147, fixed_bytes=858783744, granularity=2097152, section_bytes=33554432, d2d_gbps=None, optimizer_state_bytes=0, keep_grads=False)
+_MOVING_LIMIT = 1557939444
+
+
+@pytest.mark.parametrize("rkrrrr_again", [1546409753, 1557939444 + 5], ids=["fits", "over"])
+def test_a_plan_that_holds_more_when_built_again_falls_back_or_is_a_budget_error(rkrrrr_again):
+    """Back to the plan that fitted, which built again holds more: the next plan that fitted
+    (the most room first) is built; where none fits again, the refusal is a BudgetError
+    naming the least of them, as every refusal is."""
+    from graphslot.budget.costs import short
+
+    table = {("RKRRRR", "remap"): [1546409753, rkrrrr_again],
+             ("CCRRRR", "remap"): [1555502826, 1558198610], ("CRRRRK", "off"): [1560453661]}
+    seen: dict = {}
+    order = []
+
+    def build(plan):
+        key = (short(plan.detailed), plan.mode)
+        n = seen[key] = seen.get(key, 0) + 1
+        order.append(key)
+        return table[key][min(n, len(table[key])) - 1]
+
+    if rkrrrr_again <= _MOVING_LIMIT:
+        plan = budget.fit_budget(_MOVING, _MOVING_LIMIT, build, modes=("resident", "remap"))
+        assert (short(plan.detailed), plan.mode) == order[-1] == ("RKRRRR", "remap")
+        assert plan.predicted_peak_bytes == rkrrrr_again <= _MOVING_LIMIT
+    else:
+        with pytest.raises(BudgetError) as e:
+            budget.fit_budget(_MOVING, _MOVING_LIMIT, build, modes=("resident", "remap"))
+        assert e.value.least_bytes == 1557939444 + 5 and "built again" in str(e.value)

@@ -13,7 +13,8 @@ from graphslot import budget as gb
 from graphslot import optimizer_state
 from graphslot.adapters import torch as gt
 from graphslot.errors import BudgetError
-from graphslot.optimizer_state import StateWatch, live_optimizers, pending_state_bytes, state_bytes
+from graphslot.optimizer_state import (StateCount, StateWatch, live_optimizers, pending_state_bytes,
+                                      state_bytes)
 from test_budget_stack import fake_profile
 
 MiB = 1 << 20
@@ -120,8 +121,8 @@ def test_state_made_late_is_named_when_it_comes():
     params = _params()
     frozen = nn.Parameter(torch.randn(512, 512), requires_grad=False)
     opt = torch.optim.Adam(params + [frozen])
-    counted = weakref.WeakKeyDictionary({opt: pending_state_bytes(opt)})
-    watch = StateWatch(counted, lambda o, extra: f"late {extra}", slack=1024)
+    watch = StateWatch(StateCount(0, pending_state_bytes(opt), (weakref.ref(opt),)),
+                       lambda o, extra: f"late {extra}", slack=1024)
     try:
         with warnings.catch_warnings(record=True) as w:
             warnings.simplefilter("always")
@@ -143,21 +144,22 @@ def _step(opt: torch.optim.Optimizer, params: list[nn.Parameter]) -> None:
     opt.step()
 
 
-def test_the_watch_warns_once_per_optimizer_past_what_was_counted_and_stops_at_close():
+def test_the_watch_warns_past_what_was_counted_once_per_growth_and_stops_at_close():
     import weakref
 
     params = _params()
     counted_one, uncounted = torch.optim.Adam(params), torch.optim.Adam(params)
     want = pending_state_bytes(counted_one)
-    counted = weakref.WeakKeyDictionary({counted_one: want})
-    watch = StateWatch(counted, lambda o, extra: f"{type(o).__name__} {extra}",
+    watch = StateWatch(StateCount(want, want, (weakref.ref(counted_one),)),
+                       lambda o, extra: f"{type(o).__name__} {extra}",
                        slack=64)  # (the step counters, a few bytes each, are not counted)
     with warnings.catch_warnings(record=True) as w:
         warnings.simplefilter("always")
         _step(counted_one, params)
         _step(uncounted, params)
-        _step(uncounted, params)  # (once)
-    assert [str(m.message) for m in w] == [f"Adam {state_bytes(uncounted)}"]
+        _step(uncounted, params)  # (once: it has not grown since)
+    extra = state_bytes(counted_one) + state_bytes(uncounted) - want
+    assert [str(m.message) for m in w] == [f"Adam {extra}"]
     watch.close()
     watch.close()
     with warnings.catch_warnings(record=True) as w:
@@ -172,7 +174,7 @@ def test_a_watch_closed_inside_a_step_leaves_the_step_alone():
     import weakref
 
     params = _params()
-    watches = [StateWatch(weakref.WeakKeyDictionary(), lambda o, extra: "") for _ in range(3)]
+    watches = [StateWatch(StateCount(0, 0, ()), lambda o, extra: "") for _ in range(3)]
     from torch.optim.optimizer import register_optimizer_step_post_hook
 
     closing = register_optimizer_step_post_hook(lambda o, a, k: [w.close() for w in watches])
@@ -181,6 +183,117 @@ def test_a_watch_closed_inside_a_step_leaves_the_step_alone():
     finally:
         closing.remove()
     assert not any(w in optimizer_state._WATCHES for w in watches)
+
+
+def _room_say(room: int):
+    """A budget's ``say``: silent while the excess fits ``room``."""
+    return lambda o, extra: "" if extra <= room else f"over {extra}"
+
+
+def _warned(fn) -> list[str]:
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        fn()
+    return [str(m.message) for m in w]
+
+
+def _mats(n: int, side: int = 64) -> list[nn.Parameter]:
+    return [nn.Parameter(torch.randn(side, side)) for _ in range(n)]
+
+
+def _nbytes(ps: list[nn.Parameter]) -> int:
+    return sum(p.numel() * p.element_size() for p in ps)
+
+
+def test_state_within_the_room_at_first_is_named_once_it_outgrows_it():
+    """Three ways state comes after a first step whose state fit the room: a layer
+    unfrozen, a second optimizer, a parameter group added. The first step is not named;
+    the step that takes the process's state past the room is."""
+    import weakref
+
+    for case in ("unfrozen", "second optimizer", "group added"):
+        ps = _mats(2)
+        room = 3 * _nbytes(ps[:1])  # (Adam makes two matrices per matrix: one fits, two do not)
+        if case == "unfrozen":
+            ps[1].requires_grad_(False)
+        opt = torch.optim.Adam(ps if case == "unfrozen" else ps[:1])
+        watch = StateWatch(StateCount(0, 0, (weakref.ref(opt),)), _room_say(room), slack=1024)
+        try:
+            assert _warned(lambda: _step(opt, ps[:1])) == [], case
+            if case == "unfrozen":
+                ps[1].requires_grad_(True)
+                said = _warned(lambda: _step(opt, ps))
+            elif case == "second optimizer":
+                said = _warned(lambda: _step(torch.optim.Adam(ps[1:]), ps[1:]))
+            else:
+                opt.add_param_group({"params": [ps[1]]})
+                said = _warned(lambda: _step(opt, ps))
+            assert len(said) == 1 and said[0].startswith("over "), (case, said)
+            assert int(said[0].split()[1]) >= 4 * _nbytes(ps[:1])
+        finally:
+            watch.close()
+
+
+def test_an_optimizer_made_again_over_the_same_parameters_is_no_excess():
+    import weakref
+
+    ps = _mats(2)
+    first = torch.optim.Adam(ps)
+    count = StateCount(pending_state_bytes(first), pending_state_bytes(first), (weakref.ref(first),))
+    watch = StateWatch(count, lambda o, extra: f"over {extra}", slack=1024)
+    try:
+        del first  # (replaced before its first step: its counted state never comes)
+        again = torch.optim.Adam(ps)
+        assert _warned(lambda: [_step(again, ps) for _ in range(2)]) == []
+    finally:
+        watch.close()
+
+
+def test_lbfgs_history_is_counted():
+    ps = _mats(1)
+    opt = torch.optim.LBFGS(ps, history_size=5, max_iter=4)
+
+    def closure():
+        opt.zero_grad()
+        loss = ps[0].square().sum()
+        loss.backward()
+        return loss
+
+    for _ in range(3):
+        opt.step(closure)
+    st = opt.state[ps[0]]
+    history = sum(t.numel() * t.element_size() for t in st["old_dirs"] + st["old_stps"])
+    assert history > 0 and state_bytes(opt) >= history + _nbytes(ps)
+
+
+def test_an_unhashable_optimizer_neither_breaks_the_count_nor_its_step():
+    class Compared(torch.optim.SGD):
+        def __eq__(self, other):  # (and so no __hash__)
+            return self is other
+
+    ps = _mats(2)
+    opt = Compared(ps, lr=0.1, momentum=0.9)
+    count = optimizer_state.state_to_come("cpu")
+    assert count.pending >= _nbytes(ps)
+    watch = StateWatch(count, lambda o, extra: f"over {extra}", slack=1024)
+    try:
+        assert _warned(lambda: _step(opt, ps)) == []
+    finally:
+        watch.close()
+
+
+def test_a_watch_that_fails_stops_and_leaves_the_step_alone():
+    ps = _mats(1)
+    opt = torch.optim.Adam(ps)
+
+    def say(o, extra):
+        raise RuntimeError("broken")
+
+    watch = StateWatch(StateCount(0, 0, ()), say, slack=0)
+    said = _warned(lambda: _step(opt, ps))
+    assert len(said) == 1 and "stopped watching" in said[0] and "broken" in said[0]
+    assert watch not in optimizer_state._WATCHES
+    assert _warned(lambda: _step(opt, ps)) == []
 
 
 def _blocks(h: int = 256, n: int = 3) -> list[nn.Module]:
@@ -260,12 +373,13 @@ def test_state_an_optimizer_made_after_the_build_is_named_at_its_first_step(clea
                 stack(_sample(b)).square().mean().backward()
                 opt.step()
                 opt.zero_grad()
-        said = [str(m.message) for m in w if "GraphedLayers: Adam" in str(m.message)]
+        said = [str(m.message) for m in w if "GraphedLayers: the optimizers" in str(m.message)]
         if made == "before":
             assert said == []
         else:
             moments = state_bytes(opt, params, b.device.type)
-            assert len(said) == 1 and "did not count" in said[0] and "Build the stack after" in said[0]
+            assert len(said) == 1 and "than the stack's memory budget's plan counted" in said[0]
+            assert "after Adam's step" in said[0] and "Build the stack after" in said[0]
             from graphslot.sizes import format_bytes
             assert format_bytes(moments) in said[0]
     assert len(optimizer_state._WATCHES) == watching  # (closed with the stack)

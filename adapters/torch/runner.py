@@ -22,7 +22,7 @@ from graphslot.offload import KEEP, OFFLOAD, RECOMPUTE, OffloadUnit, leaves_on_d
 from graphslot.precision import without_autocast
 from graphslot.recompute import CallKey, cheap_recompute_contexts, noting_expensive_outputs
 
-from .grads import GradHome, ParamGrad, backward_into, give_holders_own_bytes, use_count
+from .grads import GradHome, ParamGrad, backward_into, give_holders_own_bytes, shares_storage, use_count
 from .plan import param_name
 
 if TYPE_CHECKING:
@@ -47,6 +47,18 @@ def _parameters_as(module: nn.Module, alias_of: dict[int, torch.Tensor]) -> Iter
     finally:
         for params, name, p in reversed(swapped):
             params[name] = p
+
+
+def _copied_into(buf: torch.Tensor, grad: torch.Tensor | None) -> torch.Tensor | None:
+    """``grad`` copied into ``buf``, in the graph being captured; ``None`` stays (an
+    input the layer does not use gets no gradient, as in eager)."""
+    if grad is None:
+        return None
+    if shares_storage(grad, buf) and (grad.data_ptr(), grad.stride()) != (buf.data_ptr(), buf.stride()):
+        grad = grad.clone()  # (a copy between overlapping ranges is refused)
+    with torch.no_grad():
+        buf.copy_(grad)
+    return buf
 
 
 @contextlib.contextmanager
@@ -320,8 +332,12 @@ class GraphRunner:
         self.static_out = out.detach()
         return self.static_out
 
-    def build_backward(self, static_grad_out: torch.Tensor | None, shared: set[int]) -> None:
-        """Capture the backward graph (after every forward, in reverse layer order)."""
+    def build_backward(self, static_grad_out: torch.Tensor | None, shared: set[int],
+                       grad_in_into: torch.Tensor | None = None) -> None:
+        """Capture the backward graph (after every forward, in reverse layer order); with
+        ``grad_in_into``, the graph copies its input gradient into that buffer at its end
+        (a standing buffer of the pool, which the layer below may read as its
+        ``static_grad_out``: every read of it comes before that copy)."""
         b, out, inputs = self.stack.backend, self._out, self._inputs
         wants_grad_in = self.wants_grad_in
         differentiable = bool(inputs) and out.requires_grad
@@ -360,6 +376,8 @@ class GraphRunner:
                         # A parameter the layers leave unused keeps .grad None, as in eager
                         # (a home would hand it zeros, which an optimizer then steps on).
                         self.homes = [(k, h) for k, h in self.homes if k in reached]
+                    if grad_in_into is not None and wants_grad_in:
+                        grads = (_copied_into(grad_in_into, grads[0]), *grads[1:])
                 if before is not None:
                     with torch.no_grad():
                         for target, was in zip(targets or [], before):

@@ -250,6 +250,14 @@ class GraphedLayers(nn.Module):
     (``with GraphedLayers(...) as stack:``) it closes on exit.
     """
 
+    #: Input gradients through one standing buffer per shape in the graphs' pool (each
+    #: backward graph copies its input gradient there at its end) instead of buffers that
+    #: each backward capture leaves live for the next. Every backward capture then starts
+    #: from the same pool, which is meant to stop the pool growing capture by capture
+    #: (measured off by default: ``benchmarks/pool_split.py``'s ``gradbuf`` variant).
+    #: Costs one device copy of an activation per graph and backward.
+    _standing_grad_buffers = False
+
     def __init__(self, layers: Sequence[nn.Module], sample_input: torch.Tensor, *,
                  mode: Mode | str | None = None, min_offload_bytes: int = 0,
                  section_bytes: int = SECTION_BYTES,
@@ -453,7 +461,8 @@ class GraphedLayers(nn.Module):
         # torch's optimizers make their state at their first step: what the process's
         # optimizers will still make on this device (for the layers' parameters and any
         # other, the budget being the process's) is counted as held from the start
-        pending, counted = state_to_come(b.device)
+        count = state_to_come(b.device)
+        pending = count.pending
         profile = self._profile(units, sample, section_bytes, pending)
         mapped_before = b.ledger.mapped_bytes  # (other stacks' pages, say)
         builds = 0
@@ -505,7 +514,7 @@ class GraphedLayers(nn.Module):
                               least_plan=least) from None
         self.plan = _per_layer(plan, units)
         if plan.budget_bytes is not None:
-            self._state_watch = StateWatch(counted, _state_warning(plan), device=b.device)
+            self._state_watch = StateWatch(count, _state_warning(plan), device=b.device)
             weakref.finalize(self, self._state_watch.close).atexit = False
 
     def _output_copy_bytes(self, held: int) -> int:
@@ -584,11 +593,14 @@ class GraphedLayers(nn.Module):
             view = self.backend.return_to_pool(last.static_out)
             if view is not None:
                 last.static_out = view
-        grad_out: torch.Tensor | None = None
+        standing = self._standing_buffers(runners) if self._standing_grad_buffers else {}
+        grad_out: torch.Tensor | None = standing.get(_like_key(last.static_out))
         for i in reversed(range(len(runners))):
             r = runners[i]
-            r.build_backward(grad_out, shared)
-            if i + 1 < len(runners) and runners[i + 1].grad_in is r.static_grad_out:
+            into = standing.get(_like_key(r.static_in)) if r.wants_grad_in else None
+            r.build_backward(grad_out, shared, grad_in_into=into)
+            if (i + 1 < len(runners) and runners[i + 1].grad_in is r.static_grad_out
+                    and r.static_grad_out is not into):
                 # Layer i+1's input gradient is read by layer i's backward graph alone.
                 view = self.backend.return_to_pool(r.static_grad_out)
                 if view is not None:
@@ -605,16 +617,29 @@ class GraphedLayers(nn.Module):
         if self._input_grad is not None:
             self._input_grad.count_own_refs()
 
-    def _pool_buffer(self, like: torch.Tensor) -> torch.Tensor:
-        """A copy of ``like`` in memory of the graphs' shared pool (an allocation captured
-        into an otherwise empty graph, which stays the pool's first owner)."""
+    def _standing_buffers(self, runners: Sequence[GraphRunner]
+                          ) -> dict[tuple[Any, ...], torch.Tensor]:
+        """One buffer in the graphs' pool per kind of layer input whose gradient a backward
+        graph hands down, live for the stack's life (see ``_standing_grad_buffers``)."""
+        out: dict[tuple[Any, ...], torch.Tensor] = {}
+        for r in runners:
+            key = _like_key(r.static_in)
+            if r.wants_grad_in and key not in out:
+                out[key] = self._pool_buffer(r.static_in, copy=False)
+        return out
+
+    def _pool_buffer(self, like: torch.Tensor, copy: bool = True) -> torch.Tensor:
+        """A copy of ``like`` (its like alone, without ``copy``) in memory of the graphs'
+        shared pool (an allocation captured into an otherwise empty graph; the first such
+        graph stays the pool's owner)."""
         g = self._new_graph()
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # torch warns that the captured graph is empty
             with g.capture(self._warmup_stream):
                 buf = torch.empty_like(like)
-        with torch.no_grad():
-            buf.copy_(like.detach())
+        if copy:
+            with torch.no_grad():
+                buf.copy_(like.detach())
         return buf
 
     def _lend_input_grad(self, buf: torch.Tensor, input_ref: weakref.ref[torch.Tensor] | None
@@ -903,21 +928,27 @@ _uncompiled_forward: Callable[..., Any] = torch._disable_dynamo(GraphedLayers._f
 
 
 def _state_warning(plan: BudgetPlan) -> Callable[[torch.optim.Optimizer, int], str]:
-    """The warning for an optimizer whose state outgrew what ``plan`` counted, where the
-    step then holds more than the budget."""
+    """The warning for optimizers' state beyond what ``plan`` counted, where the step then
+    holds more than the budget."""
     budget, peak = plan.budget_bytes or 0, plan.predicted_peak_bytes
 
     def say(opt: torch.optim.Optimizer, extra: int) -> str:
         if peak + extra <= budget:
             return ""  # (the budget holds all the same)
-        return (f"GraphedLayers: {type(opt).__name__} made {format_bytes(extra)} of state on the "
-                f"device that the stack's memory budget's plan did not count: the "
-                f"step holds about {format_bytes(peak + extra)} where the plan said "
-                f"{format_bytes(peak)}, against a budget of {format_bytes(budget)}. Build the "
-                "stack after the optimizer is made (torch's optimizers' state is then counted "
-                "before their first step) or after its first step (any optimizer's), or give "
-                f"a budget {format_bytes(extra)} lower")
+        return (f"GraphedLayers: the optimizers hold {format_bytes(extra)} more state on the "
+                f"device than the stack's memory budget's plan counted (seen after "
+                f"{type(opt).__name__}'s step): the step holds about {format_bytes(peak + extra)} "
+                f"where the plan said {format_bytes(peak)}, against a budget of "
+                f"{format_bytes(budget)}. Build the stack after the optimizers are made and "
+                "their parameter groups added (torch's optimizers' state is then counted "
+                "before their first step) or after their first step (any optimizer's), or "
+                f"give a budget {format_bytes(extra)} lower")
     return say
+
+
+def _like_key(t: torch.Tensor) -> tuple[Any, ...]:
+    """What a buffer must share with ``t`` to stand in for it in a graph."""
+    return (tuple(t.shape), t.stride(), t.dtype)
 
 
 def _build_holds(b: Backend) -> int | None:

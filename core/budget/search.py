@@ -309,7 +309,7 @@ def _plan_budget(profile: StackProfile, budget: int | str | None, exhaustive: bo
                   f"what it recomputes costs at most {AUTO_SLACK:.0%} of the step")
     else:
         reason = (f"the fastest plan that fits: {best.step / keep_all.step:.2f} x the step "
-                  "that keeps everything")
+                  "that keeps everything" if keep_all.step > 0 else "the fastest plan that fits")
     return _plan(profile, best, limit, reason, exhaustive, modes, adjust)
 
 
@@ -358,6 +358,7 @@ def fit_budget(profile: StackProfile, budget: int | str | None,
     least: BudgetPlan | None = None   # the least a built plan held
     tried: set[tuple[tuple[str, ...], str]] = set()
     last: BudgetPlan | None = None
+    fits_built: list[BudgetPlan] = []  # every plan that fitted once built
 
     def built(plan: BudgetPlan) -> int | None:
         """Build ``plan``; count what it showed of the model's error for its kind."""
@@ -371,8 +372,10 @@ def fit_budget(profile: StackProfile, budget: int | str | None,
         corrections.saw(_kind(profile, plan.detailed, plan.mode), got - (plan.predicted_peak_bytes - plan.fixed_correction_bytes))
         if least is None or got < least.predicted_peak_bytes:
             least = last
-        if got <= limit and (fitted is None or last.predicted_step_ms < fitted.predicted_step_ms):
-            fitted = last
+        if got <= limit:
+            fits_built.append(last)
+            if fitted is None or last.predicted_step_ms < fitted.predicted_step_ms:
+                fitted = last
         return got
 
     def least_plan() -> BudgetPlan:
@@ -446,14 +449,24 @@ def fit_budget(profile: StackProfile, budget: int | str | None,
         assert least is not None
         raise BudgetError(refusal_message(limit, least), budget_bytes=limit,
                           least_bytes=least.predicted_peak_bytes, least_plan=least)
-    if last is not fitted:
-        got = build(fitted)  # (the last one built did not fit: back to the one that did)
-        if got is not None and got > limit:
-            raise UsageError(f"memory budget {format_bytes(limit)}: the plan that fitted "
-                             f"({short(fitted.detailed)}) holds {format_bytes(got)} when built "
-                             "again; the layers' memory moves from one build to the next")
-        fitted = fitted if got is None else replace(fitted, predicted_peak_bytes=got)
-    return fitted
+    if last is fitted:
+        return fitted
+    # The last one built did not fit: back to the fastest that did. Built again, the
+    # layers' memory may have moved; then the next that fitted, the most room first.
+    again = [fitted] + sorted((f for f in fits_built if f is not fitted),
+                              key=lambda f: f.predicted_peak_bytes)
+    held = []
+    for f in again:
+        got = build(f)
+        if got is None or got <= limit:
+            return f if got is None else replace(f, predicted_peak_bytes=got)
+        held.append((got, f))
+    got, f = min(held, key=lambda h: h[0])
+    raise BudgetError(
+        f"memory budget {format_bytes(limit)} ({limit} bytes): the plans that fitted it hold "
+        f"more when built again (the layers' memory moves from one build to the next); the "
+        f"least of them, {short(f.detailed)} ({f.mode}), holds {format_bytes(got)} ({got} bytes)",
+        budget_bytes=limit, least_bytes=got, least_plan=replace(f, predicted_peak_bytes=got))
 
 
 def refusal_message(limit: int, least: BudgetPlan) -> str:

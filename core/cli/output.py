@@ -84,11 +84,12 @@ class Progress:
 
     def __init__(self, total: int, enabled: bool) -> None:
         self._bar: Any = None
-        self._lines = enabled and not bar_wanted()
+        self._err = sys.stderr  # (None where the process has no stderr: then no lines)
+        self._lines = enabled and self._err is not None and not bar_wanted()
         self._total, self._done = total, 0
         self._start = self._last = time.monotonic()
         self._said = ""
-        if enabled and not self._lines:
+        if enabled and self._err is not None and not self._lines:
             tqdm = _load("tqdm", "the progress bar")
             self._bar = tqdm.tqdm(total=total, file=sys.stderr, leave=False, dynamic_ncols=True,
                                   bar_format="{bar:24} {n_fmt}/{total_fmt} {desc}")
@@ -97,11 +98,13 @@ class Progress:
         """Show ``label``; count one step done unless ``advance`` is false."""
         self._done += bool(advance)
         if self._lines:
-            now, what = time.monotonic(), label.split(":", 1)[0]
-            if what != self._said or now - self._last >= self.LINE_EVERY_S:
+            # (a configuration's name ends at the first ": "; names such as "budget:7GiB"
+            # hold a colon of their own. A label that counts nothing marks a start.)
+            now, what = time.monotonic(), label.split(": ", 1)[0]
+            if not advance or what != self._said or now - self._last >= self.LINE_EVERY_S:
                 self._said, self._last = what, now
                 print(f"[{self._done}/{self._total}, {now - self._start:.0f} s] {label}",
-                      file=sys.stderr, flush=True)
+                      file=self._err, flush=True)
         if self._bar is None:
             return
         self._bar.set_description_str(label, refresh=not advance)
@@ -117,7 +120,7 @@ class Progress:
     def close(self) -> None:
         if self._lines:
             print(f"[{self._done}/{self._total}, {time.monotonic() - self._start:.0f} s] done",
-                  file=sys.stderr, flush=True)
+                  file=self._err, flush=True)
         if self._bar is not None:
             self._bar.close()
 

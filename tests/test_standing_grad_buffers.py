@@ -1,0 +1,117 @@
+"""Input gradients handed down through standing buffers (``_standing_grad_buffers``): each
+backward graph copies its input gradient into one buffer per kind of layer input, which
+the layer below reads; training stays bit for bit eager's."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from graphslot.adapters import torch as gt
+from stacks import graphed, seeded_grads, small_gpt
+from test_graphed_grads import assert_bitwise, run
+
+
+@pytest.fixture
+def standing(clean, monkeypatch):
+    monkeypatch.setattr(gt.GraphedLayers, "_standing_grad_buffers", True)
+    return clean
+
+
+def _handed_down_through_standing(stack: gt.GraphedLayers) -> None:
+    """Every input gradient is its kind's one buffer, and the layer below reads that very
+    buffer: no copy between the graphs, one buffer per kind."""
+    rs = stack._runners
+    kinds: dict[tuple, torch.Tensor] = {}
+    for below, r in zip(rs, rs[1:]):
+        assert r.grad_in is below.static_grad_out
+        key = (tuple(r.static_in.shape), r.static_in.dtype)
+        assert kinds.setdefault(key, r.grad_in) is r.grad_in
+    if rs[0].grad_in is not None:
+        assert kinds.setdefault((tuple(rs[0].static_in.shape), rs[0].static_in.dtype),
+                                rs[0].grad_in) is rs[0].grad_in
+
+
+@pytest.mark.parametrize("mode", ["off", "resident", "remap"])
+def test_a_mixed_plan_trains_as_eager_bitwise(standing, mode):
+    b = standing
+    base = small_gpt(b, 4)
+    want = run(copy.deepcopy(base), b, 3, 2, False)
+    model = copy.deepcopy(base)
+    offload = [0, 3] if mode != "off" else []
+    with graphed(model, b, mode, offload_layers=offload, recompute_layers=[1, 3]) as stack:
+        _handed_down_through_standing(stack)
+        assert_bitwise(run(model, b, 3, 2, False), want)
+
+
+@pytest.mark.parametrize("per_graph", [1, None], ids=["graph-per-layer", "joined"])
+def test_microbatches_in_flight_train_as_eager(standing, per_graph):
+    b = standing
+    base = small_gpt(b, 4)
+    eager, model = copy.deepcopy(base), copy.deepcopy(base)
+    with graphed(model, b, "remap", offload_layers=[0, 2], recompute_layers=[1],
+                 layers_per_graph=per_graph) as stack:
+        _handed_down_through_standing(stack)
+        for m in (eager, model):
+            losses = [m(*m.batch(k, b.device)) for k in range(3)]
+            for loss in reversed(losses):
+                loss.backward()
+        assert_bitwise([p.grad for p in model.parameters()], [p.grad for p in eager.parameters()])
+
+
+class _Widen(nn.Module):
+    def __init__(self, n_in: int, n_out: int) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(n_in, 24), nn.Linear(24, n_out)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(torch.tanh(self.a(x)))
+
+
+@pytest.mark.parametrize("mode", ["off", "remap"])
+def test_layer_inputs_of_several_shapes_get_a_buffer_each(standing, mode):
+    b = standing
+    torch.manual_seed(3)
+    widths = [8, 16, 16, 8, 8]
+    layers = [_Widen(i, o).to(b.device) for i, o in zip(widths, widths[1:])]
+    xs = [torch.randn(4, 8, device=b.device) for _ in range(3)]
+    kw = {"backend": b, "mode": mode, "recompute_layers": [1, 2]}
+    if mode == "remap":
+        kw["offload_layers"] = [0, 3]
+    got, want = seeded_grads(layers, xs, **kw)
+    assert_bitwise(got, want)
+    with gt.GraphedLayers(copy.deepcopy(layers), xs[0].clone().requires_grad_(), layers_per_graph=1,
+                          **kw) as stack:
+        _handed_down_through_standing(stack)
+        assert len({id(r.grad_in) for r in stack._runners}) == 2  # inputs of 8 and 16 features
+
+
+def test_an_input_without_gradient_and_a_kept_input_gradient(standing):
+    """The first layer hands no gradient down where its input wants none; where it does, an
+    input gradient the caller keeps through the next step is not overwritten by it."""
+    b = standing
+    base = small_gpt(b, 3)
+    for wants in (False, True):
+        model = copy.deepcopy(base)
+        sample = model.hidden_in(model.batch(0, b.device)[0]).detach().requires_grad_(wants)
+        with gt.GraphedLayers(list(model.blocks), sample, mode="remap", recompute_layers=[0, 2],
+                              offload_layers=[1], layers_per_graph=1, backend=b) as stack:
+            assert (stack._runners[0].grad_in is not None) == wants
+            _handed_down_through_standing(stack)
+            eager = nn.Sequential(*copy.deepcopy(list(model.blocks)))
+            kept = []
+            for step in range(2):
+                x = torch.randn_like(sample).requires_grad_(wants)
+                ex = x.detach().clone().requires_grad_(wants)
+                stack(x).square().sum().backward()
+                eager(ex).square().sum().backward()
+                if wants:
+                    assert_bitwise([x.grad], [ex.grad])
+                    kept.append((x.grad, ex.grad))
+            for g, e in kept:  # (the first step's, after the second step's backward)
+                assert_bitwise([g], [e])
+            assert_bitwise([p.grad for p in model.blocks.parameters()],
+                           [p.grad for p in eager.parameters()])
