@@ -94,8 +94,9 @@ def get_backend(name: str | None = None) -> Backend:
     """
     requested = (name or os.environ.get(ENV_VAR) or "auto").strip().lower()
     if requested != "auto" and requested not in BACKENDS:
+        source = f"set {ENV_VAR}" if not name else "the name given"
         raise UsageError(f"unknown graphslot backend {requested!r}; valid names are "
-                         f"auto, {', '.join(sorted(BACKENDS))} (set {ENV_VAR})")
+                         f"auto, {', '.join(sorted(BACKENDS))} ({source})")
     with _lock:
         if requested in _cache:
             return _cache[requested]

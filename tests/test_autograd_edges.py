@@ -157,3 +157,33 @@ def test_tensors_without_memory_alive_in_the_process_do_not_trip_the_holders_sca
     lo = t.data_ptr()
     give_holders_own_bytes(t, lo, lo + t.untyped_storage().nbytes(), (t,))
     assert view.data_ptr() != t.data_ptr() + 8 and torch.equal(view, torch.tensor([2.0, 3.0]))
+
+
+def test_a_layer_frozen_at_the_build_and_unfrozen_later_is_refused_and_freezing_later_trains(clean):
+    """The graphs compute gradients for the parameters that wanted one at the build: one
+    unfrozen since would silently get none (eager gives it one), so the forward is refused
+    before anything runs; frozen after the build, a layer trains as in eager (no gradient)."""
+    b = clean
+    eager = Model().to(b.device)
+    m = copy.deepcopy(eager)
+    m.stack[1].requires_grad_(False)
+    m.stack = GraphedLayers(list(m.stack), torch.randn(B, H, device=b.device, requires_grad=True),
+                            backend=b)
+    with m.stack:
+        x, y = _data(b)
+        nn.functional.mse_loss(m(x), y).backward()
+        m.stack.layers[1].requires_grad_(True)
+        with pytest.raises(CaptureMismatchError, match=r"parameter 1\.0\.weight \(and 5 more\) wants a "
+                                                      r"gradient.*build the stack again"):
+            m(x)
+        with torch.no_grad():
+            m(x)  # (no gradient wanted: runs)
+        m.stack.layers[1].requires_grad_(False)
+        nn.functional.mse_loss(m(x), y).backward()  # frozen again: trains on
+    eager2, m2 = _pair(b)
+    with m2.stack:
+        for net in (eager2, m2):
+            net.stack[2].requires_grad_(False) if net is eager2 else m2.stack.layers[2].requires_grad_(False)
+            nn.functional.mse_loss(net(x), y).backward()
+        assert all((a is None and c is None) or torch.equal(a, c) for a, c in zip(_grads(eager2), _grads(m2)))
+        assert all(p.grad is None for p in m2.stack.layers[2].parameters())

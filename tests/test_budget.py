@@ -284,7 +284,8 @@ def test_mode_off_plans_without_offload():
 
 @pytest.mark.parametrize("text,want", [("10GiB", 10 * GiB), ("9.5G", int(9.5 * GiB)),
                                        ("12000MiB", 12000 * MiB), ("8e9", 8 * 10**9),
-                                       (4096, 4096), ("1 TB", 10**12)])
+                                       (4096, 4096), ("1 TB", 10**12), ("1023PiB", 1023 << 50),
+                                       ("1EiB", 1 << 60)])
 def test_budgets_parse_as_sizes(text, want):
     assert parse_budget(text) == want
 
@@ -293,6 +294,12 @@ def test_budgets_parse_as_sizes(text, want):
 def test_a_bad_budget_is_named(bad):
     with pytest.raises(UsageError, match="budget"):
         parse_budget(bad)
+
+
+@pytest.mark.parametrize("big", ["2EiB", "1025PiB", 2 ** 61])
+def test_a_budget_beyond_any_device_is_named_so_in_every_unit(big):
+    with pytest.raises(UsageError, match="beyond any device's memory"):
+        parse_budget(big)
 
 
 def test_bad_profiles_are_refused():

@@ -162,6 +162,8 @@ def test_a_budget_below_what_the_least_plan_holds_built_is_refused_naming_that(c
                                           r"built \([KOR]{3}, \w+\) holds .* \(\d+ bytes\)") as e:
         graphed(model, b, None, memory_budget=1)
     assert str(e.value.least_bytes) in str(e.value)
+    # (what the least plan says of itself agrees: it holds more than the budget)
+    assert e.value.least_plan.reason.endswith("which holds more than it"), e.value.least_plan.reason
 
 
 def test_a_refusal_names_the_least_plan_per_layer_as_stack_plan_does(clean):

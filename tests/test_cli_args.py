@@ -323,3 +323,41 @@ def test_a_reader_that_stops_reading_ends_a_command_quietly():
     finally:
         os.close(w)
     assert done.returncode == 0 and done.stderr == b"", done.stderr
+
+
+def test_a_shape_the_host_cannot_hold_is_refused_before_it_takes_the_memory(capsys, monkeypatch):
+    """On the cpu backend the device is the host's memory, which overcommits instead of
+    failing an allocation: a shape whose weights and gradients alone exceed what the host
+    has available is one line and exit 2, before anything is allocated."""
+    from graphslot import get_backend
+    from graphslot.cli import bench
+
+    if get_backend().device.type != "cpu":
+        pytest.skip("a device says itself when it is out of memory")
+
+    def never(*a, **k):
+        raise AssertionError("ran")
+
+    monkeypatch.setattr(bench, "run_bench", never)
+    rc, out, err = run_main(["bench", "--json", "--quiet", "--preset", "tiny", "--hidden", "65536",
+                             "--heads", "64", "--ffn", "262144", "--layers", "4096"], capsys)
+    assert_one_line_error(rc, out, err)
+    assert "weights and gradients" in err and "available" in err and "--hidden" in err
+
+
+@pytest.mark.parametrize("argv,prog", [(["demo", "--bogus"], "graphslot demo"),
+                                       (["bench", "--json", "--bogus", "x"], "graphslot bench")])
+def test_an_unknown_argument_is_named_by_its_command(capsys, argv, prog):
+    rc, out, err = run_main(argv, capsys)
+    assert_one_line_error(rc, out, err)
+    assert err.startswith(f"{prog}: error: unrecognized arguments: ") and f"see {prog} --help" in err
+
+
+def test_an_unknown_backend_says_where_its_name_came_from(capsys, monkeypatch):
+    rc, out, err = run_main(["--backend", "banana", "info"], capsys)
+    assert_one_line_error(rc, out, err)
+    assert "'banana'" in err and "the name given" in err and "GRAPHSLOT_BACKEND" not in err
+    monkeypatch.setenv("GRAPHSLOT_BACKEND", "banana")
+    rc, out, err = run_main(["info"], capsys)
+    assert_one_line_error(rc, out, err)
+    assert "(set GRAPHSLOT_BACKEND)" in err

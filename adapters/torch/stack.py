@@ -173,7 +173,8 @@ class GraphedLayers(nn.Module):
             slots, mapped for good, zero driver calls per step), ``"remap"`` (least memory:
             one bank per size class where slots stream in sections, mapped only while a
             pass is in flight) or ``"off"``. With ``memory_budget``, the planner picks it
-            unless it is given (``"off"``: keep or recompute, never offload).
+            unless it is given (``"off"``: keep or recompute, never offload); a plan that
+            offloads nothing runs, and says it runs, as ``"off"`` whatever mode was given.
         min_offload_bytes: saved tensors smaller than this stay on the device.
         section_bytes: slots move to and from the host in sections of at most this many
             bytes (:data:`graphslot.offload.SECTION_BYTES`), each fenced on its own inside
@@ -392,6 +393,10 @@ class GraphedLayers(nn.Module):
                              for prefix, m in self.layers.named_modules()
                              for tensors in (m._parameters, m._buffers)
                              for name, t in tensors.items() if t is not None]
+        # Frozen at the build: the backward graphs compute no gradient for these
+        self._frozen_at_build = [(p, f"{prefix}.{name}") for prefix, m in self.layers.named_modules()
+                                 for name, p in m._parameters.items()
+                                 if p is not None and not p.requires_grad]
         self._warned_mode = False
         # Dropped without close(): the pages, host buffers and threads go with the stack.
         self._finalizer = weakref.finalize(self, OffloadEngine.close, self.engine)
@@ -798,6 +803,8 @@ class GraphedLayers(nn.Module):
         # (before anything runs: a mismatch loses nothing; moved parameters first, since
         # .double() or .half() on the model changes the input's dtype too)
         self._check_in_place()
+        if self._frozen_at_build and torch.is_grad_enabled():
+            self._check_still_frozen()
         if not isinstance(x, torch.Tensor):
             self._runners[0].check_input(x)  # (names what it got)
         cast = autocast_dtype(x.device.type)
@@ -845,6 +852,19 @@ class GraphedLayers(nn.Module):
                     ".to() or .half() after the build, or a wrapper that reallocates "
                     "parameters, put it elsewhere): copy new values in place "
                     "(load_state_dict without assign=True) or build the stack again")
+
+    def _check_still_frozen(self) -> None:
+        """A parameter frozen at the build and unfrozen since would get no gradient from
+        the graphs (eager gives it one): refuse, before anything runs."""
+        woken = [where for p, where in self._frozen_at_build if p.requires_grad]
+        if woken:
+            raise CaptureMismatchError(
+                f"GraphedLayers: parameter {woken[0]}"
+                f"{f' (and {len(woken) - 1} more)' if len(woken) > 1 else ''} "
+                "wants a gradient now but was frozen (requires_grad=False) when the graphs were "
+                "captured, and they compute no gradient for it: build the stack again after "
+                "unfreezing, or build it with every layer that will train unfrozen and freeze "
+                "them with requires_grad_(False) afterwards (the stack honours that)")
 
     def _eager(self, x: torch.Tensor) -> torch.Tensor:
         """The layers run as plain modules (the graphs were captured in another mode)."""

@@ -279,7 +279,8 @@ def short(choices: Sequence[str]) -> str:
 
 _UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 10**3, "kib": 1 << 10, "m": 1 << 20, "mb": 10**6,
           "mib": 1 << 20, "g": 1 << 30, "gb": 10**9, "gib": 1 << 30, "t": 1 << 40, "tb": 10**12,
-          "tib": 1 << 40}
+          "tib": 1 << 40, "p": 1 << 50, "pb": 10**15, "pib": 1 << 50, "e": 1 << 60,
+          "eb": 10**18, "eib": 1 << 60}
 
 
 #: the largest budget :func:`parse_budget` takes (an exbibyte: beyond any device's memory)
@@ -288,7 +289,7 @@ MAX_BUDGET_BYTES = 1 << 60
 
 def parse_budget(v: int | float | str) -> int:
     """Bytes from a size: an integer, or a number with a unit (``"10GiB"``, ``"9.5G"``,
-    ``"12000MiB"``, ``"8e9"``; k, M, G, T alone are binary).
+    ``"12000MiB"``, ``"8e9"``; k, M, G, T, P, E alone are binary).
 
     Raises:
         UsageError: not a positive size.

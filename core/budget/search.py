@@ -448,7 +448,8 @@ def fit_budget(profile: StackProfile, budget: int | str | None,
     if fitted is None:
         assert least is not None
         raise BudgetError(refusal_message(limit, least), budget_bytes=limit,
-                          least_bytes=least.predicted_peak_bytes, least_plan=least)
+                          least_bytes=least.predicted_peak_bytes,
+                          least_plan=replace(least, reason=_OVER))
     if last is fitted:
         return fitted
     # The last one built did not fit: back to the fastest that did. Built again, the
@@ -466,7 +467,12 @@ def fit_budget(profile: StackProfile, budget: int | str | None,
         f"memory budget {format_bytes(limit)} ({limit} bytes): the plans that fitted it hold "
         f"more when built again (the layers' memory moves from one build to the next); the "
         f"least of them, {short(f.detailed)} ({f.mode}), holds {format_bytes(got)} ({got} bytes)",
-        budget_bytes=limit, least_bytes=got, least_plan=replace(f, predicted_peak_bytes=got))
+        budget_bytes=limit, least_bytes=got,
+        least_plan=replace(f, predicted_peak_bytes=got, reason=_OVER))
+
+
+#: a refusal's least plan, as it says why it is that plan
+_OVER = "the least plan built for the budget, which holds more than it"
 
 
 def refusal_message(limit: int, least: BudgetPlan) -> str:

@@ -117,7 +117,12 @@ def main(argv: list[str] | None = None) -> int:
 
     logging.basicConfig(level=logging.WARNING, format="graphslot: %(message)s")
     try:
-        args = build_parser().parse_args(argv)
+        parser = build_parser()
+        args, extra = parser.parse_known_args(argv)
+        if extra:  # (named by the command they were given to, as its other errors are)
+            command = str(getattr(args, "command", ""))
+            subs = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+            (subs.choices.get(command) or parser).error(f"unrecognized arguments: {' '.join(extra)}")
     except SystemExit as e:  # argparse already printed the help or the one-line error
         return e.code if isinstance(e.code, int) else (0 if e.code is None else 2)
     where = f"graphslot {args.command}"

@@ -44,6 +44,7 @@ from .bench_configs import (CONFIGS, PEERS, SWEEP_BUDGETS, base_config, budget_c
                             check_config, parse_size, plan_report, saved_on_device, split_variant,
                             sweep_budgets, unsupported)
 from ..profile import copy_bandwidth
+from ..sizes import format_bytes
 from .bench_measure import OPTIMIZERS, Inputs, measure, memory_breakdown, prepare, timed_steps
 from .bench_models import BenchShape, transformers_missing
 from .bench_report import (check_output_path, derive, median_of_rounds, peer_ratios, plot,
@@ -414,6 +415,25 @@ def _run_isolated(b: Backend, shape: BenchShape, names: list[str], sweep: bool,
     return out
 
 
+def _host_cannot_hold(b: Backend, shape: BenchShape) -> str | None:
+    """Why ``shape`` cannot run on a backend whose device is the host's memory, where its
+    weights and gradients alone exceed what the host has available (the host overcommits
+    rather than failing an allocation, so the run would take the machine's memory)."""
+    if b.device.type != "cpu":
+        return None  # (a device says when it is out of memory)
+    try:
+        with open("/proc/meminfo") as f:
+            avail = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration, ValueError, IndexError):
+        return None
+    need = 2 * shape.weight_bytes()  # (weights and their gradients)
+    if need <= avail:
+        return None
+    return (f"shape {shape.as_dict()} needs at least {format_bytes(need)} on {b.device} for its "
+            f"layers' weights and gradients, and the host has {format_bytes(avail)} available: "
+            "give a smaller shape (--hidden, --ffn, --layers)")
+
+
 def _is_oom(e: BaseException) -> bool:
     text = str(e).lower()
     return isinstance(e, MemoryError) or any(k in text for k in (
@@ -499,6 +519,10 @@ def main(args: argparse.Namespace) -> int:
             print(f"graphslot bench: error: {needed}", file=sys.stderr)
             return 1
     b = get_backend(args.backend)
+    too_big = _host_cannot_hold(b, shape)
+    if too_big:
+        print(f"graphslot bench: error: {too_big}", file=sys.stderr)
+        return 2
     try:
         r = run_bench(b, shape, steps=args.steps, warmup=args.warmup, configs=configs,
                       budgets=budgets, trace_path=args.trace, plot_path=args.plot,

@@ -71,6 +71,16 @@ class BenchShape(GPTConfig):
         d["dtype"] = str(self.dtype).removeprefix("torch.")
         return d
 
+    def weight_bytes(self) -> int:
+        """The layers' parameters' bytes (their matrices; norms and biases are small)."""
+        h, f = self.hidden, self.ffn
+        if self.model == "llama":
+            kv = (self.kv_heads or self.heads) / self.heads
+            per_layer = int(h * h * (2 + 2 * kv)) + 3 * h * f
+        else:
+            per_layer = 4 * h * h + 2 * h * f
+        return per_layer * self.layers * torch.empty((), dtype=self.dtype).element_size()
+
     def check(self) -> None:
         """``ValueError`` naming the option of a field out of range for this model."""
         for k in ("hidden", "heads", "ffn", "seq", "batch", "layers"):
