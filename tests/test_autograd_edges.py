@@ -187,3 +187,16 @@ def test_a_layer_frozen_at_the_build_and_unfrozen_later_is_refused_and_freezing_
             nn.functional.mse_loss(net(x), y).backward()
         assert all((a is None and c is None) or torch.equal(a, c) for a, c in zip(_grads(eager2), _grads(m2)))
         assert all(p.grad is None for p in m2.stack.layers[2].parameters())
+
+
+def test_a_parameter_replaced_by_another_object_at_the_same_address_is_refused(clean):
+    """The graphs' backward hands each gradient to the parameter object captured: a new
+    object (same bytes, as ``nn.Parameter(p.detach())`` makes) would silently get none."""
+    b = clean
+    eager, m = _pair(b)
+    with m.stack:
+        x, y = _data(b)
+        lin = m.stack.layers[0][1]
+        lin.weight = nn.Parameter(lin.weight.detach())
+        with pytest.raises(CaptureMismatchError, match=r"0\.1\.weight is another parameter object"):
+            m(x)

@@ -115,3 +115,58 @@ def test_an_input_without_gradient_and_a_kept_input_gradient(standing):
                 assert_bitwise([g], [e])
             assert_bitwise([p.grad for p in model.blocks.parameters()],
                            [p.grad for p in eager.parameters()])
+
+
+class _AddFull(nn.Module):
+    """``x + p``, ``p`` of x's whole shape: autograd hands ``p`` its output gradient itself."""
+
+    def __init__(self, shape: tuple[int, ...]) -> None:
+        super().__init__()
+        self.p = nn.Parameter(torch.randn(shape))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.p
+
+
+@pytest.mark.parametrize("on", [False, True], ids=["as-built", "standing"])
+def test_a_parameter_whose_gradient_is_its_layers_output_gradient_keeps_its_own(clean, monkeypatch, on):
+    """Lent as the layer's output-gradient buffer, such a gradient would be overwritten by
+    the layer below's graph (standing buffers) or live on bytes given back to the pool."""
+    monkeypatch.setattr(gt.GraphedLayers, "_standing_grad_buffers", on)
+    b = clean
+    torch.manual_seed(5)
+    layers = [_Widen(8, 8).to(b.device), _AddFull((4, 8)).to(b.device), _Widen(8, 8).to(b.device)]
+    xs = [torch.randn(4, 8, device=b.device) for _ in range(2)]
+    got, want = seeded_grads(layers, xs, backend=b, mode="off")
+    assert_bitwise(got, want)
+
+
+def _returning_like_cuda(b, monkeypatch) -> list[torch.Tensor]:
+    """The cpu backend keeps what its graphs captured; give it cuda's ``return_to_pool``
+    (the caller gets a stand-in for a view of the same address), recording what went back."""
+    returned: list[torch.Tensor] = []
+
+    def back(t: torch.Tensor) -> torch.Tensor:
+        returned.append(t)
+        return torch.empty_like(t)
+
+    monkeypatch.setattr(b, "return_to_pool", back)
+    return returned
+
+
+@pytest.mark.parametrize("widths", [[8, 16, 8, 8], [8, 16, 16, 8, 8]])
+def test_no_standing_buffer_and_no_gradient_the_graphs_still_use_goes_back_to_the_pool(
+        standing, monkeypatch, widths):
+    b = standing
+    returned = _returning_like_cuda(b, monkeypatch)
+    torch.manual_seed(0)
+    layers = [nn.Linear(i, o).to(b.device) for i, o in zip(widths, widths[1:])]
+    layers.insert(1, _AddFull((4, widths[1])).to(b.device))
+    with gt.GraphedLayers(layers, torch.randn(4, widths[0], device=b.device, requires_grad=True),
+                          mode="off", layers_per_graph=1, backend=b) as stack:
+        gone = {t.untyped_storage()._cdata for t in returned}
+        used = [(i, what) for i, r in enumerate(stack._runners)
+                for what, t in (("static_grad_out", r.static_grad_out), ("grad_in", r.grad_in),
+                                *((f"grad {k}", pg.buf) for k, pg in enumerate(r.grads) if pg))
+                if t is not None and t.untyped_storage()._cdata in gone]
+        assert used == [], used

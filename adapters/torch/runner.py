@@ -378,6 +378,13 @@ class GraphRunner:
                         self.homes = [(k, h) for k, h in self.homes if k in reached]
                     if grad_in_into is not None and wants_grad_in:
                         grads = (_copied_into(grad_in_into, grads[0]), *grads[1:])
+                    # A parameter's gradient that is its layer's output gradient (x + p with
+                    # p of x's shape) would be lent as a buffer another graph writes, or
+                    # gives back to the pool: it gets bytes of its own.
+                    k = int(wants_grad_in)
+                    shared_with = [t for t in (static_grad_out, grad_in_into) if t is not None]
+                    grads = (*grads[:k], *(g.clone() if g is not None and any(
+                        shares_storage(g, t) for t in shared_with) else g for g in grads[k:]))
                 if before is not None:
                     with torch.no_grad():
                         for target, was in zip(targets or [], before):

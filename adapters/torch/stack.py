@@ -389,14 +389,15 @@ class GraphedLayers(nn.Module):
         self._captured_modes = [(m, m.training) for m in self.layers.modules()]
         #: where each parameter and buffer lay when the graphs were captured: they read
         #: that memory, so a tensor put elsewhere since is refused at the next forward
-        self._captured_at = [(tensors, name, t.data_ptr(), f"{prefix}.{name}")
+        #: (and each parameter is the object the graphs' backward hands its gradient to)
+        self._captured_at = [(tensors, name, t, t.data_ptr(), f"{prefix}.{name}")
                              for prefix, m in self.layers.named_modules()
                              for tensors in (m._parameters, m._buffers)
                              for name, t in tensors.items() if t is not None]
         # Frozen at the build: the backward graphs compute no gradient for these
-        self._frozen_at_build = [(p, f"{prefix}.{name}") for prefix, m in self.layers.named_modules()
-                                 for name, p in m._parameters.items()
-                                 if p is not None and not p.requires_grad]
+        frozen = {id(p): (p, f"{prefix}.{name}") for prefix, m in self.layers.named_modules()
+                  for name, p in m._parameters.items() if p is not None and not p.requires_grad}
+        self._frozen_at_build = list(frozen.values())
         self._warned_mode = False
         # Dropped without close(): the pages, host buffers and threads go with the stack.
         self._finalizer = weakref.finalize(self, OffloadEngine.close, self.engine)
@@ -605,7 +606,7 @@ class GraphedLayers(nn.Module):
             into = standing.get(_like_key(r.static_in)) if r.wants_grad_in else None
             r.build_backward(grad_out, shared, grad_in_into=into)
             if (i + 1 < len(runners) and runners[i + 1].grad_in is r.static_grad_out
-                    and r.static_grad_out is not into):
+                    and all(r.static_grad_out is not t for t in standing.values())):
                 # Layer i+1's input gradient is read by layer i's backward graph alone.
                 view = self.backend.return_to_pool(r.static_grad_out)
                 if view is not None:
@@ -842,8 +843,15 @@ class GraphedLayers(nn.Module):
 
     def _check_in_place(self) -> None:
         """Every parameter and buffer is where the capture found it."""
-        for tensors, name, ptr, where in self._captured_at:  # (a module's own dicts)
+        for tensors, name, was, ptr, where in self._captured_at:  # (a module's own dicts)
             t = tensors.get(name)
+            if t is not was and t is not None and isinstance(was, nn.Parameter):
+                raise CaptureMismatchError(
+                    f"GraphedLayers: layer {where} is another parameter object than the one "
+                    "the graphs were captured with, which their backward hands its gradient "
+                    "to: the new one would get none. Copy new values into the parameter in "
+                    "place (load_state_dict without assign=True, or param.data.copy_) or "
+                    "build the stack again")
             if t is None or t.data_ptr() != ptr:
                 what = "is gone" if t is None else "lies elsewhere"
                 raise CaptureMismatchError(
