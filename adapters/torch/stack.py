@@ -842,16 +842,10 @@ class GraphedLayers(nn.Module):
             self._leave()
 
     def _check_in_place(self) -> None:
-        """Every parameter and buffer is where the capture found it."""
+        """Every parameter and buffer is where the capture found it, and every parameter
+        the object it was."""
         for tensors, name, was, ptr, where in self._captured_at:  # (a module's own dicts)
             t = tensors.get(name)
-            if t is not was and t is not None and isinstance(was, nn.Parameter):
-                raise CaptureMismatchError(
-                    f"GraphedLayers: layer {where} is another parameter object than the one "
-                    "the graphs were captured with, which their backward hands its gradient "
-                    "to: the new one would get none. Copy new values into the parameter in "
-                    "place (load_state_dict without assign=True, or param.data.copy_) or "
-                    "build the stack again")
             if t is None or t.data_ptr() != ptr:
                 what = "is gone" if t is None else "lies elsewhere"
                 raise CaptureMismatchError(
@@ -860,6 +854,13 @@ class GraphedLayers(nn.Module):
                     ".to() or .half() after the build, or a wrapper that reallocates "
                     "parameters, put it elsewhere): copy new values in place "
                     "(load_state_dict without assign=True) or build the stack again")
+            if t is not was and t is not None and isinstance(was, nn.Parameter):
+                raise CaptureMismatchError(
+                    f"GraphedLayers: layer {where} is another parameter object than the one "
+                    "the graphs were captured with, which their backward hands its gradient "
+                    "to: the new one would get none. Copy new values into the parameter in "
+                    "place (load_state_dict without assign=True, or param.data.copy_) or "
+                    "build the stack again")
 
     def _check_still_frozen(self) -> None:
         """A parameter frozen at the build and unfrozen since would get no gradient from
