@@ -245,7 +245,7 @@ class StateWatch:
             e.done = not held or rule is not None and all(opt.state.get(p) or rule(g, p) == 0
                                                           for g, p in held)
             extra = self._held_now() - self._counted
-            if extra <= max(self._warned, 0) + self._slack:
+            if extra <= self._warned + self._slack:
                 return
             said = self._say(opt, extra)
             if said:

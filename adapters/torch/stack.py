@@ -854,7 +854,7 @@ class GraphedLayers(nn.Module):
                     ".to() or .half() after the build, or a wrapper that reallocates "
                     "parameters, put it elsewhere): copy new values in place "
                     "(load_state_dict without assign=True) or build the stack again")
-            if t is not was and t is not None and isinstance(was, nn.Parameter):
+            if t is not was and isinstance(was, nn.Parameter):  # (t is not None here)
                 raise CaptureMismatchError(
                     f"GraphedLayers: layer {where} is another parameter object than the one "
                     "the graphs were captured with, which their backward hands its gradient "

@@ -415,23 +415,17 @@ def _run_isolated(b: Backend, shape: BenchShape, names: list[str], sweep: bool,
     return out
 
 
-def _host_cannot_hold(b: Backend, shape: BenchShape) -> str | None:
-    """Why ``shape`` cannot run on a backend whose device is the host's memory, where its
-    weights and gradients alone exceed what the host has available (the host overcommits
-    rather than failing an allocation, so the run would take the machine's memory)."""
-    if b.device.type != "cpu":
-        return None  # (a device says when it is out of memory)
-    try:
-        with open("/proc/meminfo") as f:
-            avail = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
-    except (OSError, StopIteration, ValueError, IndexError):
-        return None
+def _cannot_hold(b: Backend, shape: BenchShape) -> str | None:
+    """Why ``shape`` cannot run on ``b``'s device, where its layers' weights and gradients
+    alone exceed what the device has free (on the cpu backend the host's memory, which
+    overcommits rather than failing an allocation: the run would take the machine's)."""
     need = 2 * shape.weight_bytes()  # (weights and their gradients)
-    if need <= avail:
+    free, _ = b.mem_info()
+    if need <= free:
         return None
     return (f"shape {shape.as_dict()} needs at least {format_bytes(need)} on {b.device} for its "
-            f"layers' weights and gradients, and the host has {format_bytes(avail)} available: "
-            "give a smaller shape (--hidden, --ffn, --layers)")
+            f"layers' weights and gradients, and it has {format_bytes(free)} free: give a "
+            "smaller shape (--hidden, --ffn, --layers)")
 
 
 def _is_oom(e: BaseException) -> bool:
@@ -519,7 +513,7 @@ def main(args: argparse.Namespace) -> int:
             print(f"graphslot bench: error: {needed}", file=sys.stderr)
             return 1
     b = get_backend(args.backend)
-    too_big = _host_cannot_hold(b, shape)
+    too_big = _cannot_hold(b, shape)
     if too_big:
         print(f"graphslot bench: error: {too_big}", file=sys.stderr)
         return 2

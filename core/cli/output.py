@@ -84,12 +84,13 @@ class Progress:
 
     def __init__(self, total: int, enabled: bool) -> None:
         self._bar: Any = None
-        self._err = sys.stderr  # (None where the process has no stderr: then no lines)
-        self._lines = enabled and self._err is not None and not bar_wanted()
+        self._err = sys.stderr  # (None where the process has no stderr: then nothing)
+        shown = enabled and self._err is not None
+        self._lines = shown and not bar_wanted()
         self._total, self._done = total, 0
         self._start = self._last = time.monotonic()
         self._said = ""
-        if enabled and self._err is not None and not self._lines:
+        if shown and not self._lines:
             tqdm = _load("tqdm", "the progress bar")
             self._bar = tqdm.tqdm(total=total, file=sys.stderr, leave=False, dynamic_ncols=True,
                                   bar_format="{bar:24} {n_fmt}/{total_fmt} {desc}")
