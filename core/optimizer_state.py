@@ -137,11 +137,27 @@ def state_bytes(opt: torch.optim.Optimizer, params: Sequence[torch.Tensor] | Non
     n = 0
     for _, p in _held(opt, params, None):
         for t in _tensors(opt.state.get(p, {}).values()):
-            key = (t.untyped_storage().data_ptr(), t.untyped_storage().nbytes())
-            if _on(t, dev) and key not in seen:
+            if not _on(t, dev):
+                continue
+            key = _storage_key(t)
+            if key not in seen:
                 seen.add(key)
                 n += key[1]
     return n
+
+
+def _storage_key(t: torch.Tensor) -> tuple[int, int]:
+    """Where ``t``'s bytes are and how many: its storage's, or for a tensor that has none
+    of its own (a wrapper subclass), its local part's (DTensor's shard on this rank), else
+    its own size by identity."""
+    local = getattr(t, "_local_tensor", None)
+    if isinstance(local, torch.Tensor):
+        t = local
+    try:
+        st = t.untyped_storage()
+        return st.data_ptr(), st.nbytes()
+    except (RuntimeError, NotImplementedError, TypeError):
+        return id(t), t.numel() * t.element_size()
 
 
 def _tensors(values: Any, depth: int = 0) -> Iterator[torch.Tensor]:
@@ -237,7 +253,9 @@ class StateWatch:
             e = self._entry(opt)
             e.steps += 1
             params = sum(len(g.get("params", ())) for g in opt.param_groups if isinstance(g, dict))
-            if params == e.params and (e.done or e.steps > _EARLY_STEPS and e.steps % _LATER_EVERY):
+            # (every step at first, then every _LATER_EVERY steps, also for an optimizer
+            # that made all its state: a changed setting, momentum say, can make more)
+            if params == e.params and (e.done or e.steps > _EARLY_STEPS) and e.steps % _LATER_EVERY:
                 return
             e.params = params
             held = _held(opt, None, self._device)

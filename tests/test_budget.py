@@ -709,3 +709,6 @@ def test_a_plan_that_holds_more_when_built_again_falls_back_or_is_a_budget_error
         with pytest.raises(BudgetError) as e:
             budget.fit_budget(_MOVING, _MOVING_LIMIT, build, modes=("resident", "remap"))
         assert e.value.least_bytes == 1557939444 + 5 and "built again" in str(e.value)
+        # (what a stack's refusal says of it, named per layer, is the same message)
+        from graphslot.budget.search import refusal_message
+        assert refusal_message(e.value.budget_bytes, e.value.least_plan) == str(e.value)

@@ -383,3 +383,50 @@ def test_state_an_optimizer_made_after_the_build_is_named_at_its_first_step(clea
             from graphslot.sizes import format_bytes
             assert format_bytes(moments) in said[0]
     assert len(optimizer_state._WATCHES) == watching  # (closed with the stack)
+
+
+def test_state_made_by_a_changed_setting_after_all_state_is_made_is_named(monkeypatch):
+    """An optimizer that made all its state is looked at again now and then: a setting
+    changed later (SGD's momentum switched on) makes more, which is named."""
+    import weakref
+
+    monkeypatch.setattr(optimizer_state, "_LATER_EVERY", 5)
+    p = nn.Parameter(torch.randn(1024))
+    opt = torch.optim.SGD([p], lr=0.1, momentum=0.0)
+    count = StateCount(0, 0, (weakref.ref(opt),))
+    watch = StateWatch(count, lambda o, extra: f"{type(o).__name__} {extra}", slack=0)
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        _step(opt, [p])
+        assert state_bytes(opt) == 0
+        opt.param_groups[0]["momentum"] = 0.9
+        for _ in range(5):
+            _step(opt, [p])
+    watch.close()
+    assert [str(m.message) for m in w] == [f"SGD {p.numel() * p.element_size()}"]
+
+
+def test_state_of_tensors_without_storage_of_their_own_is_counted(tmp_path):
+    """A DTensor (FSDP2's optimizer state) has no storage of its own: its shard on this
+    rank is counted, and a budgeted build beside such an optimizer still builds."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import DeviceMesh, Shard, distribute_tensor
+
+    if dist.is_initialized():
+        pytest.skip("a process group is already set up in this process")
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        mesh = DeviceMesh("cpu", [0])
+        w = nn.Parameter(distribute_tensor(torch.randn(4, 4), mesh, [Shard(0)]))
+        opt = torch.optim.AdamW([w])
+        w.grad = distribute_tensor(torch.randn(4, 4), mesh, [Shard(0)])
+        opt.step()
+        moments = [t for t in opt.state[w].values() if type(t).__name__ == "DTensor"]
+        assert len(moments) == 2
+        # (the two moments' shards, 64 bytes each, and the step counter)
+        assert state_bytes(opt, device="cpu") == 2 * 64 + opt.state[w]["step"].untyped_storage().nbytes()
+        with gt.GraphedLayers([nn.Linear(8, 8), nn.Linear(8, 8)], torch.randn(4, 8, requires_grad=True),
+                              memory_budget="64GiB") as stack:
+            assert stack.plan.choices == ("keep", "keep")
+    finally:
+        dist.destroy_process_group()

@@ -376,15 +376,18 @@ class GraphRunner:
                         # A parameter the layers leave unused keeps .grad None, as in eager
                         # (a home would hand it zeros, which an optimizer then steps on).
                         self.homes = [(k, h) for k, h in self.homes if k in reached]
-                    if grad_in_into is not None and wants_grad_in:
-                        grads = (_copied_into(grad_in_into, grads[0]), *grads[1:])
                     # A parameter's gradient that is its layer's output gradient (x + p with
-                    # p of x's shape) would be lent as a buffer another graph writes, or
-                    # gives back to the pool: it gets bytes of its own.
+                    # p of x's shape) or its input gradient (tanh(x + p)) would be lent as a
+                    # buffer another graph writes, or gives back to the pool: it gets bytes
+                    # of its own, before the input gradient goes to its standing buffer.
                     k = int(wants_grad_in)
-                    shared_with = [t for t in (static_grad_out, grad_in_into) if t is not None]
+                    handed_down = grads[0] if k and grad_in_into is None else None
+                    shared_with = [t for t in (static_grad_out, grad_in_into, handed_down)
+                                   if t is not None]
                     grads = (*grads[:k], *(g.clone() if g is not None and any(
                         shares_storage(g, t) for t in shared_with) else g for g in grads[k:]))
+                    if grad_in_into is not None and wants_grad_in:
+                        grads = (_copied_into(grad_in_into, grads[0]), *grads[1:])
                 if before is not None:
                     with torch.no_grad():
                         for target, was in zip(targets or [], before):
@@ -392,8 +395,11 @@ class GraphRunner:
                                 target.copy_(was)
                     del before
                 del targets
-                if own:
-                    assert static_grad_out is not None  # (allocated in the capture)
+                assert static_grad_out is not None  # (allocated in the capture where own)
+                if own and not (wants_grad_in and grads[0] is not None
+                                and shares_storage(grads[0], static_grad_out)):
+                    # (a layer that hands its output gradient on as its input gradient,
+                    # x + pos, has the layer below read it: it stays)
                     view = b.return_to_pool(static_grad_out)
                     if view is not None:
                         static_grad_out = view

@@ -606,7 +606,8 @@ class GraphedLayers(nn.Module):
             into = standing.get(_like_key(r.static_in)) if r.wants_grad_in else None
             r.build_backward(grad_out, shared, grad_in_into=into)
             if (i + 1 < len(runners) and runners[i + 1].grad_in is r.static_grad_out
-                    and all(r.static_grad_out is not t for t in standing.values())):
+                    and all(r.static_grad_out is not t for t in standing.values())
+                    and not self._passed_on(r, runners[i + 1])):
                 # Layer i+1's input gradient is read by layer i's backward graph alone.
                 view = self.backend.return_to_pool(r.static_grad_out)
                 if view is not None:
@@ -616,12 +617,23 @@ class GraphedLayers(nn.Module):
         if first.grad_in is not None:
             # Handed out as the stack's input gradient (see _lend_input_grad).
             self._input_grad = ParamGrad(None, first.grad_in, False)
+        _check_nothing_given_back_in_use(self.layers, runners, self._input_grad)
         self.backend.synchronize()
         gc.collect()
         for r in self._runners:
             r.count_own_refs()
         if self._input_grad is not None:
             self._input_grad.count_own_refs()
+
+    @staticmethod
+    def _passed_on(below: GraphRunner, above: GraphRunner) -> bool:
+        """Whether ``below``'s output-gradient buffer (``above``'s input gradient) is also
+        handed on by a layer as is (``x + pos``, a reshape): ``below``'s input gradient or
+        ``above``'s output gradient on the same bytes. Another graph then reads it, or
+        another name for it stays in use: it does not go back to the pool."""
+        buf = below.static_grad_out
+        return any(t is not None and shares_storage(t, buf)
+                   for t in (below.grad_in, above.static_grad_out))
 
     def _standing_buffers(self, runners: Sequence[GraphRunner]
                           ) -> dict[tuple[Any, ...], torch.Tensor]:
@@ -978,6 +990,34 @@ def _state_warning(plan: BudgetPlan) -> Callable[[torch.optim.Optimizer, int], s
 def _like_key(t: torch.Tensor) -> tuple[Any, ...]:
     """What a buffer must share with ``t`` to stand in for it in a graph."""
     return (tuple(t.shape), t.stride(), t.dtype)
+
+
+def _given_back(t: torch.Tensor) -> bool:
+    """Whether ``t``'s bytes went back to the graphs' pool (``Backend.return_to_pool``
+    leaves the storage it took them from with none)."""
+    return t.untyped_storage().nbytes() == 0
+
+
+def _check_nothing_given_back_in_use(layers: Iterable[nn.Module], runners: Sequence[GraphRunner],
+                                     input_grad: ParamGrad | None) -> None:
+    """After a build: no buffer the stack goes on using was given back to the graphs' pool
+    (a tensor whose storage the pool took back has no bytes; later graphs may have put
+    their own data where it was). Where one was, the build fails here, at once, instead of
+    training on bytes that other graphs overwrite."""
+    for i, r in enumerate(runners):
+        kept = [("input", r.static_in), ("output", r.static_out),
+                ("output gradient", r.static_grad_out), ("input gradient", r.grad_in),
+                *((f"gradient of {param_name(layers, pg.param)}", pg.buf)
+                  for pg in r.grads if pg is not None and pg.param is not None)]
+        if i == 0 and input_grad is not None:
+            kept.append(("the stack's input gradient", input_grad.buf))
+        for what, t in kept:
+            if t is not None and t.numel() and _given_back(t):
+                raise StateError(
+                    f"{r.label}: its {what} buffer was given back to the graphs' pool while "
+                    "the stack still uses it; later graphs may write there. This is a fault "
+                    "of graphslot's, not of your layers: please report it with the layer's "
+                    "code")
 
 
 def _build_holds(b: Backend) -> int | None:

@@ -452,8 +452,9 @@ def fit_budget(profile: StackProfile, budget: int | str | None,
                           least_plan=replace(least, reason=_OVER))
     if last is fitted:
         return fitted
-    # The last one built did not fit: back to the fastest that did. Built again, the
-    # layers' memory may have moved; then the next that fitted, the most room first.
+    # The last one built is not the fastest that fitted (it did not fit, or was slower):
+    # back to that one. Built again, the layers' memory may have moved; then the next
+    # that fitted, the most room first.
     again = [fitted] + sorted((f for f in fits_built if f is not fitted),
                               key=lambda f: f.predicted_peak_bytes)
     held = []
@@ -463,21 +464,25 @@ def fit_budget(profile: StackProfile, budget: int | str | None,
             return f if got is None else replace(f, predicted_peak_bytes=got)
         held.append((got, f))
     got, f = min(held, key=lambda h: h[0])
-    raise BudgetError(
-        f"memory budget {format_bytes(limit)} ({limit} bytes): the plans that fitted it hold "
-        f"more when built again (the layers' memory moves from one build to the next); the "
-        f"least of them, {short(f.detailed)} ({f.mode}), holds {format_bytes(got)} ({got} bytes)",
-        budget_bytes=limit, least_bytes=got,
-        least_plan=replace(f, predicted_peak_bytes=got, reason=_OVER))
+    least = replace(f, predicted_peak_bytes=got, reason=_MOVED)
+    raise BudgetError(refusal_message(limit, least), budget_bytes=limit, least_bytes=got,
+                      least_plan=least)
 
 
 #: a refusal's least plan, as it says why it is that plan
 _OVER = "the least plan built for the budget, which holds more than it"
+_MOVED = ("the least of the plans that fitted the budget, which held more than it when "
+          "built again")
 
 
 def refusal_message(limit: int, least: BudgetPlan) -> str:
     """What a refusal of ``limit`` says where ``least`` held the least built (its
     ``predicted_peak_bytes``)."""
+    if least.reason == _MOVED:
+        return (f"memory budget {format_bytes(limit)} ({limit} bytes): the plans that fitted it "
+                f"hold more when built again (the layers' memory moves from one build to the "
+                f"next); the least of them, {short(least.detailed)} ({least.mode}), holds "
+                f"{format_bytes(least.predicted_peak_bytes)} ({least.predicted_peak_bytes} bytes)")
     # (what the plans built held, not what every plan would: the model's order within a
     # kind of plan is a model's, and only the plans it puts least are built)
     return (f"memory budget {format_bytes(limit)} ({limit} bytes) is below what the plans built "
