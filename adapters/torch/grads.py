@@ -56,7 +56,7 @@ def shares_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
 
 
-def _storage_id(t: torch.Tensor) -> int:
+def storage_id(t: torch.Tensor) -> int:
     return int(t.untyped_storage()._cdata)
 
 
@@ -70,7 +70,7 @@ class ParamGrad:
         self.param = param
         self.buf = buf  # written by the backward graph at every replay
         self.ptr = buf.data_ptr()
-        self.storage = _storage_id(buf)
+        self.storage = storage_id(buf)
         self.base_refs = 0  # references to buf's storage that graphslot itself holds
         #: hand out a copy, never the buffer: shared parameters, hooked ones, and those
         #: whose earlier gradient somebody kept
@@ -156,7 +156,7 @@ class GradHome:
         """Count the references graphslot itself holds to the home (no local names)."""
         self.base_pyrefs = sys.getrefcount(self.home)
         if use_count is not None:
-            self.base_refs = use_count(_storage_id(self.home))
+            self.base_refs = use_count(storage_id(self.home))
 
     def fills_grad(self) -> bool:
         """Will the running backward accumulate into ``.grad``, with no tensor hook between
@@ -217,7 +217,7 @@ class GradHome:
         them their bytes before the graph writes the home, as eager leaves an old ``.grad``
         alone."""
         held_obj = sys.getrefcount(self.home) > self.base_pyrefs
-        held_views = use_count is not None and use_count(_storage_id(self.home)) > self.base_refs
+        held_views = use_count is not None and use_count(storage_id(self.home)) > self.base_refs
         if not (held_obj or held_views):
             return
         old = self.home

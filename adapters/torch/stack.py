@@ -83,7 +83,7 @@ from graphslot.profile import copy_bandwidth, held_bytes, profile_units
 from graphslot.selection import get_backend
 from graphslot.sizes import format_bytes
 
-from .grads import ParamGrad, shares_storage
+from .grads import ParamGrad, storage_id, shares_storage
 from .plan import (check_layers, check_main_grads, check_sample, hooked_modules, layer_set,
                    param_name, plan_graphs)
 from .runner import GraphRunner, LayerFunction, restoring_contents
@@ -584,21 +584,17 @@ class GraphedLayers(nn.Module):
             out = r.build_forward(x)
             # The next layer is captured reading this layer's output buffer itself.
             x = out.detach().requires_grad_(x.requires_grad or bool(r.params))
-            if i == 0 and pooled and not shares_storage(r.static_out, r.static_in):
-                view = self.backend.return_to_pool(r.static_in)
-                if view is not None:
-                    r.static_in = view
+            if i == 0 and pooled:
+                self._return_to_pool((r, "static_in"))
             if i >= 1:
                 self._free_boundary(runners[i - 1], r)
         last = runners[-1]
         # (an output that views the layer's input stays: the input is another's buffer)
-        if last.unit.wants_offload and not shares_storage(last.static_out, last.static_in):
+        if last.unit.wants_offload:
             # The stack's output buffer is copied for the caller right after its replay;
             # nothing else reads it (a saved output is in the slot): the backward graphs,
             # captured next, may use its bytes.
-            view = self.backend.return_to_pool(last.static_out)
-            if view is not None:
-                last.static_out = view
+            self._return_to_pool((last, "static_out"))
         standing = self._standing_buffers(runners) if self._standing_grad_buffers else {}
         grad_out: torch.Tensor | None = standing.get(_like_key(last.static_out))
         for i in reversed(range(len(runners))):
@@ -606,12 +602,9 @@ class GraphedLayers(nn.Module):
             into = standing.get(_like_key(r.static_in)) if r.wants_grad_in else None
             r.build_backward(grad_out, shared, grad_in_into=into)
             if (i + 1 < len(runners) and runners[i + 1].grad_in is r.static_grad_out
-                    and all(r.static_grad_out is not t for t in standing.values())
-                    and not self._passed_on(r, runners[i + 1])):
+                    and all(r.static_grad_out is not t for t in standing.values())):
                 # Layer i+1's input gradient is read by layer i's backward graph alone.
-                view = self.backend.return_to_pool(r.static_grad_out)
-                if view is not None:
-                    r.static_grad_out = runners[i + 1].grad_in = view
+                self._return_to_pool((r, "static_grad_out"), (runners[i + 1], "grad_in"))
             grad_out = r.grad_in
         first = runners[0]
         if first.grad_in is not None:
@@ -624,16 +617,6 @@ class GraphedLayers(nn.Module):
             r.count_own_refs()
         if self._input_grad is not None:
             self._input_grad.count_own_refs()
-
-    @staticmethod
-    def _passed_on(below: GraphRunner, above: GraphRunner) -> bool:
-        """Whether ``below``'s output-gradient buffer (``above``'s input gradient) is also
-        handed on by a layer as is (``x + pos``, a reshape): ``below``'s input gradient or
-        ``above``'s output gradient on the same bytes. Another graph then reads it, or
-        another name for it stays in use: it does not go back to the pool."""
-        buf = below.static_grad_out
-        return any(t is not None and shares_storage(t, buf)
-                   for t in (below.grad_in, above.static_grad_out))
 
     def _standing_buffers(self, runners: Sequence[GraphRunner]
                           ) -> dict[tuple[Any, ...], torch.Tensor]:
@@ -685,11 +668,33 @@ class GraphedLayers(nn.Module):
         reuse them instead of each boundary holding an activation's worth for good."""
         if not (a.unit.wants_offload and b.unit.wants_offload) or a is self._runners[-1]:
             return
-        if shares_storage(b.static_out, b.static_in):  # b hands on a view of its input
+        self._return_to_pool((a, "static_out"), (b, "static_in"))
+
+    def _return_to_pool(self, *holders: tuple[GraphRunner, str]) -> None:
+        """Give the buffer that ``holders`` (runner, attribute) name back to the graphs'
+        pool, each of them then naming a view of its bytes: unless another buffer of the
+        stack shares its bytes (a layer handing on its input, or its output gradient, as
+        is: ``x.view(...)``, ``x + pos``), which goes on being read or lent."""
+        buf = getattr(*holders[0])
+        if self._held_elsewhere(buf, holders):
             return
-        view = self.backend.return_to_pool(a.static_out)
+        view = self.backend.return_to_pool(buf)
         if view is not None:
-            a.static_out = b.static_in = view
+            for r, name in holders:
+                setattr(r, name, view)
+
+    def _held_elsewhere(self, buf: torch.Tensor, holders: Sequence[tuple[GraphRunner, str]]) -> bool:
+        # (by storage, not address: a view of bytes given back earlier may start where a
+        # later capture put a buffer of its own, and does not hold that buffer)
+        st = storage_id(buf)
+        for r in self._runners:
+            for name in _BUFFERS:
+                t = getattr(r, name, None)
+                if t is not None and (r, name) not in holders and storage_id(t) == st:
+                    return True
+            if any(pg is not None and storage_id(pg.buf) == st for pg in r.grads):
+                return True
+        return False
 
     def _check_main_grads_graphs(self) -> None:
         """With ``main_grad=True``, a parameter in several graphs would get each graph's part
@@ -990,6 +995,10 @@ def _state_warning(plan: BudgetPlan) -> Callable[[torch.optim.Optimizer, int], s
 def _like_key(t: torch.Tensor) -> tuple[Any, ...]:
     """What a buffer must share with ``t`` to stand in for it in a graph."""
     return (tuple(t.shape), t.stride(), t.dtype)
+
+
+#: a runner's buffers that may share bytes with one given back to the pool
+_BUFFERS = ("static_in", "static_out", "static_grad_out", "grad_in")
 
 
 def _given_back(t: torch.Tensor) -> bool:
