@@ -124,6 +124,9 @@ class StackHost(Protocol):
     def closed(self) -> bool:
         """Whether the stack was closed."""
 
+    def at_end_of_pass(self, mb: int) -> None:
+        """At the end of the autograd pass now running, microbatch ``mb``'s backward is over."""
+
     def new_graph(self) -> DeviceGraph:
         """A graph over the stack's pool."""
 
@@ -528,10 +531,40 @@ class GraphRunner:
         finally:
             self.host.leave()
 
+    def no_backward(self, mb: int) -> tuple[None, ...]:
+        """No gradient reached this layer in microbatch ``mb``'s backward (a layer above
+        stops it): as in eager, its parameters and its input get none, and what its
+        forward kept for the microbatch is given back."""
+        if self.host.closed:
+            raise StateError(f"{self.label}: backward of microbatch {mb} after close(); "
+                             "close() abandoned the forward it belonged to")
+        self.host.enter()
+        try:
+            self._check_pending(mb)
+            self.pending.discard(mb)
+            self._rng_at.pop(mb, None)
+            self.unit.abandon(mb)
+            if self.index == 0:
+                self.host.in_backward.discard(mb)
+        finally:
+            self.host.leave()
+        return (None,) * (1 + len(self.params))
+
+    def _check_pending(self, mb: int) -> None:
+        if mb not in self.pending:
+            raise StateError(
+                f"{self.label}: microbatch {mb} has no forward waiting for this backward: "
+                "it ran backward already (a second backward through graphed layers, e.g. "
+                "retain_graph=True, is not supported) or close() abandoned it")
+
     def _backward(self, grad: torch.Tensor, mb: int, input_ref: weakref.ref[torch.Tensor] | None
                   ) -> tuple[torch.Tensor | None, ...]:
-        # A backward pass is one unit for close(): from its first layer to the stack's first.
-        self.host.in_backward.add(mb)
+        # A backward pass is one unit for close(): from its first layer to the stack's
+        # first, or to the end of autograd's pass where it stops above (a frozen layer
+        # below, backward(inputs=...)).
+        if mb not in self.host.in_backward:
+            self.host.in_backward.add(mb)
+            self.host.at_end_of_pass(mb)
         try:
             out = self._replay_backward(grad, mb, input_ref)
         except BaseException:
@@ -567,11 +600,7 @@ class GraphRunner:
 
     def _replay_backward(self, grad: torch.Tensor, mb: int, input_ref: weakref.ref[torch.Tensor] | None
                          ) -> tuple[torch.Tensor | None, ...]:
-        if mb not in self.pending:
-            raise StateError(
-                f"{self.label}: microbatch {mb} has no forward waiting for this backward: "
-                "it ran backward already (a second backward through graphed layers, e.g. "
-                "retain_graph=True, is not supported) or close() abandoned it")
+        self._check_pending(mb)
         if self.main_grads is not None:
             self._main_grads_in_place()
         if self.host.lent:  # before anything below writes pool memory a lent buffer may share
@@ -681,11 +710,14 @@ class GraphRunner:
 
 class LayerFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, runner: GraphRunner, mb: int, x: torch.Tensor, *params: torch.Tensor) -> torch.Tensor:
+    def forward(ctx: Any, runner: GraphRunner, mb: int, lowest: bool, x: torch.Tensor,
+                *params: torch.Tensor) -> torch.Tensor:
+        # (a layer above that stops the gradient, x.detach(), sends none: not zeros)
+        ctx.set_materialize_grads(False)
         ctx.runner, ctx.mb = runner, mb
         out = runner.forward(x, mb, True)
-        if runner.index == 0:
-            # The first layer's node outlives the others: when it dies without a backward
+        if lowest:
+            # The lowest layer's node outlives the others: when it dies without a backward
             # (the output was dropped), the stack gives back what the microbatch holds.
             weakref.finalize(ctx, runner.host.abandoned.append, mb).atexit = False
             ctx.input = weakref.ref(x) if x.requires_grad else None
@@ -694,7 +726,9 @@ class LayerFunction(torch.autograd.Function):
         return out.clone() if runner.host.runners[-1] is runner else out.detach()
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> Any:
+    def backward(ctx: Any, grad: torch.Tensor | None) -> Any:
+        if grad is None:
+            return (None, None, None, *ctx.runner.no_backward(ctx.mb))
         if torch.is_grad_enabled():
             # (the gradients a replay returns have no autograd history: a second backward
             # through them would get none of these layers' part, silently)
@@ -705,5 +739,5 @@ class LayerFunction(torch.autograd.Function):
                 "differentiated again. Keep the layers that a double backward goes through "
                 "outside GraphedLayers")
         grads = ctx.runner.backward(grad, ctx.mb, getattr(ctx, "input", None))
-        return (None, None, *grads)
+        return (None, None, None, *grads)
 

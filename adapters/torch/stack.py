@@ -132,6 +132,9 @@ class _Host:
     def closed(self) -> bool:
         return self._stack._closed
 
+    def at_end_of_pass(self, mb: int) -> None:
+        self._stack._at_end_of_pass(mb)
+
     def new_graph(self) -> DeviceGraph:
         return self._stack._new_graph()
 
@@ -421,7 +424,7 @@ class GraphedLayers(nn.Module):
         self.engine = OffloadEngine(self.backend, mode, **self._engine_args)
         self.graph_layers = plan_graphs(len(self.layers), self.offload_layers, layers_per_graph,
                                         saved, recomputed=self.recompute_layers,
-                                        cheap=self.cheap_layers)
+                                        cheap=self.cheap_layers, tied=self._tied())
         host = _Host(self)
         self._runners = [GraphRunner(self, host, k, ls) for k, ls in enumerate(self.graph_layers)]
         self._build(sample)
@@ -463,7 +466,7 @@ class GraphedLayers(nn.Module):
         b, n = self.backend, len(self.layers)
         if not (isinstance(budget, str) and budget.strip().lower() == "auto"):
             parse_budget(budget)  # (a bad one fails before any work)
-        units = plan_graphs(n, set(), layers_per_graph, saved)
+        units = plan_graphs(n, set(), layers_per_graph, saved, tied=self._tied())
         # torch's optimizers make their state at their first step: what the process's
         # optimizers will still make on this device (for the layers' parameters and any
         # other, the budget being the process's) is counted as held from the start
@@ -709,6 +712,15 @@ class GraphedLayers(nn.Module):
                         "graph (layers_per_graph) or build without main_grad")
             seen.update(id(p) for p in r.params)
 
+    def _tied(self) -> list[set[int]]:
+        """For each trainable parameter several layers use, those layers."""
+        users: dict[int, set[int]] = {}
+        for i, m in enumerate(self.layers):
+            for p in m.parameters():
+                if p.requires_grad:
+                    users.setdefault(id(p), set()).add(i)
+        return [ls for ls in users.values() if len(ls) > 1]
+
     def _shared_params(self) -> set[int]:
         seen: dict[int, int] = {}
         for m in self.layers:
@@ -845,8 +857,15 @@ class GraphedLayers(nn.Module):
         try:
             try:
                 if torch.is_grad_enabled() and (x.requires_grad or any(r.params for r in runners)):
+                    lowest = True
                     for r in runners:
-                        x = LayerFunction.apply(r, mb, x, *r.params)
+                        if not (x.requires_grad or r.params):
+                            # (frozen layers below any that train, the input wanting no
+                            # gradient: no backward reaches them, nothing is kept for one)
+                            x = r.forward(x, mb, False)
+                            continue
+                        x = LayerFunction.apply(r, mb, lowest, x, *r.params)
+                        lowest = False
                     return x
                 # No backward can follow: nothing is offloaded or kept for one.
                 for r in runners:
@@ -902,6 +921,25 @@ class GraphedLayers(nn.Module):
         for m in self.layers:
             x = m(x)
         return x
+
+    def _at_end_of_pass(self, mb: int) -> None:
+        """Called in autograd's pass: once it ends, microbatch ``mb``'s backward is over
+        for close(), also where it stopped above the stack's first layer (a frozen layer
+        below, ``backward(inputs=...)``); what that layer's forward kept is given back
+        when its autograd graph dies, or at close()."""
+        stack = weakref.ref(self)
+
+        def over() -> None:
+            s = stack()
+            if s is not None:
+                with s._lock:
+                    s._in_backward.discard(mb)
+                    s._lock.notify_all()
+
+        try:
+            torch.autograd.Variable._execution_engine.queue_callback(over)  # type: ignore[attr-defined]
+        except RuntimeError:
+            pass  # (not inside autograd's engine: the stack's first layer ends it)
 
     def _enter(self) -> None:
         with self._lock:

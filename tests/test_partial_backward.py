@@ -1,0 +1,150 @@
+"""Backwards that do not reach every layer, and parameters several layers share: as in
+eager. A layer that stops the gradient leaves the layers below without one (``.grad``
+None, not zeros); a backward that stops above the stack's first layer (frozen layers
+below, ``backward(inputs=...)``) leaves close() free at once; a parameter shared across
+graphs gets eager's gradient bit for bit, however the graphs split the layers."""
+
+from __future__ import annotations
+
+import copy
+import time
+
+import pytest
+import torch
+from torch import nn
+
+from graphslot.adapters import torch as gt
+from graphslot.adapters.torch.plan import plan_graphs
+from test_graphed_grads import assert_bitwise
+
+H = 8
+
+
+class _StopGrad(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.detach() + 1
+
+
+class _Tied(nn.Module):
+    def __init__(self, lin: nn.Linear) -> None:
+        super().__init__()
+        self.lin = lin
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.lin(x))
+
+
+def _mlp() -> nn.Module:
+    return nn.Sequential(nn.Linear(H, 2 * H), nn.GELU(), nn.Linear(2 * H, H))
+
+
+KWS = [dict(mode="off"), dict(mode="off", layers_per_graph=1), dict(mode="resident", layers_per_graph=1),
+       dict(mode="remap", layers_per_graph=1, recompute_layers=[0])]
+
+
+@pytest.mark.parametrize("kw", KWS, ids=lambda kw: "-".join(f"{k}={v}" for k, v in kw.items()))
+def test_a_layer_that_stops_the_gradient_leaves_the_layers_below_none(clean, kw):
+    b = clean
+    torch.manual_seed(0)
+    layers = [_mlp().to(b.device), _StopGrad(), _mlp().to(b.device)]
+    eager = nn.Sequential(*copy.deepcopy(layers))
+    with gt.GraphedLayers(layers, torch.zeros(4, H, device=b.device, requires_grad=True), backend=b,
+                          **kw) as stack:
+        opt = torch.optim.AdamW([p for m in layers for p in m.parameters()], lr=0.1)
+        opt_e = torch.optim.AdamW(eager.parameters(), lr=0.1)
+        for _ in range(3):
+            x = torch.randn(4, H, device=b.device, requires_grad=True)
+            xe = x.detach().clone().requires_grad_()
+            stack(x).square().sum().backward()
+            eager(xe).square().sum().backward()
+            assert x.grad is None and xe.grad is None
+            assert all(p.grad is None for p in layers[0].parameters())
+            assert_bitwise([p.grad for p in layers[2].parameters()], [p.grad for p in eager[2].parameters()])
+            opt.step()
+            opt_e.step()
+            opt.zero_grad()
+            opt_e.zero_grad()
+        # (AdamW's weight decay would have moved layer 0 had it got zeros)
+        assert_bitwise([p.detach() for m in layers for p in m.parameters()],
+                       [p.detach() for p in eager.parameters()])
+
+
+def _closes_at_once(stack: gt.GraphedLayers) -> float:
+    t = time.perf_counter()
+    stack.close(timeout=10)
+    return time.perf_counter() - t
+
+
+@pytest.mark.parametrize("kw", KWS, ids=lambda kw: "-".join(f"{k}={v}" for k, v in kw.items()))
+def test_frozen_layers_below_and_an_input_without_gradient(clean, kw):
+    """Fine-tuning the top: the backward ends above the stack's first layer; the
+    gradients are eager's, training goes on, and close() does not wait for a backward
+    that will never come."""
+    b = clean
+    torch.manual_seed(1)
+    layers = [_mlp().to(b.device) for _ in range(3)]
+    for p in layers[0].parameters():
+        p.requires_grad_(False)
+    eager = nn.Sequential(*copy.deepcopy(layers))
+    stack = gt.GraphedLayers(layers, torch.zeros(4, H, device=b.device), backend=b, **kw)
+    for _ in range(3):
+        x = torch.randn(4, H, device=b.device)
+        stack(x).square().sum().backward()
+        eager(x.clone()).square().sum().backward()
+    assert_bitwise([p.grad for m in layers[1:] for p in m.parameters()],
+                   [p.grad for m in list(eager)[1:] for p in m.parameters()])
+    assert _closes_at_once(stack) < 5
+
+
+def test_a_backward_to_some_inputs_only_leaves_close_free(clean):
+    b = clean
+    torch.manual_seed(2)
+    layers = [_mlp().to(b.device) for _ in range(3)]
+    eager = nn.Sequential(*copy.deepcopy(layers))
+    stack = gt.GraphedLayers(layers, torch.zeros(4, H, device=b.device, requires_grad=True),
+                             layers_per_graph=1, mode="off", backend=b)
+    x = torch.randn(4, H, device=b.device, requires_grad=True)
+    out = stack(x)  # (kept: its autograd graph lives on past the backward)
+    top = list(layers[2].parameters())
+    out.square().sum().backward(inputs=top)
+    eager(x.detach().clone().requires_grad_()).square().sum().backward(inputs=list(eager[2].parameters()))
+    assert_bitwise([p.grad for p in top], [p.grad for p in eager[2].parameters()])
+    assert all(p.grad is None for m in layers[:2] for p in m.parameters())
+    # and another step trains as usual
+    stack(torch.randn(4, H, device=b.device, requires_grad=True)).sum().backward()
+    assert all(p.grad is not None for m in layers for p in m.parameters())
+    assert _closes_at_once(stack) < 5
+    del out
+
+
+CONFIGS = [dict(mode="resident"), dict(mode="resident", recompute_layers=[0]),
+           dict(mode="resident", recompute_layers=[0, 1]), dict(mode="off", recompute_layers=[3]),
+           dict(mode="off", recompute_layers=[0, 1, 2, 3]), dict(mode="remap", recompute_layers=[1, 2])]
+
+
+@pytest.mark.parametrize("kw", CONFIGS, ids=lambda kw: "-".join(f"{k}={v}" for k, v in kw.items()))
+def test_a_parameter_several_layers_share_gets_eagers_gradient_bitwise(clean, kw):
+    b = clean
+    torch.manual_seed(0)
+    shared = nn.Linear(16, 16).to(b.device)
+    layers = [_Tied(shared), _Tied(shared), nn.Sequential(nn.Linear(16, 16), nn.Tanh()).to(b.device),
+              _Tied(shared)]
+    eager = copy.deepcopy(nn.Sequential(*layers))
+    x = torch.randn(6, 16, device=b.device, requires_grad=True)
+    with gt.GraphedLayers(layers, x.detach().clone().requires_grad_(), backend=b, **kw) as stack:
+        stack(x).square().mean().backward()
+    eager(x.detach().clone().requires_grad_()).square().mean().backward()
+    assert_bitwise([p.grad for p in nn.Sequential(*layers).parameters()],
+                   [p.grad for p in eager.parameters()])
+
+
+@pytest.mark.parametrize("recomputed, joined, want", [
+    # (eager adds 3's part, then 1's, then 0's; a graph adds the parts it covers first)
+    ({0, 1}, ((0, 1), (2, 3)), ((0,), (1,), (2, 3))),
+    ({3}, ((0, 1, 2), (3,)), ((0,), (1,), (2,), (3,))),
+    ({0}, ((0,), (1, 2, 3)), ((0,), (1, 2, 3))),  # the topmost graph may add 3's and 1's first
+    ({0, 1, 2, 3}, ((0, 1, 2, 3),), ((0, 1, 2, 3),)),  # one graph adds as eager does
+])
+def test_graphs_split_where_a_shared_parameters_parts_would_add_in_another_order(recomputed, joined, want):
+    assert plan_graphs(4, set(), None, [1] * 4, recomputed=recomputed) == joined
+    assert plan_graphs(4, set(), None, [1] * 4, recomputed=recomputed, tied=[{0, 1, 3}]) == want
