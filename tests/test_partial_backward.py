@@ -15,6 +15,7 @@ from torch import nn
 
 from graphslot.adapters import torch as gt
 from graphslot.adapters.torch.plan import plan_graphs
+from stacks import seeded_grads
 from test_graphed_grads import assert_bitwise
 
 H = 8
@@ -138,13 +139,133 @@ def test_a_parameter_several_layers_share_gets_eagers_gradient_bitwise(clean, kw
                    [p.grad for p in eager.parameters()])
 
 
-@pytest.mark.parametrize("recomputed, joined, want", [
-    # (eager adds 3's part, then 1's, then 0's; a graph adds the parts it covers first)
-    ({0, 1}, ((0, 1), (2, 3)), ((0,), (1,), (2, 3))),
-    ({3}, ((0, 1, 2), (3,)), ((0,), (1,), (2,), (3,))),
-    ({0}, ((0,), (1, 2, 3)), ((0,), (1, 2, 3))),  # the topmost graph may add 3's and 1's first
-    ({0, 1, 2, 3}, ((0, 1, 2, 3),), ((0, 1, 2, 3),)),  # one graph adds as eager does
+@pytest.mark.parametrize("kw", CONFIGS[:3], ids=lambda kw: "-".join(f"{k}={v}" for k, v in kw.items()))
+def test_a_parameter_the_stack_shares_with_a_head_outside_it_gets_eagers_gradient(clean, kw):
+    """A tied head above the stack adds its part between the stack's layers' parts."""
+    b = clean
+    torch.manual_seed(4)
+    shared = nn.Linear(16, 16).to(b.device)
+    layers = [_Tied(shared), _Tied(shared), nn.Sequential(nn.Linear(16, 16), nn.Tanh()).to(b.device)]
+    eager_layers = copy.deepcopy(nn.ModuleList(layers))
+    x = torch.randn(6, 16, device=b.device, requires_grad=True)
+    with gt.GraphedLayers(layers, x.detach().clone().requires_grad_(), backend=b, **kw) as stack:
+        shared(stack(x)).square().mean().backward()
+    eager_layers[0].lin(nn.Sequential(*eager_layers)(x.detach().clone().requires_grad_())).square().mean().backward()
+    assert_bitwise([p.grad for p in nn.ModuleList(layers).parameters()],
+                   [p.grad for p in eager_layers.parameters()])
+
+
+@pytest.mark.parametrize("recomputed, joined", [
+    ({0, 1}, ((0, 1), (2, 3))),
+    ({3}, ((0, 1, 2), (3,))),
+    ({0}, ((0,), (1, 2, 3))),
+    ({0, 1, 2, 3}, ((0, 1, 2, 3),)),
 ])
-def test_graphs_split_where_a_shared_parameters_parts_would_add_in_another_order(recomputed, joined, want):
+def test_layers_that_share_a_parameter_get_a_graph_each(recomputed, joined):
     assert plan_graphs(4, set(), None, [1] * 4, recomputed=recomputed) == joined
-    assert plan_graphs(4, set(), None, [1] * 4, recomputed=recomputed, tied=[{0, 1, 3}]) == want
+    assert plan_graphs(4, set(), None, [1] * 4, recomputed=recomputed, tied=[{0, 1, 3}]) == (
+        (0,), (1,), (2,), (3,))
+    assert plan_graphs(5, set(), None, [1] * 5, tied=[{1, 2}]) == ((0,), (1,), (2,), (3, 4))
+
+
+def test_layers_frozen_after_the_build_with_microbatches_in_flight(clean):
+    """Frozen since the build (as fine-tuning does), below the layers that train: they
+    keep nothing for a backward, and the microbatches in flight train as eager's."""
+    b = clean
+    torch.manual_seed(5)
+    layers = [_mlp().to(b.device) for _ in range(3)]
+    eager = nn.Sequential(*copy.deepcopy(layers))
+    for mode in ("off", "resident"):
+        stack = gt.GraphedLayers(layers, torch.zeros(4, H, device=b.device), mode=mode,
+                                 layers_per_graph=1, backend=b)
+        for m in (layers[0], eager[0]):
+            m.requires_grad_(False)
+        xs = [torch.randn(4, H, device=b.device) for _ in range(2)]
+        outs = [stack(x) for x in xs]
+        assert stack._runners[0].pending == set() and not stack._abandoned
+        for y in reversed(outs):
+            y.square().sum().backward()
+        for x in reversed(xs):
+            eager(x).square().sum().backward()
+        assert_bitwise([p.grad for m in layers[1:] for p in m.parameters()],
+                       [p.grad for m in list(eager)[1:] for p in m.parameters()])
+        assert all(r.pending == set() for r in stack._runners)
+        assert _closes_at_once(stack) < 5
+        for m in (layers[0], eager[0]):
+            m.requires_grad_(True)
+        for p in [*eager.parameters(), *(p for m in layers for p in m.parameters())]:
+            p.grad = None
+
+
+class _TwoParams(nn.Module):
+    """``tanh(x + p + q)``: x's, p's and q's gradients are one tensor."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.p = nn.Parameter(torch.randn(4, H))
+        self.q = nn.Parameter(torch.randn(4, H))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(x + self.p + self.q)
+
+
+@pytest.mark.parametrize("wants", [False, True], ids=["input-without-grad", "input-with-grad"])
+def test_gradients_autograd_hands_out_as_one_tensor_get_bytes_each(clean, wants):
+    """Clipping scales each .grad in place once, and zeroing the input's gradient leaves
+    the parameters' alone, as in eager."""
+    b = clean
+    torch.manual_seed(6)
+    layers = [_TwoParams().to(b.device), _mlp().to(b.device)]
+    eager = nn.Sequential(*copy.deepcopy(layers))
+    with gt.GraphedLayers(layers, torch.zeros(4, H, device=b.device, requires_grad=wants),
+                          layers_per_graph=1, mode="off", backend=b) as stack:
+        x = torch.randn(4, H, device=b.device, requires_grad=wants)
+        xe = x.detach().clone().requires_grad_(wants)
+        stack(x).square().sum().backward()
+        eager(xe).square().sum().backward()
+        grads = [layers[0].p.grad, layers[0].q.grad] + ([x.grad] if wants else [])
+        assert len({g.untyped_storage().data_ptr() for g in grads}) == len(grads)
+        if wants:
+            x.grad.zero_()
+            xe.grad.zero_()
+        for m in (nn.Sequential(*layers), eager):
+            nn.utils.clip_grad_norm_(m.parameters(), 0.5)
+        assert_bitwise([p.grad for m in layers for p in m.parameters()],
+                       [p.grad for p in eager.parameters()])
+
+
+class _Fused(torch.autograd.Function):
+    """``x * a + x * b`` whose backward hands ``a`` and ``b`` two halves of one buffer."""
+
+    @staticmethod
+    def forward(ctx, x, a, b):
+        ctx.save_for_backward(x)
+        return x * a + x * b
+
+    @staticmethod
+    def backward(ctx, g):
+        (x,) = ctx.saved_tensors
+        both = torch.stack([(g * x).sum(0), (g * x).sum(0)])
+        return g * 2, both[0], both[1]
+
+
+class _FusedLayer(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Parameter(torch.randn(H))
+        self.b = nn.Parameter(torch.randn(H))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _Fused.apply(x, self.a, self.b)
+
+
+@pytest.mark.parametrize("kw", [dict(mode="off"), dict(mode="off", keep_grads=True),
+                                dict(mode="resident", recompute_layers=[0])], ids=["lent", "homes", "recomputed"])
+def test_gradients_in_one_buffer_train_as_eager_over_accumulated_microbatches(clean, kw):
+    """A fused kernel's gradients, two views of one buffer."""
+    b = clean
+    torch.manual_seed(7)
+    layers = [_FusedLayer().to(b.device), _mlp().to(b.device)]
+    xs = [torch.randn(4, H, device=b.device) for _ in range(3)]
+    got, want = seeded_grads(layers, xs, backend=b, **kw)
+    assert_bitwise(got, want)

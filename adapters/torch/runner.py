@@ -383,12 +383,20 @@ class GraphRunner:
                     # p of x's shape) or its input gradient (tanh(x + p)) would be lent as a
                     # buffer another graph writes, or gives back to the pool: it gets bytes
                     # of its own, before the input gradient goes to its standing buffer.
+                    # So does one in another parameter's storage (tanh(x + p + q), or a
+                    # fused kernel's gradients split by parameter): a lent buffer is one
+                    # .grad's alone (clipping would scale one buffer twice).
                     k = int(wants_grad_in)
                     handed_down = grads[0] if k and grad_in_into is None else None
                     shared_with = [t for t in (static_grad_out, grad_in_into, handed_down)
                                    if t is not None]
-                    grads = (*grads[:k], *(g.clone() if g is not None and any(
-                        shares_storage(g, t) for t in shared_with) else g for g in grads[k:]))
+                    param_grads: list[torch.Tensor | None] = []
+                    for g in grads[k:]:
+                        if g is not None and any(shares_storage(g, t) for t in
+                                                 (*shared_with, *(q for q in param_grads if q is not None))):
+                            g = g.clone()
+                        param_grads.append(g)
+                    grads = (*grads[:k], *param_grads)
                     if grad_in_into is not None and wants_grad_in:
                         grads = (_copied_into(grad_in_into, grads[0]), *grads[1:])
                 if before is not None:
@@ -496,6 +504,11 @@ class GraphRunner:
                 f"{self.label} was captured for an input without requires_grad (the "
                 "sample_input's), got one that requires grad; build the stack with a sample "
                 "input that requires grad (sample.requires_grad_()) to get its gradient")
+
+    def trains(self) -> bool:
+        """Whether a parameter of its layers wants a gradient now (one frozen since the
+        build no longer does)."""
+        return any(p.requires_grad for p in self.params)
 
     def forward(self, x: torch.Tensor, mb: int, training: bool) -> torch.Tensor:
         # (GraphedLayers.forward checked the stack's input)

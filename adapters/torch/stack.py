@@ -713,7 +713,11 @@ class GraphedLayers(nn.Module):
             seen.update(id(p) for p in r.params)
 
     def _tied(self) -> list[set[int]]:
-        """For each trainable parameter several layers use, those layers."""
+        """For each trainable parameter several layers use, those layers (none with
+        ``main_grad=True``: there such layers share one graph, which adds into main_grad
+        their parts' sum)."""
+        if self.main_grad:
+            return []
         users: dict[int, set[int]] = {}
         for i, m in enumerate(self.layers):
             for p in m.parameters():
@@ -856,12 +860,13 @@ class GraphedLayers(nn.Module):
         self._enter()
         try:
             try:
-                if torch.is_grad_enabled() and (x.requires_grad or any(r.params for r in runners)):
+                if torch.is_grad_enabled() and (x.requires_grad or any(r.trains() for r in runners)):
                     lowest = True
                     for r in runners:
-                        if not (x.requires_grad or r.params):
-                            # (frozen layers below any that train, the input wanting no
-                            # gradient: no backward reaches them, nothing is kept for one)
+                        if not (x.requires_grad or r.trains()):
+                            # (frozen layers, at the build or since, below any that train,
+                            # the input wanting no gradient: no backward reaches them,
+                            # nothing is kept for one)
                             x = r.forward(x, mb, False)
                             continue
                         x = LayerFunction.apply(r, mb, lowest, x, *r.params)
