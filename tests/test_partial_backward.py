@@ -139,33 +139,30 @@ def test_a_parameter_several_layers_share_gets_eagers_gradient_bitwise(clean, kw
                    [p.grad for p in eager.parameters()])
 
 
-@pytest.mark.parametrize("kw", CONFIGS[:3], ids=lambda kw: "-".join(f"{k}={v}" for k, v in kw.items()))
-def test_a_parameter_the_stack_shares_with_a_head_outside_it_gets_eagers_gradient(clean, kw):
-    """A tied head above the stack adds its part between the stack's layers' parts."""
-    b = clean
-    torch.manual_seed(4)
-    shared = nn.Linear(16, 16).to(b.device)
-    layers = [_Tied(shared), _Tied(shared), nn.Sequential(nn.Linear(16, 16), nn.Tanh()).to(b.device)]
-    eager_layers = copy.deepcopy(nn.ModuleList(layers))
-    x = torch.randn(6, 16, device=b.device, requires_grad=True)
-    with gt.GraphedLayers(layers, x.detach().clone().requires_grad_(), backend=b, **kw) as stack:
-        shared(stack(x)).square().mean().backward()
-    eager_layers[0].lin(nn.Sequential(*eager_layers)(x.detach().clone().requires_grad_())).square().mean().backward()
-    assert_bitwise([p.grad for p in nn.ModuleList(layers).parameters()],
-                   [p.grad for p in eager_layers.parameters()])
-
-
-@pytest.mark.parametrize("recomputed, joined", [
-    ({0, 1}, ((0, 1), (2, 3))),
-    ({3}, ((0, 1, 2), (3,))),
-    ({0}, ((0,), (1, 2, 3))),
-    ({0, 1, 2, 3}, ((0, 1, 2, 3),)),
+@pytest.mark.parametrize("recomputed, joined, want", [
+    # (eager adds 3's part, then 1's, then 0's; a graph adds the parts it covers first)
+    ({0, 1}, ((0, 1), (2, 3)), ((0,), (1,), (2, 3))),
+    ({3}, ((0, 1, 2), (3,)), ((0,), (1,), (2,), (3,))),
+    ({0}, ((0,), (1, 2, 3)), ((0,), (1, 2, 3))),  # the topmost graph may add 3's and 1's first
+    ({0, 1, 2, 3}, ((0, 1, 2, 3),), ((0, 1, 2, 3),)),  # one graph adds as eager does
 ])
-def test_layers_that_share_a_parameter_get_a_graph_each(recomputed, joined):
+def test_graphs_split_where_a_shared_parameters_parts_would_add_in_another_order(recomputed, joined, want):
     assert plan_graphs(4, set(), None, [1] * 4, recomputed=recomputed) == joined
-    assert plan_graphs(4, set(), None, [1] * 4, recomputed=recomputed, tied=[{0, 1, 3}]) == (
-        (0,), (1,), (2,), (3,))
-    assert plan_graphs(5, set(), None, [1] * 5, tied=[{1, 2}]) == ((0,), (1,), (2,), (3, 4))
+    assert plan_graphs(4, set(), None, [1] * 4, recomputed=recomputed, tied=[{0, 1, 3}]) == want
+
+
+def test_a_stack_of_one_shared_layer_stays_one_graph_with_one_gradient_buffer(clean):
+    """Every layer the same module (ALBERT's layer sharing): one graph, as eager adds the
+    parts, and one buffer for the shared gradient, not one per layer."""
+    b = clean
+    torch.manual_seed(8)
+    block = _mlp().to(b.device)
+    layers = [block] * 6
+    xs = [torch.randn(4, H, device=b.device) for _ in range(2)]
+    got, want = seeded_grads(layers, xs, backend=b, mode="off", layers_per_graph=None)
+    assert_bitwise(got[:len(list(block.parameters()))], want[:len(list(block.parameters()))])
+    with gt.GraphedLayers(layers, xs[0].clone().requires_grad_(), mode="off", backend=b) as stack:
+        assert stack.graph_layers == ((0, 1, 2, 3, 4, 5),)
 
 
 def test_layers_frozen_after_the_build_with_microbatches_in_flight(clean):
@@ -269,3 +266,47 @@ def test_gradients_in_one_buffer_train_as_eager_over_accumulated_microbatches(cl
     xs = [torch.randn(4, H, device=b.device) for _ in range(3)]
     got, want = seeded_grads(layers, xs, backend=b, **kw)
     assert_bitwise(got, want)
+
+
+def test_a_layer_frozen_with_a_microbatch_in_flight_gets_no_gradient_from_its_home(clean):
+    """Frozen between two forwards: autograd drops what the first microbatch's backward
+    brings it, as in eager, also where the graph adds into a gradient home."""
+    b = clean
+    torch.manual_seed(9)
+    layers = [_mlp().to(b.device) for _ in range(3)]
+    eager = nn.Sequential(*copy.deepcopy(layers))
+    with gt.GraphedLayers(layers, torch.zeros(4, H, device=b.device), mode="resident",
+                          layers_per_graph=1, keep_grads=True, backend=b) as stack:
+        xs = [torch.randn(4, H, device=b.device) for _ in range(2)]
+        ys = [stack(xs[0])]
+        ye = [eager(xs[0])]
+        for m in (layers[0], eager[0]):
+            m.requires_grad_(False)
+        ys.append(stack(xs[1]))
+        ye.append(eager(xs[1]))
+        for y in (*reversed(ys), *reversed(ye)):
+            y.square().sum().backward()
+        assert all(p.grad is None for p in layers[0].parameters())
+        assert_bitwise([p.grad for m in layers[1:] for p in m.parameters()],
+                       [p.grad for m in list(eager)[1:] for p in m.parameters()])
+
+
+def test_main_grad_refuses_a_layer_frozen_after_the_build_that_a_backward_reaches(clean):
+    """Its graph would add into main_grad regardless; below every layer that trains, with
+    an input that wants no gradient, it runs without a backward and is fine."""
+    b = clean
+    torch.manual_seed(10)
+    layers = [_mlp().to(b.device) for _ in range(3)]
+    params = [p for m in layers for p in m.parameters()]
+    for p in params:
+        p.main_grad = torch.zeros_like(p)
+    with gt.GraphedLayers(layers, torch.zeros(4, H, device=b.device), mode="off",
+                          layers_per_graph=1, main_grad=True, backend=b) as stack:
+        layers[1].requires_grad_(False)
+        with pytest.raises(gt.CaptureMismatchError, match=r"layers\[1\]\.0\.weight was frozen after the build"):
+            stack(torch.randn(4, H, device=b.device))
+        layers[1].requires_grad_(True)
+        layers[0].requires_grad_(False)
+        stack(torch.randn(4, H, device=b.device)).sum().backward()
+        assert all(p.main_grad.abs().sum() == 0 for p in layers[0].parameters())
+        assert all(p.main_grad.abs().sum() > 0 for m in layers[1:] for p in m.parameters())

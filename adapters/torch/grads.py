@@ -161,7 +161,8 @@ class GradHome:
     def fills_grad(self) -> bool:
         """Will the running backward accumulate into ``.grad``, with no tensor hook between
         and nothing from outside the stack to add first?"""
-        if self.outside or self.param._backward_hooks:
+        # (a parameter frozen since its forward: autograd's accumulator drops what it gets)
+        if self.outside or self.param._backward_hooks or not self.param.requires_grad:
             return False
         try:
             return bool(torch._C._will_engine_execute_node(self.node))

@@ -28,34 +28,54 @@ def plan_graphs(n: int, offloaded: AbstractSet[int], layers_per_graph: int | Non
     cheaply); ``layers_per_graph`` at a
     time, or, when it is None, as many as keep ``saved_bytes`` (per layer) within
     ``join_bytes`` together (default :data:`JOIN_BYTES`). ``tied``: for each parameter
-    several layers use, those layers, which get a graph each (so that the parameter's
-    gradient is eager's bit for bit)."""
+    several layers use, those layers; where the graphs would add its parts in another
+    order than eager does, the layers concerned get a graph each (:func:`_tied_apart`)."""
     if layers_per_graph is None and (saved_bytes is None or len(saved_bytes) != n):
         raise UsageError("plan_graphs: joining by size needs every layer's saved bytes")
     join_bytes = JOIN_BYTES if join_bytes is None else join_bytes
-    # Eager adds a shared parameter's parts into its gradient one at a time, in the order
-    # autograd reaches its uses (the stack's from the topmost layer down, and any outside
-    # the stack, a tied head, in between); a graph adds the parts of the layers it covers
-    # first, then autograd adds that sum. One user per graph adds them as eager does.
-    alone: set[int] = set().union(*tied)
+    alone: set[int] = set()
 
     def kind(i: int) -> tuple[bool, bool, bool]:
         return (i in offloaded, i in recomputed, i in cheap)
 
-    plan: list[tuple[int, ...]] = []
-    run: list[int] = []
-    total = 0
-    for i in range(n):
-        size = 0 if saved_bytes is None else saved_bytes[i]
-        if run and (kind(run[0]) != kind(i) or i in alone or run[0] in alone
-                    or (layers_per_graph is not None and len(run) >= layers_per_graph)
-                    or (layers_per_graph is None and total + size > join_bytes)):
-            plan.append(tuple(run))
-            run, total = [], 0
-        run.append(i)
-        total += size
-    plan.append(tuple(run))
-    return tuple(plan)
+    while True:
+        plan: list[tuple[int, ...]] = []
+        run: list[int] = []
+        total = 0
+        for i in range(n):
+            size = 0 if saved_bytes is None else saved_bytes[i]
+            if run and (kind(run[0]) != kind(i) or i in alone or run[0] in alone
+                        or (layers_per_graph is not None and len(run) >= layers_per_graph)
+                        or (layers_per_graph is None and total + size > join_bytes)):
+                plan.append(tuple(run))
+                run, total = [], 0
+            run.append(i)
+            total += size
+        plan.append(tuple(run))
+        more = _tied_apart(plan, tied) - alone
+        if not more:
+            return tuple(plan)
+        alone |= more
+
+
+def _tied_apart(plan: Sequence[tuple[int, ...]], tied: Sequence[AbstractSet[int]]) -> set[int]:
+    """The layers to give a graph each so that a shared parameter's gradient is eager's
+    bit for bit. Eager adds the layers' parts into it one at a time, the topmost layer's
+    first; a graph adds the parts of the layers it covers first, then autograd adds that
+    sum: the same order only where every graph but the one holding the topmost user
+    holds one user at most. (A use outside the stack, a tied head above it, is not seen:
+    its part comes between the stack's, and may differ in the last bits.)"""
+    graph_of = {i: k for k, g in enumerate(plan) for i in g}
+    out: set[int] = set()
+    for users in tied:
+        top = graph_of[max(users)]
+        per_graph: dict[int, list[int]] = {}
+        for i in users:
+            per_graph.setdefault(graph_of[i], []).append(i)
+        for k, held in per_graph.items():
+            if k != top and len(held) > 1:
+                out.update(held)
+    return out
 
 
 def layer_set(name: str, layers: Iterable[int], n: int) -> set[int]:

@@ -839,6 +839,8 @@ class GraphedLayers(nn.Module):
         self._check_in_place()
         if self._frozen_at_build and torch.is_grad_enabled():
             self._check_still_frozen()
+        if self.main_grad and torch.is_grad_enabled() and isinstance(x, torch.Tensor):
+            self._check_frozen_main_grads(x.requires_grad)
         if not isinstance(x, torch.Tensor):
             self._runners[0].check_input(x)  # (names what it got)
         cast = autocast_dtype(x.device.type)
@@ -915,6 +917,22 @@ class GraphedLayers(nn.Module):
                 "captured, and they compute no gradient for it: build the stack again after "
                 "unfreezing, or build it with every layer that will train unfrozen and freeze "
                 "them with requires_grad_(False) afterwards (the stack honours that)")
+
+    def _check_frozen_main_grads(self, wants: bool) -> None:
+        """With ``main_grad=True`` the backward graphs add into main_grad themselves: a
+        parameter frozen since the build, in a layer a backward reaches (any layer above
+        one that trains, or whose input wants a gradient), would still get its part added
+        (eager adds none). Refuse, before anything runs."""
+        for r in self._runners:
+            wants = wants or r.trains()
+            frozen = [p for p in r.params if not p.requires_grad] if wants else []
+            if frozen:
+                raise CaptureMismatchError(
+                    f"GraphedLayers: parameter {param_name(self.layers, frozen[0])} was frozen "
+                    "after the build, and a backward reaches its layer, whose graph adds its "
+                    "gradient into main_grad whatever requires_grad says (main_grad=True): build "
+                    "the stack again after freezing, or freeze only layers below every one that "
+                    "trains")
 
     def _eager(self, x: torch.Tensor) -> torch.Tensor:
         """The layers run as plain modules (the graphs were captured in another mode)."""
