@@ -369,7 +369,7 @@ class GraphRunner:
                     if own:
                         # The stack's last gradient buffer, from the graphs' pool: the caller's
                         # gradient is copied in right before each replay and only this graph
-                        # reads it, so once captured its bytes go back to the pool (below).
+                        # reads it, so once captured the stack gives its bytes back.
                         static_grad_out = torch.empty_like(out)
                     grads: tuple[torch.Tensor | None, ...]
                     if targets is None:
@@ -392,9 +392,10 @@ class GraphRunner:
                                    if t is not None]
                     param_grads: list[torch.Tensor | None] = []
                     for g in grads[k:]:
-                        if g is not None and any(shares_storage(g, t) for t in
-                                                 (*shared_with, *(q for q in param_grads if q is not None))):
-                            g = g.clone()
+                        if g is not None:
+                            if any(shares_storage(g, t) for t in shared_with):
+                                g = g.clone()
+                            shared_with.append(g)
                         param_grads.append(g)
                     grads = (*grads[:k], *param_grads)
                     if grad_in_into is not None and wants_grad_in:
@@ -406,14 +407,6 @@ class GraphRunner:
                                 target.copy_(was)
                     del before
                 del targets
-                assert static_grad_out is not None  # (allocated in the capture where own)
-                if own and not (wants_grad_in and grads[0] is not None
-                                and shares_storage(grads[0], static_grad_out)):
-                    # (a layer that hands its output gradient on as its input gradient,
-                    # x + pos, has the layer below read it: it stays)
-                    view = b.return_to_pool(static_grad_out)
-                    if view is not None:
-                        static_grad_out = view
                 self.bwd = bwd
                 grad_list = list(grads)
                 self.grad_in = grad_list.pop(0) if wants_grad_in else None
@@ -531,10 +524,12 @@ class GraphRunner:
             self.pending.add(mb)
         return self.static_out
 
-    def backward(self, grad: torch.Tensor, mb: int, input_ref: weakref.ref[torch.Tensor] | None = None
-                 ) -> tuple[torch.Tensor | None, ...]:
+    def backward(self, grad: torch.Tensor | None, mb: int,
+                 input_ref: weakref.ref[torch.Tensor] | None = None) -> tuple[torch.Tensor | None, ...]:
         """Replay microbatch ``mb``'s backward; ``input_ref``: the stack's input (the first
-        layer's), whose gradient the returned input gradient becomes."""
+        layer's), whose gradient the returned input gradient becomes. ``grad`` None: no
+        gradient reached this layer (a layer above stops it): as in eager, its parameters
+        and its input get none, and what its forward kept for the microbatch is given back."""
         if self.host.closed:
             raise StateError(f"{self.label}: backward of microbatch {mb} after close(); "
                              "close() abandoned the forward it belonged to")
@@ -544,23 +539,11 @@ class GraphRunner:
         finally:
             self.host.leave()
 
-    def no_backward(self, mb: int) -> tuple[None, ...]:
-        """No gradient reached this layer in microbatch ``mb``'s backward (a layer above
-        stops it): as in eager, its parameters and its input get none, and what its
-        forward kept for the microbatch is given back."""
-        if self.host.closed:
-            raise StateError(f"{self.label}: backward of microbatch {mb} after close(); "
-                             "close() abandoned the forward it belonged to")
-        self.host.enter()
-        try:
-            self._check_pending(mb)
-            self.pending.discard(mb)
-            self._rng_at.pop(mb, None)
-            self.unit.abandon(mb)
-            if self.index == 0:
-                self.host.in_backward.discard(mb)
-        finally:
-            self.host.leave()
+    def _no_backward(self, mb: int) -> tuple[None, ...]:
+        self._check_pending(mb)
+        self.pending.discard(mb)
+        self._rng_at.pop(mb, None)
+        self.unit.abandon(mb)
         return (None,) * (1 + len(self.params))
 
     def _check_pending(self, mb: int) -> None:
@@ -570,7 +553,7 @@ class GraphRunner:
                 "it ran backward already (a second backward through graphed layers, e.g. "
                 "retain_graph=True, is not supported) or close() abandoned it")
 
-    def _backward(self, grad: torch.Tensor, mb: int, input_ref: weakref.ref[torch.Tensor] | None
+    def _backward(self, grad: torch.Tensor | None, mb: int, input_ref: weakref.ref[torch.Tensor] | None
                   ) -> tuple[torch.Tensor | None, ...]:
         # A backward pass is one unit for close(): from its first layer to the stack's
         # first, or to the end of autograd's pass where it stops above (a frozen layer
@@ -579,7 +562,8 @@ class GraphRunner:
             self.host.in_backward.add(mb)
             self.host.at_end_of_pass(mb)
         try:
-            out = self._replay_backward(grad, mb, input_ref)
+            out = (self._no_backward(mb) if grad is None else
+                   self._replay_backward(grad, mb, input_ref))
         except BaseException:
             self.host.in_backward.discard(mb)
             raise
@@ -740,9 +724,7 @@ class LayerFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor | None) -> Any:
-        if grad is None:
-            return (None, None, None, *ctx.runner.no_backward(ctx.mb))
-        if torch.is_grad_enabled():
+        if grad is not None and torch.is_grad_enabled():
             # (the gradients a replay returns have no autograd history: a second backward
             # through them would get none of these layers' part, silently)
             raise StateError(

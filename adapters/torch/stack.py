@@ -604,6 +604,11 @@ class GraphedLayers(nn.Module):
             r = runners[i]
             into = standing.get(_like_key(r.static_in)) if r.wants_grad_in else None
             r.build_backward(grad_out, shared, grad_in_into=into)
+            if r.bwd is not None and r.static_grad_out is not grad_out:
+                # Its own output-gradient buffer (the stack's last layer, or no standing
+                # buffer of its kind): read by its graph alone, once the caller's gradient
+                # is copied in.
+                self._return_to_pool((r, "static_grad_out"))
             if (i + 1 < len(runners) and runners[i + 1].grad_in is r.static_grad_out
                     and all(r.static_grad_out is not t for t in standing.values())):
                 # Layer i+1's input gradient is read by layer i's backward graph alone.
@@ -712,25 +717,23 @@ class GraphedLayers(nn.Module):
                         "graph (layers_per_graph) or build without main_grad")
             seen.update(id(p) for p in r.params)
 
-    def _tied(self) -> list[set[int]]:
-        """For each trainable parameter several layers use, those layers (none with
-        ``main_grad=True``: there such layers share one graph, which adds into main_grad
-        their parts' sum)."""
-        if self.main_grad:
-            return []
+    def _shared_users(self) -> dict[int, set[int]]:
+        """By ``id``, each trainable parameter several layers use: those layers."""
         users: dict[int, set[int]] = {}
         for i, m in enumerate(self.layers):
             for p in m.parameters():
                 if p.requires_grad:
                     users.setdefault(id(p), set()).add(i)
-        return [ls for ls in users.values() if len(ls) > 1]
+        return {k: ls for k, ls in users.items() if len(ls) > 1}
+
+    def _tied(self) -> list[set[int]]:
+        """For each trainable parameter several layers use, those layers (none with
+        ``main_grad=True``: there such layers share one graph, which adds into main_grad
+        their parts' sum)."""
+        return [] if self.main_grad else list(self._shared_users().values())
 
     def _shared_params(self) -> set[int]:
-        seen: dict[int, int] = {}
-        for m in self.layers:
-            for p in {id(p): p for p in m.parameters()}.values():
-                seen[id(p)] = seen.get(id(p), 0) + 1
-        return {k for k, v in seen.items() if v > 1}
+        return set(self._shared_users())
 
     @property
     def mode(self) -> Mode:
@@ -839,8 +842,10 @@ class GraphedLayers(nn.Module):
         self._check_in_place()
         if self._frozen_at_build and torch.is_grad_enabled():
             self._check_still_frozen()
-        if self.main_grad and torch.is_grad_enabled() and isinstance(x, torch.Tensor):
-            self._check_frozen_main_grads(x.requires_grad)
+        # (which layers' parameters want a gradient now: some may be frozen since the build)
+        trains = [r.trains() for r in self._runners] if torch.is_grad_enabled() else []
+        if self.main_grad and trains and isinstance(x, torch.Tensor):
+            self._check_frozen_main_grads(x.requires_grad, trains)
         if not isinstance(x, torch.Tensor):
             self._runners[0].check_input(x)  # (names what it got)
         cast = autocast_dtype(x.device.type)
@@ -862,10 +867,10 @@ class GraphedLayers(nn.Module):
         self._enter()
         try:
             try:
-                if torch.is_grad_enabled() and (x.requires_grad or any(r.trains() for r in runners)):
+                if torch.is_grad_enabled() and (x.requires_grad or any(trains)):
                     lowest = True
-                    for r in runners:
-                        if not (x.requires_grad or r.trains()):
+                    for r, r_trains in zip(runners, trains):
+                        if not (x.requires_grad or r_trains):
                             # (frozen layers, at the build or since, below any that train,
                             # the input wanting no gradient: no backward reaches them,
                             # nothing is kept for one)
@@ -918,13 +923,13 @@ class GraphedLayers(nn.Module):
                 "unfreezing, or build it with every layer that will train unfrozen and freeze "
                 "them with requires_grad_(False) afterwards (the stack honours that)")
 
-    def _check_frozen_main_grads(self, wants: bool) -> None:
+    def _check_frozen_main_grads(self, wants: bool, trains: Sequence[bool]) -> None:
         """With ``main_grad=True`` the backward graphs add into main_grad themselves: a
         parameter frozen since the build, in a layer a backward reaches (any layer above
         one that trains, or whose input wants a gradient), would still get its part added
         (eager adds none). Refuse, before anything runs."""
-        for r in self._runners:
-            wants = wants or r.trains()
+        for r, r_trains in zip(self._runners, trains):
+            wants = wants or r_trains
             frozen = [p for p in r.params if not p.requires_grad] if wants else []
             if frozen:
                 raise CaptureMismatchError(
@@ -1058,8 +1063,9 @@ def _like_key(t: torch.Tensor) -> tuple[Any, ...]:
     return (tuple(t.shape), t.stride(), t.dtype)
 
 
-#: a runner's buffers that may share bytes with one given back to the pool
-_BUFFERS = ("static_in", "static_out", "static_grad_out", "grad_in")
+#: a runner's buffers that may share bytes with one given back to the pool, and their names
+_BUFFERS = {"static_in": "input", "static_out": "output", "static_grad_out": "output gradient",
+            "grad_in": "input gradient"}
 
 
 def _given_back(t: torch.Tensor) -> bool:
@@ -1075,8 +1081,7 @@ def _check_nothing_given_back_in_use(layers: Iterable[nn.Module], runners: Seque
     their own data where it was). Where one was, the build fails here, at once, instead of
     training on bytes that other graphs overwrite."""
     for i, r in enumerate(runners):
-        kept = [("input", r.static_in), ("output", r.static_out),
-                ("output gradient", r.static_grad_out), ("input gradient", r.grad_in),
+        kept = [*((what, getattr(r, name)) for name, what in _BUFFERS.items()),
                 *((f"gradient of {param_name(layers, pg.param)}", pg.buf)
                   for pg in r.grads if pg is not None and pg.param is not None)]
         if i == 0 and input_grad is not None:
