@@ -118,6 +118,38 @@ def test_a_backward_to_some_inputs_only_leaves_close_free(clean):
     del out
 
 
+@pytest.mark.parametrize("kw", KWS, ids=lambda kw: "-".join(f"{k}={v}" for k, v in kw.items()))
+def test_a_backward_that_fails_part_way_leaves_close_free_and_training_goes_on(clean, kw):
+    """A hook raising between two layers ends autograd's pass with no callback run: the
+    pass is over all the same (close() does not wait for it), the layers below it keep
+    nothing that stops the next step, and that step is eager's."""
+    b = clean
+    torch.manual_seed(3)
+    layers = [_mlp().to(b.device) for _ in range(3)]
+    eager = nn.Sequential(*copy.deepcopy(layers))
+    stack = gt.GraphedLayers(layers, torch.zeros(4, H, device=b.device, requires_grad=True),
+                             backend=b, **kw)
+
+    def fail(g: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError("a hook failed")
+
+    hook = layers[1][0].weight.register_hook(fail)
+    out = stack(torch.randn(4, H, device=b.device, requires_grad=True))  # (kept alive)
+    with pytest.raises(RuntimeError, match="a hook failed"):
+        out.sum().backward()
+    hook.remove()
+    for m in (*layers, eager):
+        m.zero_grad()
+    x = torch.randn(4, H, device=b.device, requires_grad=True)
+    xe = x.detach().clone().requires_grad_()
+    stack(x).square().sum().backward()
+    eager(xe).square().sum().backward()
+    assert_bitwise([x.grad, *(p.grad for m in layers for p in m.parameters())],
+                   [xe.grad, *(p.grad for p in eager.parameters())])
+    assert _closes_at_once(stack) < 5
+    del out
+
+
 CONFIGS = [dict(mode="resident"), dict(mode="resident", recompute_layers=[0]),
            dict(mode="resident", recompute_layers=[0, 1]), dict(mode="off", recompute_layers=[3]),
            dict(mode="off", recompute_layers=[0, 1, 2, 3]), dict(mode="remap", recompute_layers=[1, 2])]

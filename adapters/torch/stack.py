@@ -954,20 +954,25 @@ class GraphedLayers(nn.Module):
         """Called in autograd's pass: once it ends, microbatch ``mb``'s backward is over
         for close(), also where it stopped above the stack's first layer (a frozen layer
         below, ``backward(inputs=...)``); what that layer's forward kept is given back
-        when its autograd graph dies, or at close()."""
+        when its autograd graph dies, or at close(). A pass that failed part way (a hook
+        raising) cannot go on (autograd freed what its nodes that ran saved), so what the
+        layers it did not reach keep is given back at the next forward or close()."""
         stack = weakref.ref(self)
 
-        def over() -> None:
+        def over(failed: bool) -> None:
             s = stack()
             if s is not None:
                 with s._lock:
                     s._in_backward.discard(mb)
+                    if failed:
+                        s._abandoned.append(mb)
                     s._lock.notify_all()
 
+        end = _PassEnd(over)
         try:
-            torch.autograd.Variable._execution_engine.queue_callback(over)  # type: ignore[attr-defined]
+            torch.autograd.Variable._execution_engine.queue_callback(end)  # type: ignore[attr-defined]
         except RuntimeError:
-            pass  # (not inside autograd's engine: the stack's first layer ends it)
+            end.dropped.detach()  # (not inside autograd's engine: the stack's first layer ends it)
 
     def _enter(self) -> None:
         with self._lock:
@@ -1001,7 +1006,8 @@ class GraphedLayers(nn.Module):
         """Release the graphs, their pool, the slots, banks and buffers.
 
         Safe to call again and from another thread: it waits up to ``timeout`` seconds for
-        a forward or backward under way to finish, then refuses with a StateError. A
+        a forward or backward under way to finish, then refuses with a StateError (a
+        backward that failed part way, a hook raising, is over: it is not waited for). A
         microbatch whose backward has not run is abandoned; its backward then raises.
         """
         with self._lock:
@@ -1056,6 +1062,21 @@ def _state_warning(plan: BudgetPlan) -> Callable[[torch.optim.Optimizer, int], s
                 "before their first step) or after their first step (any optimizer's), or "
                 f"give a budget {format_bytes(extra)} lower")
     return say
+
+
+class _PassEnd:
+    """Queued at the end of autograd's pass: ``fn(False)`` when the pass ends. A pass
+    that fails runs no callback, but its engine drops them: ``fn(True)`` then."""
+
+    __slots__ = ("_fn", "dropped", "__weakref__")
+
+    def __init__(self, fn: Callable[[bool], None]) -> None:
+        self._fn = fn
+        self.dropped = weakref.finalize(self, fn, True)
+
+    def __call__(self) -> None:
+        if self.dropped.detach() is not None:
+            self._fn(False)
 
 
 def _like_key(t: torch.Tensor) -> tuple[Any, ...]:
