@@ -206,7 +206,8 @@ class GraphRunner:
         #: changes their outputs in place), found before the warm-up
         self.recompute_calls: frozenset[CallKey] = frozenset()
         #: the buffers the forward changes (batch norm's running statistics): the
-        #: recompute puts them back as the forward left them, so they move once a step
+        #: recompute runs from them as the forward found them and puts them back as the
+        #: forward left them, so they move once a step
         self.changed_buffers: list[torch.Tensor] = []
         # A recomputed layer's forward graph draws from the default generator, as every
         # layer's does and as in eager; its backward graph's recompute draws from a random
@@ -234,8 +235,12 @@ class GraphRunner:
         inputs = ([static_in] if static_in.requires_grad else []) + aliases
         alias_of = {id(p): a for p, a in zip(self.params, aliases)}
 
-        def run(x: torch.Tensor) -> Any:
+        def run(x: torch.Tensor, *found: torch.Tensor) -> Any:
             with _parameters_as(self.module, alias_of):
+                if found:  # (the changed buffers as this microbatch's forward found them)
+                    with torch.no_grad():
+                        for t, v in zip(self.changed_buffers, found):
+                            t.copy_(v)
                 return self.module(x)
 
         def call(note: Callable[[torch.Tensor], None] | None = None) -> Any:
@@ -245,8 +250,12 @@ class GraphRunner:
                 # own stream (``self.rng``), not from state calls that would run in capture.
                 # Recomputed cheaply, the expensive ops' outputs are kept (``note``d as
                 # the unit's memory in the graphs' pool) and only the rest runs again.
+                # The buffers the forward changes go in as inputs, saved (to the slot) as
+                # the forward found them: a forward that reads what it changes (spectral
+                # norm's power iteration, a step counter) runs again on what it read.
+                found = [t.detach().clone() for t in self.changed_buffers]
                 return torch.utils.checkpoint.checkpoint(
-                    run, static_in, use_reentrant=False, preserve_rng_state=False,
+                    run, static_in, *found, use_reentrant=False, preserve_rng_state=False,
                     context_fn=functools.partial(self._recompute_contexts, note))
             return run(static_in)
 
