@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from graphslot.adapters.torch import GraphedLayers
+from graphslot.errors import UsageError
 
 
 class DropScale(nn.Module):
@@ -96,3 +97,45 @@ def test_forwards_without_a_backward_leave_no_stream_positions_behind(clean):
     assert any(len(r._rng_at) == 1 for r in runners)
     stack.close()
     assert all(len(r._rng_at) == 0 for r in runners)
+
+
+class _OwnDraws(nn.Module):
+    """Draws its mask from a generator of its own (``draws``) or only holds one."""
+
+    def __init__(self, draws: bool, gen: torch.Generator) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.draws = draws
+        self.gen = gen
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.lin(x)
+        if self.draws:
+            h = h * (torch.rand(h.shape, generator=self.gen, device=h.device) > 0.5)
+        return h
+
+
+@pytest.mark.parametrize("recompute", [[], [1]])
+def test_a_layer_drawing_from_a_generator_of_its_own_is_refused_by_name(clean, recompute):
+    """Its graph cannot draw from it as eager does: refused at the build, which leaves
+    that generator where it was."""
+    b = clean
+    layers = [_OwnDraws(False, torch.Generator(b.device)).to(b.device),
+              _OwnDraws(True, torch.Generator(b.device).manual_seed(1234)).to(b.device)]
+    before = layers[1].gen.get_state().clone()
+    with pytest.raises(UsageError, match=r"layer 1 draws random numbers from a torch.Generator of its own \(gen\)"):
+        GraphedLayers(layers, torch.zeros(4, 8, device=b.device, requires_grad=True),
+                      mode="off", recompute_layers=recompute, backend=b)
+    assert torch.equal(layers[1].gen.get_state(), before)
+
+
+def test_a_layer_holding_a_generator_it_does_not_draw_from_or_the_default_one_builds(clean):
+    b = clean
+    default = (torch.default_generator if b.device.type == "cpu" else
+               getattr(torch, b.device.type).default_generators[b.device.index or 0])
+    layers = [_OwnDraws(False, torch.Generator(b.device)).to(b.device),
+              _OwnDraws(True, default).to(b.device)]
+    torch.manual_seed(5)
+    with GraphedLayers(layers, torch.zeros(4, 8, device=b.device, requires_grad=True),
+                       mode="off", backend=b) as stack:
+        stack(torch.ones(4, 8, device=b.device)).sum().backward()

@@ -88,6 +88,17 @@ def restoring_contents(tensors: Sequence[torch.Tensor], inner: ContextManager[An
                 raise
 
 
+def own_generators(module: nn.Module) -> list[tuple[str, torch.Generator, torch.Tensor]]:
+    """The random generators ``module`` and its submodules hold as attributes, other
+    than torch's default ones (which the build forks), each with its qualified name and
+    its state now."""
+    defaults = {id(torch.default_generator)} | {
+        id(g) for kind in ("cuda", "musa") for g in getattr(getattr(torch, kind, None), "default_generators", ())}
+    return [(f"{prefix}.{attr}" if prefix else attr, g, g.get_state())
+            for prefix, m in module.named_modules() for attr, g in vars(m).items()
+            if isinstance(g, torch.Generator) and id(g) not in defaults]
+
+
 class StackHost(Protocol):
     """What a runner needs of the stack that owns it beyond its public face; the stack
     hands each runner an object with these (its bookkeeping stays private to it)."""
@@ -272,6 +283,7 @@ class GraphRunner:
         # the warm-up, in the ordinary pool, and no capture allocates another in a pool.
         side = self.host.warmup_stream
         b.wait_event(side, b.record_event(b.new_event()))
+        own = [(i, *o) for i in self.layers for o in own_generators(stack.layers[i])]
         with b.stream(side):
             if self.recompute:
                 # What the forward changes in place: a cheap recompute makes those expensive
@@ -311,6 +323,13 @@ class GraphRunner:
                 del out
         b.wait_event(b.current_stream(), b.record_event(b.new_event(), side))
         b.synchronize()
+        drew = [(i, name) for i, name, g, state in own if not torch.equal(g.get_state(), state)]
+        if drew:  # (before any capture: one would fail, or replay without moving it on)
+            raise UsageError(
+                f"layer {drew[0][0]} draws random numbers from a torch.Generator of its own "
+                f"({drew[0][1]}), which its graphs cannot draw from as eager does: draw from the "
+                "default generator (nn.Dropout, torch.rand without generator=), or keep the "
+                "layer outside GraphedLayers")
 
         if unit.wants_offload:
             # Discovery under capture: kernels may save other tensors when captured than

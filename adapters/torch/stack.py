@@ -86,7 +86,7 @@ from graphslot.sizes import format_bytes
 from .grads import ParamGrad, storage_id, shares_storage
 from .plan import (check_layers, check_main_grads, check_sample, hooked_modules, layer_set,
                    param_name, plan_graphs)
-from .runner import GraphRunner, LayerFunction, restoring_contents
+from .runner import GraphRunner, LayerFunction, own_generators, restoring_contents
 
 __all__ = ["GraphedLayers"]
 
@@ -370,8 +370,9 @@ class GraphedLayers(nn.Module):
         # change (batch norm's running statistics) are put back after the build, and the
         # random numbers they draw come from a fork of the generators, so the stack starts
         # from the state the layers and the caller's seed came with, as eager would.
+        own = own_generators(self.layers)
         with restoring_contents(list(self.layers.buffers()), wait_first=self.backend.synchronize), \
-                _building(self.backend.device, self.autocast_dtype):
+                _building(self.backend.device, self.autocast_dtype, own):
             try:
                 saved = None if layers_per_graph is not None else saved_bytes_per_layer(
                     list(self.layers),
@@ -1125,14 +1126,17 @@ def _build_holds(b: Backend) -> int | None:
 
 
 @contextlib.contextmanager
-def _building(dev: torch.device, autocast_dtype: torch.dtype | None) -> Iterator[None]:
+def _building(dev: torch.device, autocast_dtype: torch.dtype | None,
+              own: Sequence[tuple[str, torch.Generator, torch.Tensor]] = ()) -> Iterator[None]:
     """Around a build: the random generators forked (what the build draws is not the
-    caller's), and autocast as the caller has it but without its cast cache, whose copies
-    would outlive the capture that made them while the graphs go on reading them."""
+    caller's; the layers' ``own`` generators too), and autocast as the caller has it but
+    without its cast cache, whose copies would outlive the capture that made them while
+    the graphs go on reading them."""
     with contextlib.ExitStack() as build:
         build.enter_context(torch.random.fork_rng(
             devices=[] if dev.type == "cpu" else [dev.index if dev.index is not None else 0],
             device_type=dev.type))
+        build.callback(lambda: [g.set_state(state) for _, g, state in own])
         if autocast_dtype is not None:
             build.enter_context(torch.autocast(dev.type, dtype=autocast_dtype, cache_enabled=False))
         yield
