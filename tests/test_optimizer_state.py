@@ -9,6 +9,7 @@ import warnings
 import pytest
 import torch
 from torch import nn
+import graphslot
 from graphslot import budget as gb
 from graphslot import optimizer_state
 from graphslot.adapters import torch as gt
@@ -425,7 +426,9 @@ def test_state_of_tensors_without_storage_of_their_own_is_counted(tmp_path):
         assert len(moments) == 2
         # (the two moments' shards, 64 bytes each, and the step counter)
         assert state_bytes(opt, device="cpu") == 2 * 64 + opt.state[w]["step"].untyped_storage().nbytes()
-        with gt.GraphedLayers([nn.Linear(8, 8), nn.Linear(8, 8)], torch.randn(4, 8, requires_grad=True),
+        dev = graphslot.get_backend().device  # (the stack beside it on the backend's device)
+        with gt.GraphedLayers([nn.Linear(8, 8).to(dev), nn.Linear(8, 8).to(dev)],
+                              torch.randn(4, 8, device=dev, requires_grad=True),
                               memory_budget="64GiB") as stack:
             assert stack.plan.choices == ("keep", "keep")
     finally:
