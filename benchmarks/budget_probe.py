@@ -8,9 +8,7 @@ process builds ``GraphedLayers(memory_budget=...)`` over the bench preset's laye
 training steps (forward, backward, SGD step, ``zero_grad()``) and reports the plan (its
 choices, predicted peak and step, lower bound, the profile it planned from) beside the
 median step and the peak as the process holds it (the allocator's peak reserved bytes
-plus graphslot's peak pages, counted from after the build). With
-``STANDING_GRAD_BUFFERS=1`` in the environment the stacks hand input gradients down
-through standing buffers (``GraphedLayers._standing_grad_buffers``).
+plus graphslot's peak pages, counted from after the build).
 """
 
 from __future__ import annotations
@@ -113,8 +111,6 @@ def child(args: argparse.Namespace) -> dict:
     from graphslot.cli.bench_models import training_data
 
     b = get_backend()
-    if os.environ.get("STANDING_GRAD_BUFFERS") == "1":
-        GraphedLayers._standing_grad_buffers = True
     layers, x, gy = training_data(probe_shape(args, SHAPE), b.device)
     params = [p for m in layers for p in m.parameters()]
     opt = torch.optim.SGD(params, lr=1e-6)

@@ -33,13 +33,13 @@
 #           (the default preset's, with eager and checkpoint, ran past five minutes)
 #   budgets PRESET SIZES  the budgets named (e.g. 6.84GiB,7.03GiB) beside SWEEP_CONFIGS
 #           (default checkpoint,graph), JSON; OPTIMIZER=adamw steps AdamW instead of SGD
-#   standing PRESET SIZES  benchmarks/budget_probe.py at those budgets (and every layer
-#           kept, every layer recomputed), as built and with standing gradient buffers
+#   probe PRESET SIZES  benchmarks/budget_probe.py at those budgets (and every layer kept,
+#           every layer recomputed): each plan's predicted peak and step beside its own
 #   held [PRESET]  benchmarks/held_by_stream.py: what a build keeping everything and one with
 #           memory_budget="auto" hold after it, by the allocator's stream (default: launch)
 #   pools [PRESET]  benchmarks/pool_split.py with every layer recomputed (remap; POOL_MODES=
-#           remap,off for both): the graphs' shared pool as built against standing gradient
-#           buffers (POOL_VARIANTS adds split, maxsplit, fixed; default preset: llama)
+#           remap,off for both): the graphs' shared pool as built against a pool per
+#           backward graph (POOL_VARIANTS names others: maxsplit, fixed; default preset: llama)
 #   grads [PRESET]  eager and the three modes with zero_grad(), each beside its variant
 #           with .grad kept (zero_grad(set_to_none=False)) over four accumulated
 #           microbatches, in one run: what a kept gradient costs (default preset: default,
@@ -50,7 +50,7 @@
 # A bench's log says, a line each, which configuration it started and when, then ends with
 # its JSON.
 set -uo pipefail
-part=${1:?"which part: abc, a, b, c, te, megatron_te, weakrefs, bench, launch, llama, peers, sweep, budgets, standing, held, pools or grads"}
+part=${1:?"which part: abc, a, b, c, te, megatron_te, weakrefs, bench, launch, llama, peers, sweep, budgets, probe, held, pools or grads"}
 out=${OUT:-/tmp/graphslot-gpu-check}
 mkdir -p "$out"
 cd "$(dirname "$0")/.."
@@ -152,22 +152,19 @@ PY
     run "budgets_$preset${OPTIMIZER:+_$OPTIMIZER}" python3 -m graphslot.cli bench --preset "$preset" \
       --budgets "$sizes" --optimizer "${OPTIMIZER:-sgd}" \
       --isolate --json --steps 5 --warmup 2 --configs "${SWEEP_CONFIGS:-checkpoint,graph}" ;;
-  standing)  # benchmarks/budget_probe.py at the budgets named, as built and with standing
-             # gradient buffers, each plan in a process of its own (the least plan's memory)
-    preset=${2:?"standing: which preset"}; sizes=${3:?"standing: which sizes, e.g. 6.84GiB"}
-    run "standing_${preset}_off" python3 benchmarks/budget_probe.py --preset "$preset" --budgets "$sizes"
-    STANDING_GRAD_BUFFERS=1 run "standing_${preset}_on" python3 benchmarks/budget_probe.py \
-      --preset "$preset" --budgets "$sizes" ;;
+  probe)  # benchmarks/budget_probe.py at the budgets named, each plan in a process of its own
+    preset=${2:?"probe: which preset"}; sizes=${3:?"probe: which sizes, e.g. 6.84GiB"}
+    run "probe_$preset" python3 benchmarks/budget_probe.py --preset "$preset" --budgets "$sizes" ;;
   held)
     run "held_${2:-launch}" python3 benchmarks/held_by_stream.py --preset "${2:-launch}" ;;
-  pools)  # every layer recomputed: the shared graphs' pool against the pool with standing
-          # gradient buffers (benchmarks/pool_split.py; POOL_VARIANTS names others: split,
-          # maxsplit, fixed), remap (POOL_MODES=remap,off for both)
+  pools)  # every layer recomputed: the graphs' shared pool against a pool per backward graph
+          # (benchmarks/pool_split.py; POOL_VARIANTS names others: maxsplit, fixed), remap
+          # (POOL_MODES=remap,off for both)
     preset=${2:-llama}
     modes=${POOL_MODES:-remap}
     for m in ${modes//,/ }; do
       run "pools_${preset}_$m" python3 benchmarks/pool_split.py --preset "$preset" --mode "$m" \
-        --variants "${POOL_VARIANTS:-shared,gradbuf}"
+        --variants "${POOL_VARIANTS:-shared,split}"
     done ;;
   grads)  # a kept .grad over four microbatches beside zero_grad(), per mode, in one run
     preset=${2:-default}
@@ -175,5 +172,5 @@ PY
     for c in eager graph graph_resident graph_remap; do configs+="$c,$c@keep@acc4,"; done
     run "grads_$preset" python3 -m graphslot.cli bench --preset "$preset" --isolate --json \
       --steps 3 --warmup 1 --configs "${configs%,}" ;;
-  *) echo "unknown part '$part': choose abc, a, b, c, te, megatron_te, weakrefs, bench, launch, llama, peers, sweep, budgets, standing, held, pools or grads" >&2; exit 2 ;;
+  *) echo "unknown part '$part': choose abc, a, b, c, te, megatron_te, weakrefs, bench, launch, llama, peers, sweep, budgets, probe, held, pools or grads" >&2; exit 2 ;;
 esac

@@ -22,9 +22,6 @@ graph pool's reserved and live bytes:
 - ``split``: every backward graph in a pool of its own (no sharing, so this variant holds
   more; what it tells is each pool's size: the forward pool plus the largest backward
   pool is what the shared-pages design would hold);
-- ``gradbuf``: shared, each backward graph copying its input gradient into one standing
-  buffer of the pool (``GraphedLayers._standing_grad_buffers``), so that no capture leaves
-  a buffer live for the next one and every backward capture starts from the same pool;
 - ``maxsplit``: shared, with the allocator's ``max_split_size_mb`` set before the build
   (large cached blocks then serve only requests of their own size class), a setting of
   the process the user could make;
@@ -55,8 +52,6 @@ def child(variant: str, preset: str, mode: str, max_split_mib: int, steps: int) 
 
     from budget_probe import train
 
-    if variant == "gradbuf":
-        GraphedLayers._standing_grad_buffers = True
     if variant == "maxsplit":
         torch.cuda.memory._set_allocator_settings(f"max_split_size_mb:{max_split_mib}")
     b = get_backend()
@@ -164,7 +159,7 @@ def main() -> int:
     ap.add_argument("--mode", default="remap", choices=["remap", "off"])
     ap.add_argument("--max-split-mib", type=int, default=256)
     ap.add_argument("--steps", type=int, default=3)
-    ap.add_argument("--variants", default="shared,gradbuf,split,maxsplit,fixed")
+    ap.add_argument("--variants", default="shared,split,maxsplit,fixed")
     ap.add_argument("--child", default=None)
     a = ap.parse_args()
     if a.child:

@@ -13,7 +13,7 @@ from torch import nn
 from graphslot.adapters import torch as gt
 from graphslot.errors import StateError
 from stacks import small_gpt
-from test_standing_grad_buffers import (_InnerAddFull, _PosAdd, _Reshaped, _returning_like_cuda,
+from test_pool_grad_buffers import (_InnerAddFull, _PosAdd, _Reshaped, _returning_like_cuda,
                                         _still_used, _TanhAddFull, _Widen)
 
 
@@ -62,12 +62,10 @@ PLANS = {  # mode, offload_layers, recompute_layers (over the first four layers)
 }
 
 
-@pytest.mark.parametrize("standing", [False, True], ids=["as-built", "standing"])
 @pytest.mark.parametrize("plan", list(PLANS))
 @pytest.mark.parametrize("kind", ["gpt", "widths", "pos", "reshape", "view", "inner", "tanh"])
-def test_nothing_the_stack_uses_goes_back_to_the_pool(clean, monkeypatch, kind, plan, standing):
+def test_nothing_the_stack_uses_goes_back_to_the_pool(clean, monkeypatch, kind, plan):
     b = clean
-    monkeypatch.setattr(gt.GraphedLayers, "_standing_grad_buffers", standing)
     layers, x = _zoo(kind, b)
     layers = [m.to(b.device) for m in layers]
     mode, offload, recompute = PLANS[plan]
@@ -75,8 +73,7 @@ def test_nothing_the_stack_uses_goes_back_to_the_pool(clean, monkeypatch, kind, 
     with gt.GraphedLayers(layers, x.requires_grad_(), mode=mode, offload_layers=offload,
                           recompute_layers=recompute, layers_per_graph=1, backend=b) as stack:
         assert _still_used(stack, returned) == []
-    if not standing:
-        assert returned  # (buffers did go back: the check was not vacuous)
+    assert returned  # (buffers did go back: the check was not vacuous)
 
 
 def test_a_buffer_given_back_while_in_use_fails_the_build_by_name(clean, monkeypatch):
@@ -89,8 +86,6 @@ def test_a_buffer_given_back_while_in_use_fails_the_build_by_name(clean, monkeyp
     # (as the build was before layers handing their gradient on were known: every
     # buffer between two layers goes back)
     monkeypatch.setattr(stack_module.GraphedLayers, "_held_elsewhere", lambda self, buf, holders: False)
-    # (between layers the gradients go through pool buffers, not standing ones)
-    monkeypatch.setattr(stack_module.GraphedLayers, "_standing_grad_buffers", False)
     layers = [nn.Linear(8, 8), _PosAdd(4, 8), nn.Linear(8, 8)]
     with pytest.raises(StateError, match=r"layer 0: its output gradient buffer was given back to the graphs. pool while the stack still uses it"):
         gt.GraphedLayers([m.to(b.device) for m in layers],

@@ -3,6 +3,7 @@ stacks dropped without close(), failed constructions, abandoned steps."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import gc
 import os
@@ -147,6 +148,95 @@ def test_close_waits_for_a_backward_under_way_in_another_thread(clean):
     closer.join(20)
     assert not errors and not closer.is_alive()
     assert stack._closed
+
+
+@pytest.mark.parametrize("mode", ["off", "resident"])
+def test_a_second_thread_is_refused_while_the_first_replays(clean, mode):
+    """The graphs share their buffers: a forward from another thread while one runs would
+    mix the two (silently, before); it is refused by name, and the first is eager's."""
+    b = clean
+    model = small(b)
+    eager = copy.deepcopy(model)
+    stack = graphed(model, b, mode)
+    entered, release = threading.Event(), threading.Event()
+    real = stack._runners[1].fwd.replay
+
+    def slow_replay() -> None:
+        entered.set()
+        release.wait(10)
+        real()
+
+    stack._runners[1].fwd.replay = slow_replay  # type: ignore[method-assign]
+    got: list = []
+    batch = model.batch(0, b.device)
+    t = threading.Thread(target=lambda: got.append(model(*batch)))
+    t.start()
+    assert entered.wait(10)
+    with pytest.raises(StateError, match="called from a second thread while another thread runs"):
+        model(*model.batch(1, b.device))
+    release.set()
+    t.join(20)
+    stack._runners[1].fwd.replay = real  # type: ignore[method-assign]
+    got[0].backward()
+    eager(*batch).backward()
+    assert all(torch.equal(p.grad, q.grad) for p, q in zip(model.parameters(), eager.parameters()))
+    t0 = time.perf_counter()
+    stack.close(timeout=10)
+    assert time.perf_counter() - t0 < 5
+
+
+@pytest.mark.parametrize("change", ["forward hook added", "backward hook added", "hook removed",
+                                    "global hook added"])
+def test_a_module_hook_changed_after_the_build_is_refused_before_anything_runs(clean, change):
+    """The graphs run the hooks they captured: one added or removed since would be
+    silently skipped or still applied."""
+    from graphslot.errors import CaptureMismatchError
+
+    b = clean
+    torch.manual_seed(0)
+    layers = [nn.Linear(8, 8).to(b.device) for _ in range(3)]
+    before = layers[1].register_forward_hook(lambda m, i, o: o * 2) if change == "hook removed" else None
+    with pytest.warns(UserWarning) if before is not None else contextlib.nullcontext():
+        stack = GraphedLayers(layers, torch.zeros(4, 8, device=b.device, requires_grad=True),
+                              mode="resident", backend=b)
+    with stack:
+        stack(torch.randn(4, 8, device=b.device)).sum().backward()
+        handle = (before if change == "hook removed" else
+                  layers[1].register_forward_hook(lambda m, i, o: o * 2) if change == "forward hook added" else
+                  layers[2].register_full_backward_hook(lambda m, gi, go: gi) if change == "backward hook added" else
+                  torch.nn.modules.module.register_module_forward_hook(lambda m, i, o: None))
+        try:
+            if change == "hook removed":
+                handle.remove()
+            with pytest.raises(CaptureMismatchError, match="module hook was added to or removed"):
+                stack(torch.randn(4, 8, device=b.device))
+        finally:
+            handle.remove()
+        if change != "hook removed":  # (as built again: the graphs' hooks are the layers' again)
+            stack(torch.randn(4, 8, device=b.device)).sum().backward()
+
+
+def test_an_interrupt_as_a_replay_ends_leaves_close_free(clean, monkeypatch):
+    """Ctrl-C landing as a forward or a backward replay ends (where a Python call begins,
+    before the call can act) leaves no replay counted as under way: close() is prompt."""
+    b = clean
+    model = small(b)
+    stack = graphed(model, b, "resident")
+
+    def interrupted(self: GraphedLayers) -> None:
+        raise KeyboardInterrupt
+
+    loss = model(*model.batch(0, b.device))
+    with monkeypatch.context() as m:
+        m.setattr(GraphedLayers, "_left", interrupted)
+        with pytest.raises(KeyboardInterrupt):
+            model(*model.batch(1, b.device))
+        with pytest.raises(KeyboardInterrupt):
+            loss.backward()
+    assert not stack._inside
+    t0 = time.perf_counter()
+    stack.close(timeout=10)
+    assert time.perf_counter() - t0 < 5
 
 
 @pytest.mark.parametrize("mode", MODES)

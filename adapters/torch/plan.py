@@ -108,13 +108,25 @@ def check_layers(layers: Any) -> None:
 def hooked_modules(layers: Sequence[nn.Module]) -> list[str]:
     """The layers' modules with forward or backward hooks (``layers[i].name``), and
     ``"every module"`` where global module hooks are registered."""
-    kinds = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
     found = [f"layers[{i}]{'.' + n if n else ''}" for i, layer in enumerate(layers)
-             for n, m in layer.named_modules() if any(getattr(m, k, None) for k in kinds)]
+             for n, m in layer.named_modules() if any(getattr(m, k, None) for k in _HOOK_KINDS)]
     glob = torch.nn.modules.module
-    if any(getattr(glob, f"_global{k}", None) for k in kinds):
+    if any(getattr(glob, f"_global{k}", None) for k in _HOOK_KINDS):
         found.insert(0, "every module (global module hooks)")
     return found
+
+
+_HOOK_KINDS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
+
+
+def hook_marks(layers: Iterable[nn.Module]) -> list[tuple[int, Any]]:
+    """For every module hook dictionary of the layers' modules, then the global ones: its
+    length and last key (a handle's id, which grows), so that a hook added or removed
+    since shows as a change."""
+    glob = torch.nn.modules.module
+    dicts = [getattr(m, k, None) or {} for layer in layers for m in layer.modules() for k in _HOOK_KINDS]
+    dicts += [getattr(glob, f"_global{k}", None) or {} for k in _HOOK_KINDS]
+    return [(len(d), next(reversed(d), None)) for d in dicts]
 
 
 def param_name(layers: Iterable[nn.Module], p: torch.Tensor) -> str:

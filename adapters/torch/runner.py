@@ -49,18 +49,6 @@ def _parameters_as(module: nn.Module, alias_of: dict[int, torch.Tensor]) -> Iter
             params[name] = p
 
 
-def _copied_into(buf: torch.Tensor, grad: torch.Tensor | None) -> torch.Tensor | None:
-    """``grad`` copied into ``buf``, in the graph being captured; ``None`` stays (an
-    input the layer does not use gets no gradient, as in eager)."""
-    if grad is None:
-        return None
-    if shares_storage(grad, buf) and (grad.data_ptr(), grad.stride()) != (buf.data_ptr(), buf.stride()):
-        grad = grad.clone()  # (a copy between overlapping ranges is refused)
-    with torch.no_grad():
-        buf.copy_(grad)
-    return buf
-
-
 @contextlib.contextmanager
 def restoring_contents(tensors: Sequence[torch.Tensor], inner: ContextManager[Any] | None = None,
                        wait_first: Callable[[], None] | None = None) -> Iterator[None]:
@@ -153,11 +141,18 @@ class StackHost(Protocol):
     def span(self, name: str) -> ContextManager[Any]:
         """A timeline span around a replay."""
 
-    def enter(self) -> None:
-        """A backward replay begins (refused after close(); close() waits for it)."""
+    def enter(self, token: object) -> None:
+        """A backward replay begins, under ``token`` (refused after close(), and while
+        another thread replays: close() waits for it)."""
 
-    def leave(self) -> None:
-        """That backward replay is over."""
+    @property
+    def inside(self) -> dict[object, int]:
+        """The replays under way; a replay's ``finally`` pops its token from it with one
+        C call (an interrupt cannot land between that call and its effect, as it can at
+        the start of a Python function), then calls :meth:`left`."""
+
+    def left(self) -> None:
+        """A replay is over: wake close()."""
 
     def lend_input_grad(self, buf: torch.Tensor, input_ref: weakref.ref[torch.Tensor] | None
                         ) -> torch.Tensor:
@@ -363,12 +358,8 @@ class GraphRunner:
         self.static_out = out.detach()
         return self.static_out
 
-    def build_backward(self, static_grad_out: torch.Tensor | None, shared: set[int],
-                       grad_in_into: torch.Tensor | None = None) -> None:
-        """Capture the backward graph (after every forward, in reverse layer order); with
-        ``grad_in_into``, the graph copies its input gradient into that buffer at its end
-        (a standing buffer of the pool, which the layer below may read as its
-        ``static_grad_out``: every read of it comes before that copy)."""
+    def build_backward(self, static_grad_out: torch.Tensor | None, shared: set[int]) -> None:
+        """Capture the backward graph (after every forward, in reverse layer order)."""
         b, out, inputs = self.stack.backend, self._out, self._inputs
         wants_grad_in = self.wants_grad_in
         differentiable = bool(inputs) and out.requires_grad
@@ -410,13 +401,11 @@ class GraphRunner:
                     # A parameter's gradient that is its layer's output gradient (x + p with
                     # p of x's shape) or its input gradient (tanh(x + p)) would be lent as a
                     # buffer another graph writes, or gives back to the pool: it gets bytes
-                    # of its own, before the input gradient goes to its standing buffer.
-                    # So does one in another parameter's storage (tanh(x + p + q), or a
-                    # fused kernel's gradients split by parameter): a lent buffer is one
-                    # .grad's alone (clipping would scale one buffer twice).
+                    # of its own. So does one in another parameter's storage (tanh(x + p +
+                    # q), or a fused kernel's gradients split by parameter): a lent buffer
+                    # is one .grad's alone (clipping would scale one buffer twice).
                     k = int(wants_grad_in)
-                    handed_down = grads[0] if k and grad_in_into is None else None
-                    shared_with = [t for t in (static_grad_out, grad_in_into, handed_down)
+                    shared_with = [t for t in (static_grad_out, grads[0] if k else None)
                                    if t is not None]
                     param_grads: list[torch.Tensor | None] = []
                     for g in grads[k:]:
@@ -426,8 +415,6 @@ class GraphRunner:
                             shared_with.append(g)
                         param_grads.append(g)
                     grads = (*grads[:k], *param_grads)
-                    if grad_in_into is not None and wants_grad_in:
-                        grads = (_copied_into(grad_in_into, grads[0]), *grads[1:])
                 if before is not None:
                     with torch.no_grad():
                         for target, was in zip(targets or [], before):
@@ -561,11 +548,13 @@ class GraphRunner:
         if self.host.closed:
             raise StateError(f"{self.label}: backward of microbatch {mb} after close(); "
                              "close() abandoned the forward it belonged to")
-        self.host.enter()
+        token, inside = object(), self.host.inside
         try:
+            self.host.enter(token)
             return self._backward(grad, mb, input_ref)
         finally:
-            self.host.leave()
+            inside.pop(token, None)
+            self.host.left()
 
     def _no_backward(self, mb: int) -> tuple[None, ...]:
         self._check_pending(mb)

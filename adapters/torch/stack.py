@@ -63,6 +63,7 @@ import collections
 import contextlib
 import gc
 import threading
+import time
 import warnings
 import weakref
 from dataclasses import replace
@@ -84,7 +85,7 @@ from graphslot.selection import get_backend
 from graphslot.sizes import format_bytes
 
 from .grads import ParamGrad, storage_id, shares_storage
-from .plan import (check_layers, check_main_grads, check_sample, hooked_modules, layer_set,
+from .plan import (check_layers, check_main_grads, check_sample, hook_marks, hooked_modules, layer_set,
                    param_name, plan_graphs)
 from .runner import GraphRunner, LayerFunction, own_generators, restoring_contents
 
@@ -151,11 +152,15 @@ class _Host:
         tl = self._stack.engine.timeline
         return contextlib.nullcontext() if tl is None else tl.span("compute", name)
 
-    def enter(self) -> None:
-        self._stack._enter()
+    def enter(self, token: object) -> None:
+        self._stack._enter(token)
 
-    def leave(self) -> None:
-        self._stack._leave()
+    @property
+    def inside(self) -> dict[object, int]:
+        return self._stack._inside
+
+    def left(self) -> None:
+        self._stack._left()
 
     def saw_kept_grad(self) -> None:
         self._stack._saw_kept_grad()
@@ -254,14 +259,6 @@ class GraphedLayers(nn.Module):
     (``with GraphedLayers(...) as stack:``) it closes on exit.
     """
 
-    #: Input gradients through one standing buffer per shape in the graphs' pool (each
-    #: backward graph copies its input gradient there at its end) instead of buffers that
-    #: each backward capture leaves live for the next. Every backward capture then starts
-    #: from the same pool, which is meant to stop the pool growing capture by capture
-    #: (measured off by default: ``benchmarks/pool_split.py``'s ``gradbuf`` variant).
-    #: Costs one device copy of an activation per graph and backward.
-    _standing_grad_buffers = False
-
     def __init__(self, layers: Sequence[nn.Module], sample_input: torch.Tensor, *,
                  mode: Mode | str | None = None, min_offload_bytes: int = 0,
                  section_bytes: int = SECTION_BYTES,
@@ -275,6 +272,8 @@ class GraphedLayers(nn.Module):
         super().__init__()
         check_layers(layers)
         hooked = hooked_modules(list(layers))
+        #: the module hooks as captured: one added or removed since is refused at a forward
+        self._hooks_at_build = hook_marks(list(layers))
         if hooked:
             warnings.warn(
                 f"GraphedLayers: {', '.join(hooked[:3])}{' and others' if len(hooked) > 3 else ''} "
@@ -356,7 +355,9 @@ class GraphedLayers(nn.Module):
         #: the first layer's input gradient buffer, lent as the stack's input gradient
         self._input_grad: ParamGrad | None = None
         self._lock = threading.Condition()
-        self._users = 0  # forwards and backwards under way (close() waits for them)
+        #: forwards and backwards under way, each under a token of its own, to the thread
+        #: running it (close() waits for them; another thread is refused meanwhile)
+        self._inside: dict[object, int] = {}
         self._in_backward: set[int] = set()  # microbatches whose backward pass has begun
         self._closed = False
         #: with a memory budget: warns where an optimizer's state outgrows what the plan counted
@@ -599,19 +600,15 @@ class GraphedLayers(nn.Module):
             # nothing else reads it (a saved output is in the slot): the backward graphs,
             # captured next, may use its bytes.
             self._return_to_pool((last, "static_out"))
-        standing = self._standing_buffers(runners) if self._standing_grad_buffers else {}
-        grad_out: torch.Tensor | None = standing.get(_like_key(last.static_out))
+        grad_out: torch.Tensor | None = None
         for i in reversed(range(len(runners))):
             r = runners[i]
-            into = standing.get(_like_key(r.static_in)) if r.wants_grad_in else None
-            r.build_backward(grad_out, shared, grad_in_into=into)
+            r.build_backward(grad_out, shared)
             if r.bwd is not None and r.static_grad_out is not grad_out:
-                # Its own output-gradient buffer (the stack's last layer, or no standing
-                # buffer of its kind): read by its graph alone, once the caller's gradient
-                # is copied in.
+                # Its own output-gradient buffer (the stack's last layer): read by its graph
+                # alone, once the caller's gradient is copied in.
                 self._return_to_pool((r, "static_grad_out"))
-            if (i + 1 < len(runners) and runners[i + 1].grad_in is r.static_grad_out
-                    and all(r.static_grad_out is not t for t in standing.values())):
+            if i + 1 < len(runners) and runners[i + 1].grad_in is r.static_grad_out:
                 # Layer i+1's input gradient is read by layer i's backward graph alone.
                 self._return_to_pool((r, "static_grad_out"), (runners[i + 1], "grad_in"))
             grad_out = r.grad_in
@@ -627,29 +624,16 @@ class GraphedLayers(nn.Module):
         if self._input_grad is not None:
             self._input_grad.count_own_refs()
 
-    def _standing_buffers(self, runners: Sequence[GraphRunner]
-                          ) -> dict[tuple[Any, ...], torch.Tensor]:
-        """One buffer in the graphs' pool per kind of layer input whose gradient a backward
-        graph hands down, live for the stack's life (see ``_standing_grad_buffers``)."""
-        out: dict[tuple[Any, ...], torch.Tensor] = {}
-        for r in runners:
-            key = _like_key(r.static_in)
-            if r.wants_grad_in and key not in out:
-                out[key] = self._pool_buffer(r.static_in, copy=False)
-        return out
-
-    def _pool_buffer(self, like: torch.Tensor, copy: bool = True) -> torch.Tensor:
-        """A copy of ``like`` (its like alone, without ``copy``) in memory of the graphs'
-        shared pool (an allocation captured into an otherwise empty graph; the first such
-        graph stays the pool's owner)."""
+    def _pool_buffer(self, like: torch.Tensor) -> torch.Tensor:
+        """A copy of ``like`` in memory of the graphs' shared pool (an allocation captured
+        into an otherwise empty graph; the first such graph stays the pool's owner)."""
         g = self._new_graph()
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # torch warns that the captured graph is empty
             with g.capture(self._warmup_stream):
                 buf = torch.empty_like(like)
-        if copy:
-            with torch.no_grad():
-                buf.copy_(like.detach())
+        with torch.no_grad():
+            buf.copy_(like.detach())
         return buf
 
     def _lend_input_grad(self, buf: torch.Tensor, input_ref: weakref.ref[torch.Tensor] | None
@@ -841,6 +825,12 @@ class GraphedLayers(nn.Module):
         # (before anything runs: a mismatch loses nothing; moved parameters first, since
         # .double() or .half() on the model changes the input's dtype too)
         self._check_in_place()
+        if hook_marks(self.layers) != self._hooks_at_build:
+            raise CaptureMismatchError(
+                "GraphedLayers: a module hook was added to or removed from the layers (or "
+                "a global module hook) since the build. The graphs run the hooks as they were "
+                "captured, whatever is registered now: build the stack again after changing "
+                "hooks (or register them before building)")
         if self._frozen_at_build and torch.is_grad_enabled():
             self._check_still_frozen()
         # (which layers' parameters want a gradient now: some may be frozen since the build)
@@ -860,13 +850,14 @@ class GraphedLayers(nn.Module):
             raise CaptureMismatchError(
                 f"GraphedLayers was captured {under(self.autocast_dtype)}, and this forward "
                 f"runs {under(cast)}: build the stack under the autocast its forwards run under")
-        if self._abandoned:
-            self._reap()
-        self._microbatch += 1
-        mb = self._microbatch
         runners = self._runners
-        self._enter()
+        token = object()
         try:
+            self._enter(token)
+            if self._abandoned:
+                self._reap()
+            self._microbatch += 1
+            mb = self._microbatch
             try:
                 if torch.is_grad_enabled() and (x.requires_grad or any(trains)):
                     lowest = True
@@ -888,7 +879,8 @@ class GraphedLayers(nn.Module):
                 self._abandon(mb)  # nobody holds this forward's output: no backward can come
                 raise
         finally:
-            self._leave()
+            self._inside.pop(token, None)  # (one C call: see StackHost.inside)
+            self._left()
 
     def _check_in_place(self) -> None:
         """Every parameter and buffer is where the capture found it, and every parameter
@@ -975,15 +967,21 @@ class GraphedLayers(nn.Module):
         except RuntimeError:
             end.dropped.detach()  # (not inside autograd's engine: the stack's first layer ends it)
 
-    def _enter(self) -> None:
+    def _enter(self, token: object) -> None:
+        me = threading.get_ident()
         with self._lock:
             if self._closed:
                 raise StateError("GraphedLayers: used after close()")
-            self._users += 1
+            if any(t != me for t in self._inside.values()):
+                raise StateError(
+                    "GraphedLayers: called from a second thread while another thread runs "
+                    "its graphs: they share their buffers, so one stack serves one thread at "
+                    "a time. Build a stack per thread, or take turns (a lock around the "
+                    "forward and the backward)")
+            self._inside[token] = me
 
-    def _leave(self) -> None:
+    def _left(self) -> None:
         with self._lock:
-            self._users -= 1
             self._lock.notify_all()
 
     def _abandon(self, mb: int) -> None:
@@ -1015,10 +1013,14 @@ class GraphedLayers(nn.Module):
             if self._closed:
                 return
             def idle() -> bool:  # no replay, and no backward pass begun that can still go on
-                return self._users == 0 and not any(
+                return not self._inside and not any(
                     m in r.pending for m in self._in_backward for r in self._runners)
 
-            if not self._lock.wait_for(idle, timeout):
+            # (in short waits: a replay interrupted right after leaving wakes nobody)
+            deadline = time.monotonic() + timeout
+            while not idle() and time.monotonic() < deadline:
+                self._lock.wait(min(0.05, max(0.0, deadline - time.monotonic())))
+            if not idle():
                 raise StateError(f"GraphedLayers.close(): another thread is still replaying "
                                  f"after {timeout:g} s; close() once it is done")
             self._closed = True
@@ -1078,11 +1080,6 @@ class _PassEnd:
     def __call__(self) -> None:
         if self.dropped.detach() is not None:
             self._fn(False)
-
-
-def _like_key(t: torch.Tensor) -> tuple[Any, ...]:
-    """What a buffer must share with ``t`` to stand in for it in a graph."""
-    return (tuple(t.shape), t.stride(), t.dtype)
 
 
 #: a runner's buffers that may share bytes with one given back to the pool, and their names
