@@ -10,6 +10,7 @@ import os
 import threading
 import time
 import weakref
+from typing import Any
 
 import pytest
 import torch
@@ -114,20 +115,27 @@ def test_close_lets_the_graphs_go_while_the_stack_is_still_named(clean, mode):
     del churn
 
 
+def _held_at_replay(graph) -> tuple[threading.Event, threading.Event, Any]:
+    """Make ``graph``'s replays wait, once begun (``entered``), for ``release``; returns
+    those events and the real replay."""
+    entered, release = threading.Event(), threading.Event()
+    real = graph.replay
+
+    def held() -> None:
+        entered.set()
+        release.wait(10)
+        real()
+
+    graph.replay = held
+    return entered, release, real
+
+
 def test_close_waits_for_a_backward_under_way_in_another_thread(clean):
     b = clean
     model = small(b)
     stack = graphed(model, b, "resident")
     loss = model(*model.batch(0, b.device))
-    entered, release = threading.Event(), threading.Event()
-    real = stack._runners[1].bwd.replay
-
-    def slow_replay() -> None:
-        entered.set()
-        release.wait(10)
-        real()
-
-    stack._runners[1].bwd.replay = slow_replay  # type: ignore[method-assign]
+    entered, release, _ = _held_at_replay(stack._runners[1].bwd)
     errors: list[BaseException] = []
 
     def run_backward() -> None:
@@ -158,15 +166,7 @@ def test_a_second_thread_is_refused_while_the_first_replays(clean, mode):
     model = small(b)
     eager = copy.deepcopy(model)
     stack = graphed(model, b, mode)
-    entered, release = threading.Event(), threading.Event()
-    real = stack._runners[1].fwd.replay
-
-    def slow_replay() -> None:
-        entered.set()
-        release.wait(10)
-        real()
-
-    stack._runners[1].fwd.replay = slow_replay  # type: ignore[method-assign]
+    entered, release, real = _held_at_replay(stack._runners[1].fwd)
     got: list = []
     batch = model.batch(0, b.device)
     t = threading.Thread(target=lambda: got.append(model(*batch)))
