@@ -141,8 +141,14 @@ def profile_units(b: Backend, units: Sequence[torch.nn.Module], sample: torch.Te
                 kept[s.data_ptr()] = s.nbytes()
 
         t0 = time.perf_counter()
+        buffers = [(t, t._version, t.detach().clone()) for t in m.buffers()]
         with noting_expensive_outputs(note) as changed:
             y, saved = run_counting_saved(lambda: m(x), x.device.type, [m])
+        # (a recompute saves, with the input, the buffers the forward changes as it found
+        # them: it runs again from those)
+        changed_bytes = sum(t.numel() * t.element_size() for t, v, was in buffers
+                            if t._version != v or not torch.equal(t, was))
+        del buffers
         # (the host's time for a forward, counting hooks and all, is the measure to start
         # with; a cheap recompute runs a forward twice and dispatches each op in Python)
         host = (time.perf_counter() - t0) * 1e3
@@ -209,7 +215,7 @@ def profile_units(b: Backend, units: Sequence[torch.nn.Module], sample: torch.Te
         seen.update(id(p) for p in own)
         costs.append(LayerCost(forward_ms=min(fwd_ms), backward_ms=min(bwd_ms),
                                saved_bytes=saved, work_bytes=max(0, work),
-                               input_bytes=x.numel() * x.element_size(),
+                               input_bytes=x.numel() * x.element_size() + changed_bytes,
                                grad_bytes=sum(p.numel() * p.element_size() for p in own),
                                cheap_saved_bytes=None if cheap_ms is None else cheap_bytes,
                                cheap_recompute_ms=cheap_ms))

@@ -92,3 +92,16 @@ def test_a_recompute_reads_the_buffers_its_forward_read(clean, kind, plan):
             opt_e.zero_grad()
         assert_bitwise([t for m in layers for t in (*m.parameters(), *m.buffers())],
                        [t for m in eager for t in (*m.parameters(), *m.buffers())])
+
+
+def test_the_profile_counts_the_changed_buffers_a_recompute_saves(clean):
+    """A recompute saves, with its input, the buffers its forward changes: the budget's
+    profile counts them as what the layer saves when recomputed."""
+    from graphslot.profile import profile_units
+
+    b = clean
+    x = torch.randn(4, H, device=b.device, requires_grad=True)
+    plain, centred = nn.Linear(H, H).to(b.device), _Centred().to(b.device)
+    [p], [c] = profile_units(b, [plain], x), profile_units(b, [centred], x)
+    assert p.input_bytes == x.numel() * x.element_size()
+    assert c.input_bytes == p.input_bytes + centred.mean.numel() * centred.mean.element_size()

@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import AbstractSet, Any, Iterable, Sequence
 
 import torch
+from torch.utils.hooks import RemovableHandle
 from torch import nn
 
 from graphslot.backend import Backend
@@ -119,14 +120,31 @@ def hooked_modules(layers: Sequence[nn.Module]) -> list[str]:
 _HOOK_KINDS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
 
 
-def hook_marks(layers: Iterable[nn.Module]) -> list[tuple[int, Any]]:
-    """For every module hook dictionary of the layers' modules, then the global ones: its
-    length and last key (a handle's id, which grows), so that a hook added or removed
-    since shows as a change."""
-    glob = torch.nn.modules.module
-    dicts = [getattr(m, k, None) or {} for layer in layers for m in layer.modules() for k in _HOOK_KINDS]
-    dicts += [getattr(glob, f"_global{k}", None) or {} for k in _HOOK_KINDS]
-    return [(len(d), next(reversed(d), None)) for d in dicts]
+class HookWatch:
+    """Whether a module hook was added to or removed from the layers' modules since it
+    was made (global module hooks, which profilers and FLOP counters register while they
+    run, are not watched). Cheap per call: the hook dictionaries' lengths, and their last
+    keys only after a hook handle was made anywhere."""
+
+    def __init__(self, layers: Iterable[nn.Module]) -> None:
+        self._dicts = [d for layer in layers for m in layer.modules() for k in _HOOK_KINDS
+                       if isinstance(d := getattr(m, k, None), dict)]
+        self._lens = list(map(len, self._dicts))
+        self._last = self._last_keys()
+        self._next_id = RemovableHandle.next_id
+
+    def _last_keys(self) -> list[Any]:
+        return [next(reversed(d), None) for d in self._dicts]
+
+    def changed(self) -> bool:
+        if list(map(len, self._dicts)) != self._lens:
+            return True
+        if RemovableHandle.next_id == self._next_id:
+            return False  # (no hook registered anywhere since: a removal alone shows in lengths)
+        if self._last_keys() != self._last:
+            return True
+        self._next_id = RemovableHandle.next_id
+        return False
 
 
 def param_name(layers: Iterable[nn.Module], p: torch.Tensor) -> str:

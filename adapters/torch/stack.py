@@ -85,7 +85,7 @@ from graphslot.selection import get_backend
 from graphslot.sizes import format_bytes
 
 from .grads import ParamGrad, storage_id, shares_storage
-from .plan import (check_layers, check_main_grads, check_sample, hook_marks, hooked_modules, layer_set,
+from .plan import (check_layers, check_main_grads, check_sample, HookWatch, hooked_modules, layer_set,
                    param_name, plan_graphs)
 from .runner import GraphRunner, LayerFunction, own_generators, restoring_contents
 
@@ -272,8 +272,6 @@ class GraphedLayers(nn.Module):
         super().__init__()
         check_layers(layers)
         hooked = hooked_modules(list(layers))
-        #: the module hooks as captured: one added or removed since is refused at a forward
-        self._hooks_at_build = hook_marks(list(layers))
         if hooked:
             warnings.warn(
                 f"GraphedLayers: {', '.join(hooked[:3])}{' and others' if len(hooked) > 3 else ''} "
@@ -388,6 +386,9 @@ class GraphedLayers(nn.Module):
                 self._unmake()  # what the failed build made goes before the error does
                 self._warmup_stream = None
                 raise
+        #: the module hooks as captured (after the build: a lazy module drops its own in
+        #: its first forward): one added or removed since is refused at a graphed forward
+        self._hook_watch = HookWatch(self.layers)
         #: each layer module's ``training`` flag as captured: a forward with any other
         #: (``model.eval()`` for validation) runs the layers eagerly, as the graphs hold
         #: the captured mode's dropout and batch statistics
@@ -825,12 +826,6 @@ class GraphedLayers(nn.Module):
         # (before anything runs: a mismatch loses nothing; moved parameters first, since
         # .double() or .half() on the model changes the input's dtype too)
         self._check_in_place()
-        if hook_marks(self.layers) != self._hooks_at_build:
-            raise CaptureMismatchError(
-                "GraphedLayers: a module hook was added to or removed from the layers (or "
-                "a global module hook) since the build. The graphs run the hooks as they were "
-                "captured, whatever is registered now: build the stack again after changing "
-                "hooks (or register them before building)")
         if self._frozen_at_build and torch.is_grad_enabled():
             self._check_still_frozen()
         # (which layers' parameters want a gradient now: some may be frozen since the build)
@@ -843,6 +838,12 @@ class GraphedLayers(nn.Module):
         if not torch.is_grad_enabled() and (not self._runners[0].fits(x) or
                                             cast != self.autocast_dtype):
             return self._eager(x)  # no backward can follow: any input, as in eval mode
+        if self._hook_watch.changed():
+            raise CaptureMismatchError(
+                "GraphedLayers: a module hook was added to or removed from the layers since "
+                "the build. The graphs run the hooks as they were captured, whatever is "
+                "registered now: build the stack again after changing hooks (or register "
+                "them before building)")
         self._runners[0].check_input(x)
         if cast != self.autocast_dtype:
             def under(dtype: torch.dtype | None) -> str:
