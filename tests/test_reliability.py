@@ -232,6 +232,29 @@ def test_hooks_a_build_drops_itself_or_global_ones_a_profiler_adds_are_not_refus
             handle.remove()
 
 
+@pytest.mark.parametrize("transform", ["grad", "grad of the input", "vmap"])
+def test_torch_func_transforms_are_refused_by_name_and_training_goes_on(clean, transform):
+    b = clean
+    torch.manual_seed(0)
+    layers = [nn.Linear(8, 8).to(b.device) for _ in range(2)]
+    eager = nn.Sequential(*copy.deepcopy(layers))
+    with GraphedLayers(layers, torch.zeros(4, 8, device=b.device, requires_grad=True),
+                       mode="resident", backend=b) as stack:
+        x = torch.randn(4, 8, device=b.device)
+        params = dict(stack.named_parameters())
+        run = {"grad": lambda: torch.func.grad(lambda p: torch.func.functional_call(stack, p, (x,)).sum())(params),
+               "grad of the input": lambda: torch.func.grad(lambda x: stack(x).sum())(x),
+               "vmap": lambda: torch.func.vmap(stack)(x.expand(3, 4, 8))}[transform]
+        with pytest.raises(UsageError, match="cannot run under torch.func transforms"):
+            run()
+        xe = x.clone().requires_grad_()
+        xg = x.clone().requires_grad_()
+        stack(xg).sum().backward()
+        eager(xe).sum().backward()
+        assert torch.equal(xg.grad, xe.grad)
+        assert all(torch.equal(p.grad, q.grad) for p, q in zip(stack.parameters(), eager.parameters()))
+
+
 def test_an_interrupt_as_a_replay_ends_leaves_close_free(clean, monkeypatch):
     """Ctrl-C landing as a forward or a backward replay ends (where a Python call begins,
     before the call can act) leaves no replay counted as under way: close() is prompt."""

@@ -823,6 +823,12 @@ class GraphedLayers(nn.Module):
                              "released, build a new stack")
         if any(m.training is not was for m, was in self._captured_modes):
             return self._eager(x)  # (any input: a validation batch may have its own size)
+        if _functorch_active():
+            raise UsageError(
+                "GraphedLayers cannot run under torch.func transforms (grad, vmap, jacrev, "
+                "functional_call inside them): its graphs replay captured kernels on their own "
+                "buffers, which a transform cannot see into. Call the stack outside the "
+                "transform, or run its layers (stack.layers) eagerly inside it")
         # (before anything runs: a mismatch loses nothing; moved parameters first, since
         # .double() or .half() on the model changes the input's dtype too)
         self._check_in_place()
@@ -1044,6 +1050,8 @@ class GraphedLayers(nn.Module):
 
 
 _compiling: Callable[[], bool] = getattr(torch.compiler, "is_compiling", lambda: False)
+_functorch_active: Callable[[], bool] = getattr(torch._C, "_are_functorch_transforms_active",
+                                                lambda: False)
 # torch's lazily importing form of torch.compiler.disable: dynamo is imported by the
 # first call, which comes only under torch.compile, where it is imported already.
 _uncompiled_forward: Callable[..., Any] = torch._disable_dynamo(GraphedLayers._forward)
