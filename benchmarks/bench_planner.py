@@ -328,7 +328,7 @@ def all_cases(args: argparse.Namespace) -> list[tuple[str, str, list[TensorSpec]
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--json", action="store_true", help="print one JSON object")
     ap.add_argument("--reps", type=int, default=3, help="planning runs per case (median)")
     ap.add_argument("--case", nargs="*", choices=sorted(CASES) + sorted(FAMILY_BIG),

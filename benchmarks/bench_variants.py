@@ -251,7 +251,7 @@ def _mib(n: int | None) -> str:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--json", action="store_true", help="print one JSON object")
     ap.add_argument("--preset", choices=sorted(PRESETS), default=None,
                     help="sizes (default: cuda on a GPU backend, else cpu)")

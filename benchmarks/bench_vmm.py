@@ -39,15 +39,15 @@ def vmm_costs(b: graphslot.Backend, size: int, reps: int) -> dict[str, dict[str,
             d.set_access(res.va, size); t3 = t()
             d.unmap(res.va, size); t4 = t()
             d.release(h); t5 = t()
-            for op, d in zip(OPS, (t1 - t0, t2 - t1, t3 - t2, t4 - t3, t5 - t4)):
-                raw[op].append(d)
+            for op, ns in zip(OPS, (t1 - t0, t2 - t1, t3 - t2, t4 - t3, t5 - t4)):
+                raw[op].append(ns)
             t0 = t(); a = b.create(size); t1 = t()
             b.map(res, 0, a); t2 = t()
             b.set_access(res, 0, size); t3 = t()
             b.unmap(res, 0, size); t4 = t()
             b.release(a); t5 = t()
-            for op, d in zip(OPS, (t1 - t0, t2 - t1, t3 - t2, t4 - t3, t5 - t4)):
-                checked[op].append(d)
+            for op, ns in zip(OPS, (t1 - t0, t2 - t1, t3 - t2, t4 - t3, t5 - t4)):
+                checked[op].append(ns)
     finally:
         b.free(res)
     return {op: {"raw_us": _median_us(raw[op][2:]), "graphslot_us": _median_us(checked[op][2:])}
@@ -55,7 +55,7 @@ def vmm_costs(b: graphslot.Backend, size: int, reps: int) -> dict[str, dict[str,
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--sizes-mib", type=int, nargs="+", default=[2, 64, 512])
     ap.add_argument("--reps", type=int, default=20)

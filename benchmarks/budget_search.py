@@ -38,7 +38,7 @@ def stack(n: int) -> StackProfile:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--layers", default="8,16,32,48", help="stack lengths, comma-separated")
     ap.add_argument("--fractions", default="0.6,0.8",
                     help="budgets as fractions of the every-layer-kept peak")

@@ -71,7 +71,7 @@ def traced(fn: Any) -> dict[str, Any]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--mode", default="resident")
     a = ap.parse_args()

@@ -125,7 +125,7 @@ def _watch(spent: collections.Counter[str], calls: collections.Counter[str],
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--preset", default="launch")
     ap.add_argument("--modes", nargs="+", default=["off", "resident", "remap"])
     ap.add_argument("--steps", type=int, default=30)

@@ -63,7 +63,7 @@ def timeline(b, how: str) -> Timeline | None:  # type: ignore[no-untyped-def]
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--preset", default="llama")
     ap.add_argument("--mode", default="resident", choices=("off", "resident", "remap"))
     ap.add_argument("--accumulate", default="1,4")

@@ -30,7 +30,7 @@ from graphslot.trace import Timeline
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("budget")
     ap.add_argument("--preset", default="llama")
     ap.add_argument("--accumulate", type=int, default=1)

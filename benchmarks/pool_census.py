@@ -133,7 +133,7 @@ def census(mode: str, shape: BenchShape, b: graphslot.Backend) -> dict[str, Any]
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--preset", default="default")
     ap.add_argument("--modes", nargs="+", default=["off", "resident", "remap"])
     args = ap.parse_args()

@@ -47,7 +47,7 @@ def training_step(stack: GraphedLayers, layers: list[torch.nn.Module], x: torch.
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--preset", default="launch")
     ap.add_argument("--modes", nargs="+", default=["off", "resident", "remap"])
     ap.add_argument("--steps", type=int, default=30)

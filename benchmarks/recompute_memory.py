@@ -144,7 +144,7 @@ def child(run: str, preset: str, layers_n: int | None, seq: int | None,
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--preset", default="llama")
     ap.add_argument("--runs", nargs="+", default=["checkpoint", "recompute", "keep_top3"])
     ap.add_argument("--layers", type=int)

@@ -35,7 +35,7 @@ def _rss() -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--steps", type=int, default=10000)
     p.add_argument("--every", type=int, default=1000)
     p.add_argument("--mode", default="resident", choices=("resident", "remap", "off"))

@@ -40,7 +40,7 @@ def busy_intervals(events: list[tuple[float, float]]) -> list[tuple[float, float
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--preset", default="llama")
     ap.add_argument("--run", default="graph", choices=("eager", "graph", "resident", "remap"))
     ap.add_argument("--accumulate", type=int, default=1)

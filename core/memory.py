@@ -12,8 +12,9 @@ what it can see and blind to the rest:
     ``graph_pool_allocated_bytes``): from the allocator's statistics and memory
     snapshot, graph private pools included. Exact for what the allocator manages; blind
     to graphslot's VMM pages, to other libraries' direct driver allocations, and to
-    driver/graph metadata. ``None`` where the backend's allocator keeps no figures
-    (host memory on the cpu backend).
+    driver/graph metadata. The ``allocator_*`` fields are ``None`` where the backend's
+    allocator keeps no figures (host memory on the cpu backend, whose ``graph_pool_*``
+    fields count the graphs' own memory).
 (c) **the driver** (``driver_free_bytes``, ``driver_total_bytes``, ``driver_used_bytes``):
     sees everything on the device, this process's and others', including graph
     executables and library workspaces, so it is the ground truth for "did memory come

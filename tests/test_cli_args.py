@@ -55,7 +55,7 @@ def no_training(monkeypatch):
 
 def test_demo_prints_a_table(capsys, no_training):
     pytest.importorskip("tabulate")
-    rc, out, err = run_main(["demo", "--steps", "1"], capsys)
+    rc, out, err = run_main(["demo", "--steps", "2"], capsys)
     assert rc == 0, err
     assert re.search(r"^run\s+matches eager\s+max \|diff\|\s+step ms", out, re.M), out
     assert re.search(r"^resident\s+yes \(bitwise\)\s", out, re.M), out
@@ -115,6 +115,7 @@ def test_one_line_never_leaves_a_line_break(text):
 
 @pytest.mark.parametrize("argv, names", [
     (["demo", "--steps", "0"], "--steps"),
+    (["demo", "--steps", "1"], "--steps"),  # (the first step is not counted: nothing left)
     (["demo", "--steps", "-3"], "--steps"),
     (["demo", "--steps", "two"], "--steps"),
     (["demo", "--steps", str(demo.MAX_STEPS + 1)], "--steps"),
@@ -135,8 +136,9 @@ def test_bad_demo_and_top_level_arguments_exit_2_with_one_line(capsys, no_traini
 
 
 def test_run_demo_refuses_nonpositive_steps(backend):
-    with pytest.raises(graphslot.UsageError, match="steps must be a positive int"):
-        demo.run_demo(backend, steps=0)
+    for steps in (0, 1):
+        with pytest.raises(graphslot.UsageError, match="steps must be an int of at least 2"):
+            demo.run_demo(backend, steps=steps)
     with pytest.raises(graphslot.UsageError, match="layers must be a positive int"):
         demo.run_demo(backend, demo.GPTConfig(layers=0))
 
