@@ -24,7 +24,7 @@ from .budget import LayerCost
 from .errors import UsageError
 from .memory import run_counting_saved
 from .precision import without_autocast
-from .recompute import cheap_recompute_contexts, noting_expensive_outputs
+from .recompute import cheap_recompute_contexts, noting_changed_buffers, noting_expensive_outputs
 
 __all__ = ["copy_bandwidth", "profile_units", "held_bytes"]
 
@@ -141,14 +141,11 @@ def profile_units(b: Backend, units: Sequence[torch.nn.Module], sample: torch.Te
                 kept[s.data_ptr()] = s.nbytes()
 
         t0 = time.perf_counter()
-        buffers = [(t, t._version, t.detach().clone()) for t in m.buffers()]
-        with noting_expensive_outputs(note) as changed:
+        with noting_changed_buffers(m) as buffers, noting_expensive_outputs(note) as changed:
             y, saved = run_counting_saved(lambda: m(x), x.device.type, [m])
         # (a recompute saves, with the input, the buffers the forward changes as it found
         # them: it runs again from those)
-        changed_bytes = sum(t.numel() * t.element_size() for t, v, was in buffers
-                            if t._version != v or not torch.equal(t, was))
-        del buffers
+        changed_bytes = sum(t.numel() * t.element_size() for t in buffers)
         # (the host's time for a forward, counting hooks and all, is the measure to start
         # with; a cheap recompute runs a forward twice and dispatches each op in Python)
         host = (time.perf_counter() - t0) * 1e3

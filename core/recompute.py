@@ -25,7 +25,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 __all__ = ["EXPENSIVE_OPS", "CallKey", "is_expensive", "cheap_recompute_contexts",
-           "noting_expensive_outputs"]
+           "noting_expensive_outputs", "noting_changed_buffers"]
 
 
 def _packets(*names: str) -> frozenset[Any]:
@@ -133,6 +133,18 @@ def noting_expensive_outputs(note: Callable[[torch.Tensor], None] | None = None
         changed.update(key for key, t, version in mode.outputs if t._version != version)
     finally:
         mode.outputs.clear()
+
+
+@contextlib.contextmanager
+def noting_changed_buffers(module: torch.nn.Module) -> Iterator[list[torch.Tensor]]:
+    """Around a forward of ``module``: yields a list that, on exit, holds the buffers the
+    code within changed (what a recompute runs again from, as the forward found them).
+    Batch norm's kernel changes its running statistics without a new version: the values
+    tell as well."""
+    before = [(t, t._version, t.detach().clone()) for t in module.buffers()]
+    changed: list[torch.Tensor] = []
+    yield changed
+    changed.extend(t for t, version, was in before if t._version != version or not torch.equal(t, was))
 
 
 def cheap_recompute_contexts(note: Callable[[torch.Tensor], None] | None = None,

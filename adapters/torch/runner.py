@@ -20,7 +20,8 @@ from graphslot.backend import DeviceGraph, RngStream
 from graphslot.errors import CaptureMismatchError, DriverError, StateError, UsageError
 from graphslot.offload import KEEP, OFFLOAD, RECOMPUTE, OffloadUnit, leaves_on_device
 from graphslot.precision import without_autocast
-from graphslot.recompute import CallKey, cheap_recompute_contexts, noting_expensive_outputs
+from graphslot.recompute import (CallKey, cheap_recompute_contexts, noting_changed_buffers,
+                                 noting_expensive_outputs)
 
 from .grads import GradHome, ParamGrad, backward_into, give_holders_own_bytes, shares_storage, use_count
 from .plan import param_name
@@ -284,17 +285,13 @@ class GraphRunner:
                 # What the forward changes in place: a cheap recompute makes those expensive
                 # outputs again instead of keeping them (torch's selective policy refuses
                 # them), and every recompute leaves those buffers as the forward left them.
-                # (batch norm's kernel changes its running statistics without a new
-                # version: the values tell)
-                buffers = [(t, t._version, t.detach().clone()) for t in self.module.buffers()]
                 noting: ContextManager[set[CallKey]] = (
                     noting_expensive_outputs() if self.cheap else contextlib.nullcontext(set()))
-                with noting as changed:
+                with noting_changed_buffers(self.module) as buffers, noting as changed:
                     out = run(static_in)
                 del out
                 self.recompute_calls = frozenset(changed)
-                self.changed_buffers = [t for t, v, was in buffers
-                                        if t._version != v or not torch.equal(t, was)]
+                self.changed_buffers = buffers
             for _ in range(stack.warmup_iters):
                 out = call()
                 if not isinstance(out, torch.Tensor):

@@ -84,7 +84,7 @@ from graphslot.profile import copy_bandwidth, held_bytes, profile_units
 from graphslot.selection import get_backend
 from graphslot.sizes import format_bytes
 
-from .grads import ParamGrad, storage_id, shares_storage
+from .grads import ParamGrad, storage_id
 from .plan import (check_layers, check_main_grads, check_sample, HookWatch, hooked_modules, layer_set,
                    param_name, plan_graphs)
 from .runner import GraphRunner, LayerFunction, own_generators, restoring_contents
