@@ -119,6 +119,40 @@ def test_a_backward_to_some_inputs_only_leaves_close_free(clean):
 
 
 @pytest.mark.parametrize("kw", KWS, ids=lambda kw: "-".join(f"{k}={v}" for k, v in kw.items()))
+def test_backwards_to_the_top_layer_only_train_as_eager_with_their_losses_kept(clean, kw):
+    """A pass that stops above an offloaded layer leaves that layer's look-ahead restore in
+    a bank: the next forward (the caller still holding the last loss, as ``loss = model(x)``
+    loops do) and another microbatch's backward need that bank, and get it."""
+    b = clean
+    torch.manual_seed(4)
+    layers = [_mlp().to(b.device) for _ in range(3)]
+    eager = nn.Sequential(*copy.deepcopy(layers))
+    stack = gt.GraphedLayers(layers, torch.zeros(4, H, device=b.device, requires_grad=True),
+                             backend=b, **kw)
+    top, top_e = list(layers[2].parameters()), list(eager[2].parameters())
+    xs = [torch.randn(4, H, device=b.device, requires_grad=True) for _ in range(5)]
+    loss = None
+    for x in xs[:3]:  # one at a time, each loss kept across the next forward
+        xe = x.detach().clone().requires_grad_()
+        loss = stack(x).square().sum()
+        loss.backward(inputs=top)
+        eager(xe).square().sum().backward(inputs=top_e)
+        assert_bitwise([p.grad for p in top], [p.grad for p in top_e])
+        assert x.grad is None and xe.grad is None
+    # two in flight: the first to the top layer only, then the second all the way
+    a, c = (stack(x).square().sum() for x in xs[3:])
+    ea, ec = (eager(x.detach().clone().requires_grad_()).square().sum() for x in xs[3:])
+    a.backward(inputs=top)
+    ea.backward(inputs=top_e)
+    c.backward()
+    ec.backward()
+    assert_bitwise([p.grad for m in layers for p in m.parameters()],
+                   [p.grad for p in eager.parameters()])
+    assert _closes_at_once(stack) < 5
+    del loss, a, c
+
+
+@pytest.mark.parametrize("kw", KWS, ids=lambda kw: "-".join(f"{k}={v}" for k, v in kw.items()))
 def test_a_backward_that_fails_part_way_leaves_close_free_and_training_goes_on(clean, kw):
     """A hook raising between two layers ends autograd's pass with no callback run: the
     pass is over all the same (close() does not wait for it), the layers below it keep

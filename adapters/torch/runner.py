@@ -155,6 +155,9 @@ class StackHost(Protocol):
     def left(self) -> None:
         """A replay is over: wake close()."""
 
+    def reap(self) -> None:
+        """Give back what the microbatches in :attr:`abandoned` hold."""
+
     def lend_input_grad(self, buf: torch.Tensor, input_ref: weakref.ref[torch.Tensor] | None
                         ) -> torch.Tensor:
         """The first layer's input gradient, as eager hands it out."""
@@ -548,6 +551,10 @@ class GraphRunner:
         token, inside = object(), self.host.inside
         try:
             self.host.enter(token)
+            if self.host.abandoned:
+                # (one whose pass stopped above the stack's first layer may hold a bank this
+                # backward needs: its look-ahead restore)
+                self.host.reap()
             return self._backward(grad, mb, input_ref)
         finally:
             inside.pop(token, None)

@@ -162,6 +162,9 @@ class _Host:
     def left(self) -> None:
         self._stack._left()
 
+    def reap(self) -> None:
+        self._stack._reap()
+
     def saw_kept_grad(self) -> None:
         self._stack._saw_kept_grad()
 
@@ -953,10 +956,10 @@ class GraphedLayers(nn.Module):
     def _at_end_of_pass(self, mb: int) -> None:
         """Called in autograd's pass: once it ends, microbatch ``mb``'s backward is over
         for close(), also where it stopped above the stack's first layer (a frozen layer
-        below, ``backward(inputs=...)``); what that layer's forward kept is given back
-        when its autograd graph dies, or at close(). A pass that failed part way (a hook
-        raising) cannot go on (autograd freed what its nodes that ran saved), so what the
-        layers it did not reach keep is given back at the next forward or close()."""
+        below, ``backward(inputs=...)``). Neither such a pass nor one that failed part way
+        (a hook raising; autograd freed what its nodes that ran saved) can go on, so what
+        the layers it did not reach keep is given back at the next forward, backward or
+        close()."""
         stack = weakref.ref(self)
 
         def over(failed: bool) -> None:
@@ -964,7 +967,12 @@ class GraphedLayers(nn.Module):
             if s is not None:
                 with s._lock:
                     s._in_backward.discard(mb)
-                    if failed:
+                    # A pass that stopped above a layer never reaches it later (a second
+                    # pass through the layers above is refused): what that layer keeps for
+                    # the microbatch (a restore into a bank, ahead of its backward) is given
+                    # back at the next forward or backward, while the caller may still hold
+                    # the loss.
+                    if failed or any(mb in r.pending for r in s._runners):
                         s._abandoned.append(mb)
                     s._lock.notify_all()
 
