@@ -395,6 +395,36 @@ def test_offload_layers_must_be_layer_indices(clean, layers):
         GraphedLayers(list(model.blocks), sample, mode="resident", backend=b, offload_layers=layers)
 
 
+@pytest.mark.parametrize("layers", [1, "01", torch.tensor(1)])
+def test_offload_layers_must_be_a_collection(clean, layers):
+    b = clean
+    model = small(b, 2)
+    sample = model.hidden_in(model.batch(0, b.device)[0]).detach()
+    with pytest.raises(UsageError, match="offload_layers must be a collection of layer indices"):
+        GraphedLayers(list(model.blocks), sample, mode="resident", backend=b, offload_layers=layers)
+
+
+def test_layer_indices_of_numpy_and_torch_integers_are_layer_indices(clean):
+    np = pytest.importorskip("numpy")
+    b = clean
+    model = small(b, 3)
+    sample = model.hidden_in(model.batch(0, b.device)[0]).detach()
+    for layers in (np.array([0, 2]), torch.tensor([0, 2]), [np.int64(0), 2]):
+        with GraphedLayers(list(model.blocks), sample, mode="resident", backend=b,
+                           offload_layers=layers, recompute_layers=np.array([1])) as stack:
+            assert stack.offload_layers == {0, 2} and stack.recompute_layers == {1}
+
+
+def test_mode_off_refuses_layers_to_offload(clean):
+    b = clean
+    model = small(b, 2)
+    sample = model.hidden_in(model.batch(0, b.device)[0]).detach()
+    with pytest.raises(UsageError, match="mode='off' offloads nothing.*\\[0, 1\\]"):
+        GraphedLayers(list(model.blocks), sample, mode="off", backend=b, offload_layers=[0, 1])
+    with GraphedLayers(list(model.blocks), sample, mode="off", backend=b, offload_layers=[]) as stack:
+        assert not stack.engine.offloads
+
+
 def train(model: TinyGPT, b: graphslot.Backend, steps: int, interrupt_at: int | None = None) -> list[torch.Tensor]:
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     out = []

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import collections.abc
+import operator
 from typing import AbstractSet, Any, Iterable, Sequence
 
 import torch
@@ -80,9 +82,23 @@ def _tied_apart(plan: Sequence[tuple[int, ...]], tied: Sequence[AbstractSet[int]
 
 
 def layer_set(name: str, layers: Iterable[int], n: int) -> set[int]:
-    """``layers`` as a set of layer indices; a UsageError naming what is not one."""
-    chosen = list(layers)
-    bad = [i for i in chosen if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < n]
+    """``layers`` as a set of layer indices (any integers: numpy's and one-element integer
+    tensors too); a UsageError naming what is not one."""
+    if isinstance(layers, (str, bytes)) or not isinstance(layers, collections.abc.Iterable) or (
+            isinstance(layers, torch.Tensor) and layers.dim() == 0):
+        raise UsageError(f"{name} must be a collection of layer indices (e.g. [0, 2]), got "
+                         f"{type(layers).__name__} {layers!r}")
+    chosen: list[int] = []
+    bad: list[Any] = []
+    for i in layers:
+        try:
+            if isinstance(i, bool) or (isinstance(i, torch.Tensor) and i.is_floating_point()):
+                raise TypeError
+            k = operator.index(i)
+        except TypeError:
+            bad.append(i)
+            continue
+        (chosen if 0 <= k < n else bad).append(k)
     if bad:
         raise UsageError(f"{name} {bad} are not layer indices (integers 0..{n - 1})")
     return set(chosen)

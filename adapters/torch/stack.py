@@ -192,7 +192,7 @@ class GraphedLayers(nn.Module):
             the graphs where the backend allows.
         offload_layers: indices of the layers whose activations are offloaded
             (default: every layer not in ``recompute_layers``); the others keep theirs on
-            the device.
+            the device. Not with ``mode="off"``, which offloads nothing.
         recompute_layers: indices of the layers recomputed in the backward: the forward
             graph saves only the layer's input, and the backward graph runs the forward
             again (``torch.utils.checkpoint`` captured inside the graphs). A layer also in
@@ -328,6 +328,10 @@ class GraphedLayers(nn.Module):
         if mode is not None and mode not in tuple(m.value for m in Mode):
             raise UsageError(f"mode must be one of {', '.join(repr(m.value) for m in Mode)} "
                              f"or None, got {mode!r}")
+        if mode == Mode.OFF.value and offload_layers is not None and offload:
+            raise UsageError(f"mode='off' offloads nothing, and offload_layers names layers "
+                             f"{sorted(offload)}: give mode 'resident' or 'remap' to offload "
+                             "them, or leave offload_layers out")
         modes = tuple(m.value for m in Mode) if mode is None else (Mode(mode).value,)
         self._engine_args: dict[str, Any] = dict(
             min_bytes=min_offload_bytes, section_bytes=section_bytes, debug_checksums=debug_checksums)
