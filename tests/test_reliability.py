@@ -415,6 +415,16 @@ def test_layer_indices_of_numpy_and_torch_integers_are_layer_indices(clean):
             assert stack.offload_layers == {0, 2} and stack.recompute_layers == {1}
 
 
+@pytest.mark.parametrize("kw", [dict(min_offload_bytes="1MiB"), dict(min_offload_bytes=-1),
+                                dict(section_bytes=0), dict(section_bytes=2.5)])
+def test_byte_counts_must_be_integers(clean, kw):
+    b = clean
+    model = small(b, 2)
+    sample = model.hidden_in(model.batch(0, b.device)[0]).detach()
+    with pytest.raises(UsageError, match=f"{next(iter(kw))} must be an integer of bytes"):
+        GraphedLayers(list(model.blocks), sample, mode="resident", backend=b, **kw)
+
+
 def test_mode_off_refuses_layers_to_offload(clean):
     b = clean
     model = small(b, 2)

@@ -320,6 +320,9 @@ class GraphedLayers(nn.Module):
         if cheap & offload:
             raise UsageError(f"layers {sorted(cheap & offload)} are recomputed cheaply, which "
                              "keeps their input on the device, and in offload_layers too")
+        for name, v, least in (("min_offload_bytes", min_offload_bytes, 0), ("section_bytes", section_bytes, 1)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < least:
+                raise UsageError(f"{name} must be an integer of bytes, at least {least}, got {v!r}")
         if layers_per_graph is not None and (isinstance(layers_per_graph, bool)
                                              or not isinstance(layers_per_graph, int)
                                              or layers_per_graph < 1):

@@ -47,8 +47,9 @@ class OffloadEngine:
             self.mode = Mode(mode)
         except ValueError:
             raise UsageError(f"unknown offload mode {mode!r}; choose off, resident or remap") from None
-        if min_bytes < 0:
-            raise UsageError(f"min_bytes must be >= 0, got {min_bytes}")
+        if isinstance(min_bytes, bool) or not isinstance(min_bytes, int) or min_bytes < 0:
+            raise UsageError(f"min_bytes (min_offload_bytes) must be a non-negative integer of "
+                             f"bytes, got {min_bytes!r}")
         if isinstance(section_bytes, bool) or not isinstance(section_bytes, int) or section_bytes < 1:
             raise UsageError(f"section_bytes must be a positive integer, got {section_bytes!r}")
         self.backend = backend
