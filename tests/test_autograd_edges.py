@@ -200,3 +200,40 @@ def test_a_parameter_replaced_by_another_object_at_the_same_address_is_refused(c
         lin.weight = nn.Parameter(lin.weight.detach())
         with pytest.raises(CaptureMismatchError, match=r"0\.1\.weight is another parameter object"):
             m(x)
+
+
+class _Broadcast(nn.Module):
+    """Returns an expanded view (one element standing for two): the layer above's input
+    gradient is then an expanded view too."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (self.lin(x) + 1).expand(2, 4, 8)
+
+
+class _SumFirst(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.sum(0)
+
+
+@pytest.mark.parametrize("mode", ["off", "resident", "remap"])
+def test_an_expanded_output_trains_as_eager_with_microbatches_in_flight(clean, mode):
+    b = clean
+    torch.manual_seed(0)
+    layers = [_Broadcast().to(b.device), _SumFirst(), nn.Linear(8, 8).to(b.device)]
+    eager = nn.Sequential(*copy.deepcopy(layers))
+    xs = [torch.randn(4, 8, device=b.device) for _ in range(2)]
+    with GraphedLayers(layers, torch.zeros(4, 8, device=b.device, requires_grad=True), mode=mode,
+                       layers_per_graph=1, backend=b) as stack:
+        xg = [x.clone().requires_grad_() for x in xs]
+        xe = [x.clone().requires_grad_() for x in xs]
+        outs = [stack(x).square().sum() for x in xg]
+        outs_e = [eager(x).square().sum() for x in xe]
+        for o, oe in zip(reversed(outs), reversed(outs_e)):
+            o.backward()
+            oe.backward()
+        for a, e in zip([*xg, *stack.parameters()], [*xe, *eager.parameters()]):
+            assert torch.equal(a.grad, e.grad)

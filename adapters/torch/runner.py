@@ -363,7 +363,10 @@ class GraphRunner:
         b, out, inputs = self.stack.backend, self._out, self._inputs
         wants_grad_in = self.wants_grad_in
         differentiable = bool(inputs) and out.requires_grad
-        own = static_grad_out is None or static_grad_out.shape != out.shape
+        # (the layer above's input gradient may be an expanded view, one element standing
+        # for many: another microbatch's gradient could not be copied into it)
+        own = (static_grad_out is None or static_grad_out.shape != out.shape
+               or torch._debug_has_internal_overlap(static_grad_out) != 0)
         if own and not differentiable:
             static_grad_out = torch.zeros_like(out)
         targets: list[torch.Tensor | None] | None = list(self.main_grads or []) or None
