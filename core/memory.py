@@ -36,6 +36,7 @@ import torch
 
 from .backend import Backend
 from .errors import UsageError
+from .layer_calls import check_passes_gradient, naming_refusals
 from .offload import SavedTensorSpec, never_offloaded, recording_saved_tensors, state_storages
 
 __all__ = ["MemoryReport", "report", "measure", "release_unused", "used_bytes", "saved_activation_bytes",
@@ -228,10 +229,13 @@ def saved_bytes_per_layer(layers: Sequence[torch.nn.Module], x: torch.Tensor) ->
     out: list[int] = []
     h = x
     for i, m in enumerate(layers):
-        y, saved = run_counting_saved(lambda: m(h), x.device.type, [m])
+        with naming_refusals(f"layer {i}"):
+            y, saved = run_counting_saved(lambda: m(h), x.device.type, [m])
         if not isinstance(y, torch.Tensor):
             raise UsageError(f"layer {i} returned {type(y).__name__}; graphed layers must "
                              "return one tensor")
+        if i + 1 < len(layers):
+            check_passes_gradient(y, f"layer {i}", h.requires_grad or y.requires_grad)
         out.append(saved)
         h = y.detach().requires_grad_(h.requires_grad or y.requires_grad)
         del y

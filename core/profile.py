@@ -22,6 +22,7 @@ import torch.utils.checkpoint
 from .backend import Backend
 from .budget import LayerCost
 from .errors import UsageError
+from .layer_calls import naming_refusals
 from .memory import run_counting_saved
 from .precision import without_autocast
 from .recompute import cheap_recompute_contexts, noting_changed_buffers, noting_expensive_outputs
@@ -109,7 +110,7 @@ class _Ahead:
 
 
 def profile_units(b: Backend, units: Sequence[torch.nn.Module], sample: torch.Tensor, *,
-                  iters: int = 2) -> list[LayerCost]:
+                  iters: int = 2, labels: Sequence[str] | None = None) -> list[LayerCost]:
     """Each unit's :class:`~graphslot.budget.LayerCost`, measured eagerly on ``b``'s device.
 
     Args:
@@ -119,6 +120,7 @@ def profile_units(b: Backend, units: Sequence[torch.nn.Module], sample: torch.Te
         iters: timed repetitions per unit after one warm-up (the least is taken; one
             more where the backend times the device alone, the first finding how long
             the host takes).
+        labels: what errors call each unit (default ``"layer K"``, K its index).
 
     Raises:
         UsageError: a unit does not return one tensor.
@@ -128,6 +130,7 @@ def profile_units(b: Backend, units: Sequence[torch.nn.Module], sample: torch.Te
     seen: set[int] = set()  # parameters counted already (a tied one has one gradient)
     sees_peak = b.allocator_stats()["peak_allocated_bytes"] is not None
     for k, m in enumerate(units):
+        label = f"layer {k}" if labels is None else labels[k]
         params = [p for p in m.parameters() if p.requires_grad]
         inputs = ([x] if x.requires_grad else []) + params
         grad_bytes = sum(p.numel() * p.element_size() for p in params)
@@ -142,7 +145,8 @@ def profile_units(b: Backend, units: Sequence[torch.nn.Module], sample: torch.Te
 
         t0 = time.perf_counter()
         with noting_changed_buffers(m) as buffers, noting_expensive_outputs(note) as changed:
-            y, saved = run_counting_saved(lambda: m(x), x.device.type, [m])
+            with naming_refusals(label):
+                y, saved = run_counting_saved(lambda: m(x), x.device.type, [m])
         # (a recompute saves, with the input, the buffers the forward changes as it found
         # them: it runs again from those)
         changed_bytes = sum(t.numel() * t.element_size() for t in buffers)
@@ -154,33 +158,34 @@ def profile_units(b: Backend, units: Sequence[torch.nn.Module], sample: torch.Te
         reps = iters + 1 if ahead.on else iters
         cheap_bytes = sum(kept.values())
         if not isinstance(y, torch.Tensor):
-            raise UsageError(f"layer {k} returned {type(y).__name__}; graphed layers must "
+            raise UsageError(f"{label} returned {type(y).__name__}; graphed layers must "
                              "return one tensor")
         del y
         fwd_ms, bwd_ms = [], []
         work = 0
-        for _ in range(reps):
-            b.synchronize()
-            b.allocator_stats(reset_peak=True)
-            with b.timed(ahead_ms=ahead("forward")) as tf:
-                y = m(x)
-            gy = torch.ones_like(y)
-            after_fwd = b.allocator_stats()["allocated_bytes"]
-            with b.timed(ahead_ms=ahead("backward")) as tb, without_autocast(x.device.type):
-                if inputs and y.requires_grad:
-                    grads = torch.autograd.grad(y, inputs, gy, allow_unused=True)
-                    del grads
-            ahead.saw("forward", tf)
-            ahead.saw("backward", tb)
-            fwd_ms.append(tf["device_ms"])
-            bwd_ms.append(tb["device_ms"])
-            peak = b.allocator_stats()["peak_allocated_bytes"]
-            if peak is not None and after_fwd is not None:
-                # Beyond what the forward left (its saved tensors and output) and the
-                # parameter gradients: the backward's own working memory.
-                work = max(work, peak - after_fwd - grad_bytes)
-            out = y.detach()
-            del y, gy
+        with naming_refusals(label):  # (its backward: a reentrant checkpoint)
+            for _ in range(reps):
+                b.synchronize()
+                b.allocator_stats(reset_peak=True)
+                with b.timed(ahead_ms=ahead("forward")) as tf:
+                    y = m(x)
+                gy = torch.ones_like(y)
+                after_fwd = b.allocator_stats()["allocated_bytes"]
+                with b.timed(ahead_ms=ahead("backward")) as tb, without_autocast(x.device.type):
+                    if inputs and y.requires_grad:
+                        grads = torch.autograd.grad(y, inputs, gy, allow_unused=True)
+                        del grads
+                ahead.saw("forward", tf)
+                ahead.saw("backward", tb)
+                fwd_ms.append(tf["device_ms"])
+                bwd_ms.append(tb["device_ms"])
+                peak = b.allocator_stats()["peak_allocated_bytes"]
+                if peak is not None and after_fwd is not None:
+                    # Beyond what the forward left (its saved tensors and output) and the
+                    # parameter gradients: the backward's own working memory.
+                    work = max(work, peak - after_fwd - grad_bytes)
+                out = y.detach()
+                del y, gy
         if not sees_peak:
             work = 2 * out.numel() * out.element_size()  # an output's gradient and a temporary
         cheap_ms: float | None = None

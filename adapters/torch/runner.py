@@ -18,6 +18,7 @@ from torch import nn
 
 from graphslot.backend import DeviceGraph, RngStream
 from graphslot.errors import CaptureMismatchError, DriverError, StateError, UsageError
+from graphslot.layer_calls import naming_refusals
 from graphslot.offload import KEEP, OFFLOAD, RECOMPUTE, OffloadUnit, leaves_on_device
 from graphslot.precision import without_autocast
 from graphslot.recompute import (CallKey, cheap_recompute_contexts, noting_changed_buffers,
@@ -283,7 +284,7 @@ class GraphRunner:
         side = self.host.warmup_stream
         b.wait_event(side, b.record_event(b.new_event()))
         own = [(i, *o) for i in self.layers for o in own_generators(stack.layers[i])]
-        with b.stream(side):
+        with b.stream(side), naming_refusals(self.label):
             if self.recompute:
                 # What the forward changes in place: a cheap recompute makes those expensive
                 # outputs again instead of keeping them (torch's selective policy refuses

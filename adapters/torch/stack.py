@@ -76,6 +76,7 @@ from graphslot.backend import Backend, DeviceGraph, align_up
 from graphslot.budget import (OFFLOAD, RECOMPUTE, RECOMPUTE_CHEAP, BudgetPlan, StackProfile, banks_bytes,
                               fit_budget, gradient_homes, parse_budget, refusal_message)
 from graphslot.errors import BudgetError, CaptureMismatchError, StateError, UsageError
+from graphslot.layer_calls import check_passes_gradient
 from graphslot.memory import release_unused, saved_bytes_per_layer
 from graphslot.offload import SECTION_BYTES, Mode, OffloadEngine, ping_pong_banks
 from graphslot.optimizer_state import StateWatch, state_to_come
@@ -560,7 +561,8 @@ class GraphedLayers(nn.Module):
         # that keeps everything as by none.
         b.synchronize()
         with b.stream(self._warmup_stream):
-            costs = profile_units(b, mods, sample)
+            costs = profile_units(b, mods, sample, labels=[
+                f"layer {u[0]}" if len(u) == 1 else f"layers {u[0]}-{u[-1]}" for u in units])
         if self.main_grad:
             # (the backward graphs add into main_grad, made before the build and so in the
             # fixed memory: the pool holds no gradient buffers and the stack no homes)
@@ -598,8 +600,11 @@ class GraphedLayers(nn.Module):
             self._check_main_grads_graphs()
         for i, r in enumerate(runners):
             out = r.build_forward(x)
+            wants_grad = x.requires_grad or bool(r.params)
+            if i + 1 < len(runners):
+                check_passes_gradient(out, r.label, wants_grad)
             # The next layer is captured reading this layer's output buffer itself.
-            x = out.detach().requires_grad_(x.requires_grad or bool(r.params))
+            x = out.detach().requires_grad_(wants_grad)
             if i == 0 and pooled:
                 self._return_to_pool((r, "static_in"))
             if i >= 1:

@@ -1,0 +1,64 @@
+"""What a layer may not do under graphs, said in the library's words where torch's message
+would name neither the layer nor the way out.
+
+A graphed layer's forward is run (warm-ups, the profile, the capture) on an input that is
+a leaf of its own, the buffer the layer below writes, and its backward is captured with
+``torch.autograd.grad`` over that input and the parameters. A few things eager allows
+cannot work so: changing the input in place, a reentrant checkpoint inside the layer, and
+an integer tensor between two layers when gradients flow below it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Iterator
+
+import torch
+
+from .errors import UsageError
+
+__all__ = ["naming_refusals", "check_passes_gradient"]
+
+# (torch's message, the first words of ours after the layer's label)
+_REFUSALS = (
+    ("a leaf Variable that requires grad is being used in an in-place operation",
+     "changes in place a leaf tensor that requires grad, most likely its input "
+     "(nn.ReLU(inplace=True) or x.mul_(2) as a layer of its own): under graphs each layer "
+     "reads its input as a leaf, which autograd does not let an op change. Use the "
+     "out-of-place form, or make the in-place op part of the layer that makes its operand "
+     "(nn.Sequential(nn.Linear(...), nn.ReLU(inplace=True)) as one layer)"),
+    ("When use_reentrant=True, torch.utils.checkpoint is incompatible with",
+     "calls torch.utils.checkpoint with use_reentrant=True, whose backward runs a backward "
+     "of its own that a captured graph cannot hold: pass use_reentrant=False, or leave the "
+     "checkpoint out and name the layer in recompute_layers (or give a memory_budget), "
+     "which recompute it under the graphs"),
+)
+
+
+@contextlib.contextmanager
+def naming_refusals(label: str) -> Iterator[None]:
+    """Around a call of the layer named ``label``: the torch errors of :data:`_REFUSALS`
+    become a :class:`~graphslot.errors.UsageError` that names the layer and the way out."""
+    try:
+        yield
+    except RuntimeError as e:
+        text = str(e)
+        for needle, why in _REFUSALS:
+            if needle in text:
+                raise UsageError(f"{label} {why}") from e
+        raise
+
+
+def check_passes_gradient(y: torch.Tensor, label: str, wants_grad: bool) -> None:
+    """``y``, what the layer ``label`` returns to the layer above, can carry the gradient
+    the layers below it want (``wants_grad``).
+
+    Raises:
+        UsageError: ``y`` is an integer or boolean tensor and a gradient is wanted below.
+    """
+    if wants_grad and not (y.is_floating_point() or y.is_complex()):
+        raise UsageError(
+            f"{label} returns a {y.dtype} tensor to the layer above, through which no "
+            "gradient flows, while the layers below it (or the stack's input) want one: the "
+            "graphs' backward runs through every layer. Only the stack's first layer may "
+            "take such a tensor: begin a stack of its own with the layer above")

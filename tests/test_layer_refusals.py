@@ -1,0 +1,98 @@
+"""What a layer may not do under graphs is refused at the build by name, with the way out,
+in every mode and under a budget; the layers then train eagerly as before. The ways out
+named work."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from graphslot.adapters.torch import GraphedLayers
+from graphslot.errors import UsageError
+
+H = 8
+KWS = [dict(mode="off"), dict(mode="resident", layers_per_graph=1), dict(mode="remap"),
+       dict(memory_budget="auto")]
+
+
+class _Checkpointed(nn.Module):
+    def __init__(self, reentrant: bool) -> None:
+        super().__init__()
+        self.reentrant = reentrant
+        self.mlp = nn.Sequential(nn.Linear(H, 2 * H), nn.GELU(), nn.Linear(2 * H, H))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + checkpoint(self.mlp, x, use_reentrant=self.reentrant)
+
+
+class _Argmax(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.argmax(-1)
+
+
+def _refused(b, layers, kw, match: str) -> None:
+    eager = copy.deepcopy(nn.Sequential(*layers))
+    before = [p.detach().clone() for m in layers for p in m.parameters()]
+    with pytest.raises(UsageError, match=match):
+        GraphedLayers(layers, torch.zeros(4, H, device=b.device, requires_grad=True), backend=b, **kw)
+    # nothing changed: the layers train eagerly as a copy made before
+    assert all(torch.equal(p, q) for p, q in zip((p for m in layers for p in m.parameters()), before))
+    x = torch.randn(4, H, device=b.device)
+    nn.Sequential(*layers)(x).float().sum().backward()
+    eager(x).float().sum().backward()
+    for p, q in zip((p for m in layers for p in m.parameters()), eager.parameters()):
+        assert (p.grad is None and q.grad is None) or torch.equal(p.grad, q.grad)
+
+
+@pytest.mark.parametrize("kw", KWS, ids=str)
+def test_a_layer_changing_its_input_in_place_is_refused_by_name(clean, kw):
+    b = clean
+    torch.manual_seed(0)
+    layers = [nn.Linear(H, H).to(b.device), nn.ReLU(inplace=True), nn.Linear(H, H).to(b.device)]
+    _refused(b, layers, kw, r"layer 1 changes in place .*ReLU\(inplace=True\).*out-of-place")
+
+
+@pytest.mark.parametrize("kw", KWS, ids=str)
+def test_a_reentrant_checkpoint_inside_a_layer_is_refused_by_name(clean, kw):
+    b = clean
+    torch.manual_seed(0)
+    layers = [nn.Linear(H, H).to(b.device), _Checkpointed(reentrant=True).to(b.device)]
+    _refused(b, layers, kw, r"layers? (1|0-1) calls torch.utils.checkpoint with use_reentrant=True"
+                            r".*use_reentrant=False")
+
+
+@pytest.mark.parametrize("kw", KWS, ids=str)
+def test_an_integer_tensor_between_layers_that_want_gradients_is_refused_by_name(clean, kw):
+    b = clean
+    torch.manual_seed(0)
+    layers = [nn.Linear(H, H).to(b.device), _Argmax(), nn.Embedding(H, H).to(b.device)]
+    _refused(b, layers, kw, r"layers? (1|0-1) returns a torch.int64 tensor.*stack of its own")
+
+
+@pytest.mark.parametrize("kw", KWS, ids=str)
+def test_the_ways_out_train_as_eager(clean, kw):
+    """The in-place op inside the layer that makes its operand; a non-reentrant checkpoint;
+    integer ids into the stack's first layer."""
+    b = clean
+    torch.manual_seed(0)
+    for layers, x in (
+            ([nn.Sequential(nn.Linear(H, H), nn.ReLU(inplace=True)), nn.Linear(H, H)],
+             torch.randn(4, H, requires_grad=True)),
+            ([nn.Linear(H, H), _Checkpointed(reentrant=False)], torch.randn(4, H, requires_grad=True)),
+            ([nn.Embedding(H, H), nn.Linear(H, H)], torch.randint(0, H, (4,)))):
+        layers = [m.to(b.device) for m in layers]
+        x = x.to(b.device).detach().requires_grad_(x.requires_grad)
+        eager = copy.deepcopy(nn.Sequential(*layers))
+        with GraphedLayers(layers, x, backend=b, **kw) as stack:
+            for _ in range(2):
+                xg, xe = (x.detach().clone().requires_grad_(x.requires_grad) for _ in range(2))
+                stack(xg).square().sum().backward()
+                eager(xe).square().sum().backward()
+                for p, q in zip(stack.parameters(), eager.parameters()):
+                    assert torch.equal(p.grad, q.grad)
+                if x.requires_grad:
+                    assert torch.equal(xg.grad, xe.grad)
