@@ -17,7 +17,7 @@ import torch
 
 from .errors import UsageError
 
-__all__ = ["naming_refusals", "check_passes_gradient"]
+__all__ = ["naming_refusals", "check_passes_gradient", "ctx_tensors", "storage_id"]
 
 # (torch's message, the first words of ours after the layer's label)
 _REFUSALS = (
@@ -62,3 +62,35 @@ def check_passes_gradient(y: torch.Tensor, label: str, wants_grad: bool) -> None
             "gradient flows, while the layers below it (or the stack's input) want one: the "
             "graphs' backward runs through every layer. Only the stack's first layer may "
             "take such a tensor: begin a stack of its own with the layer above")
+
+
+def ctx_tensors(out: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+    """The tensors that custom autograd Functions in ``out``'s autograd graph keep as
+    attributes of their ``ctx`` (``ctx.h = ...``; also inside a list, tuple or dict there),
+    each with its name (``"Function.attribute"``). Saved-tensor hooks never see them, so
+    graphs keep one copy of such a tensor for all microbatches when the forward makes it."""
+    found: list[tuple[str, torch.Tensor]] = []
+    seen: set[int] = set()
+    todo = [out.grad_fn]
+    while todo:
+        node = todo.pop()
+        if node is None or id(node) in seen:
+            continue
+        seen.add(id(node))
+        if isinstance(node, torch.autograd.function.BackwardCFunction):
+            cls = getattr(node, "_forward_cls", type(node))
+            for name, v in vars(node).items():
+                items = (v.values() if isinstance(v, dict) else v if isinstance(v, (list, tuple))
+                         else (v,))
+                found += [(f"{cls.__name__}.{name}", t) for t in items if isinstance(t, torch.Tensor)]
+        todo += [n for n, _ in node.next_functions]
+    return found
+
+
+def storage_id(t: torch.Tensor) -> int | None:
+    """An identity of ``t``'s storage, the same for every view of it while it lives; None
+    where ``t`` has none to read (a wrapper subclass keeping its data elsewhere)."""
+    try:
+        return int(t.untyped_storage()._cdata)
+    except Exception:  # (torch raises several kinds for storage-less subclasses)
+        return None

@@ -96,3 +96,87 @@ def test_the_ways_out_train_as_eager(clean, kw):
                     assert torch.equal(p.grad, q.grad)
                 if x.requires_grad:
                     assert torch.equal(xg.grad, xe.grad)
+
+
+class _Square(torch.autograd.Function):
+    """Keeps an intermediate on ctx (``ctx.h``), and the weight's transpose (a view of a
+    parameter, the same memory every call)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        ctx.h = x * 2
+        ctx.wt = [w.t()]
+        return ctx.h.square() @ w.t()
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor):  # type: ignore[override]
+        gh = g @ ctx.wt[0].t()
+        return gh * 4 * ctx.h, g.t() @ ctx.h.square()
+
+
+class _KeepsWeight(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        ctx.w = w
+        ctx.save_for_backward(x)
+        return x @ w.t()
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor):  # type: ignore[override]
+        (x,) = ctx.saved_tensors
+        return g @ ctx.w, g.t() @ x
+
+
+class _FnLayer(nn.Module):
+    def __init__(self, fn) -> None:
+        super().__init__()
+        self.fn = fn
+        self.lin = nn.Linear(H, H, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fn.apply(torch.tanh(x), self.lin.weight)
+
+
+def _two_in_flight(f, xs):
+    losses = [f(x.clone().requires_grad_()).square().sum() for x in xs]
+    for loss in losses:
+        loss.backward()
+
+
+@pytest.mark.parametrize("kw", KWS[:3], ids=str)
+def test_a_ctx_attribute_the_forward_makes_refuses_a_second_microbatch_in_flight(clean, kw):
+    b = clean
+    torch.manual_seed(0)
+    layers = [_FnLayer(_Square).to(b.device), nn.Linear(H, H).to(b.device)]
+    eager = copy.deepcopy(nn.Sequential(*layers))
+    xs = [torch.randn(4, H, device=b.device) for _ in range(2)]
+    with GraphedLayers(layers, torch.zeros(4, H, device=b.device, requires_grad=True), backend=b,
+                       **kw) as stack:
+        # one at a time: eager's gradients
+        for x in xs:
+            stack(x.clone().requires_grad_()).square().sum().backward()
+            eager(x.clone().requires_grad_()).square().sum().backward()
+        first = stack(xs[0].clone().requires_grad_()).square().sum()
+        with pytest.raises(UsageError, match=r"_Square.h on its ctx.*microbatch \d+ still waits"):
+            stack(xs[1].clone().requires_grad_())
+        with torch.no_grad(), pytest.raises(UsageError, match="_Square.h"):
+            stack(xs[1])  # (an evaluation forward would overwrite it too)
+        first.backward()  # the refused forwards changed nothing
+        eager(xs[0].clone().requires_grad_()).square().sum().backward()
+        for p, q in zip(stack.parameters(), eager.parameters()):
+            assert torch.equal(p.grad, q.grad)
+
+
+@pytest.mark.parametrize("kw", KWS[:3], ids=str)
+def test_a_ctx_attribute_holding_a_parameter_trains_as_eager_with_microbatches_in_flight(clean, kw):
+    b = clean
+    torch.manual_seed(0)
+    layers = [_FnLayer(_KeepsWeight).to(b.device), _FnLayer(_KeepsWeight).to(b.device)]
+    eager = copy.deepcopy(nn.Sequential(*layers))
+    xs = [torch.randn(4, H, device=b.device) for _ in range(3)]
+    with GraphedLayers(layers, torch.zeros(4, H, device=b.device, requires_grad=True), backend=b,
+                       **kw) as stack:
+        _two_in_flight(stack, xs)
+        _two_in_flight(eager, xs)
+        for p, q in zip(stack.parameters(), eager.parameters()):
+            assert torch.equal(p.grad, q.grad)

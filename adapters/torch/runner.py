@@ -18,7 +18,7 @@ from torch import nn
 
 from graphslot.backend import DeviceGraph, RngStream
 from graphslot.errors import CaptureMismatchError, DriverError, StateError, UsageError
-from graphslot.layer_calls import naming_refusals
+from graphslot.layer_calls import ctx_tensors, naming_refusals, storage_id
 from graphslot.offload import KEEP, OFFLOAD, RECOMPUTE, OffloadUnit, leaves_on_device
 from graphslot.precision import without_autocast
 from graphslot.recompute import (CallKey, cheap_recompute_contexts, noting_changed_buffers,
@@ -197,6 +197,9 @@ class GraphRunner:
         # gradient accumulators must come from the training stream, not the capture's.
         self.unit: OffloadUnit
         self.pending: set[int] = set()  # microbatches whose backward has not run
+        #: what custom autograd Functions' ctx keep that the forward made (``ctx_tensors``):
+        #: one copy for all microbatches, so one microbatch at a time
+        self.ctx_made: list[str] = []
         self.static_in: torch.Tensor
         self.wants_grad_in = False
         self.static_out: torch.Tensor
@@ -296,11 +299,14 @@ class GraphRunner:
                 del out
                 self.recompute_calls = frozenset(changed)
                 self.changed_buffers = buffers
+            warm_ctx: list[tuple[str, torch.Tensor]] | None = None
             for _ in range(stack.warmup_iters):
                 out = call()
                 if not isinstance(out, torch.Tensor):
                     raise UsageError(f"{self.label} returned {type(out).__name__}; "
                                      "graphed layers must return one tensor")
+                if warm_ctx is None:  # (held until the capture: see ctx_made)
+                    warm_ctx = ctx_tensors(out)
                 if inputs and out.requires_grad:
                     with without_autocast(b.device.type):
                         warm = torch.autograd.grad(out, inputs, torch.ones_like(out),
@@ -354,6 +360,14 @@ class GraphRunner:
                 unit.capture_forward(is_state):
             out = call(unit.keep_also if self.cheap else None)
         self.fwd = fwd
+        # A ctx tensor the capture made anew (not one the warm-up's ctx held too, such as a
+        # parameter or a module's state) is one copy in the pool for every microbatch.
+        # (one whose storage cannot be told is not counted: a wrapper subclass of a library
+        # that keeps its data elsewhere)
+        was = {storage_id(t) for _, t in warm_ctx or ()}
+        self.ctx_made = sorted({name for name, t in ctx_tensors(out)
+                                if storage_id(t) not in was and storage_id(t) is not None})
+        del warm_ctx, was
         self._out = out  # the captured autograd graph, until the backward graphs exist
         self._inputs = inputs
         self.static_out = out.detach()

@@ -878,6 +878,15 @@ class GraphedLayers(nn.Module):
             self._enter(token)
             if self._abandoned:
                 self._reap()
+            for r in runners:
+                if r.ctx_made and r.pending:
+                    raise UsageError(
+                        f"GraphedLayers ({r.label}): an autograd.Function keeps "
+                        f"{', '.join(r.ctx_made)} on its ctx, not through ctx.save_for_backward: the "
+                        "graphs hold one copy of it, which this forward would overwrite while "
+                        f"microbatch {min(r.pending)} still waits for its backward. Save it with "
+                        "ctx.save_for_backward, or run each microbatch's backward before the "
+                        "next forward")
             self._microbatch += 1
             mb = self._microbatch
             try:
