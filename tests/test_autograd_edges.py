@@ -237,3 +237,53 @@ def test_an_expanded_output_trains_as_eager_with_microbatches_in_flight(clean, m
             oe.backward()
         for a, e in zip([*xg, *stack.parameters()], [*xe, *eager.parameters()]):
             assert torch.equal(a.grad, e.grad)
+
+
+class _TransposeInPlace(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.lin(x)  # (4, 8)
+        z = y.clone()
+        z.t_()  # (8, 4): shape and strides changed in place
+        return torch.tanh(y @ z) @ y
+
+
+class _Gru(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.gru = nn.GRU(8, 8, batch_first=True)  # (calls transpose_)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.gru(x.view(4, 1, 8))[0].view(4, 8)
+
+
+class _Conjugate(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(8, 8, dtype=torch.complex64))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (x.to(torch.complex64) @ self.w.conj()).imag  # (a lazily conjugated view)
+
+
+@pytest.mark.parametrize("layer", [_TransposeInPlace, _Gru, _Conjugate])
+@pytest.mark.parametrize("mode", ["off", "resident"])
+def test_in_place_view_ops_and_lazy_conjugates_train_as_eager(clean, layer, mode):
+    b = clean
+    torch.manual_seed(0)
+    layers = [layer().to(b.device), nn.Linear(8, 8).to(b.device)]
+    eager = nn.Sequential(*copy.deepcopy(layers))
+    with GraphedLayers(layers, torch.zeros(4, 8, device=b.device, requires_grad=True), mode=mode,
+                       layers_per_graph=1, backend=b) as stack:
+        for _ in range(3):
+            x = torch.randn(4, 8, device=b.device)
+            xg, xe = x.clone().requires_grad_(), x.clone().requires_grad_()
+            out, want = stack(xg), eager(xe)
+            assert torch.equal(out, want)
+            out.square().sum().backward()
+            want.square().sum().backward()
+            for a, e in zip([xg, *stack.parameters()], [xe, *eager.parameters()]):
+                assert torch.equal(a.grad, e.grad)

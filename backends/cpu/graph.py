@@ -61,17 +61,25 @@ class _Ref:
     stride: tuple[int, ...]
     dtype: torch.dtype
     nbytes: int  # bytes spanned from ptr
+    conj: bool = False  # the lazy conjugate and negative bits, which ops read as values
+    neg: bool = False
 
     @staticmethod
     def of(t: torch.Tensor) -> _Ref:
         nbytes = view_extent(t.shape, t.stride(), t.element_size())
-        return _Ref(t.data_ptr(), tuple(t.shape), tuple(t.stride()), t.dtype, nbytes)
+        return _Ref(t.data_ptr(), tuple(t.shape), tuple(t.stride()), t.dtype, nbytes,
+                    t.is_conj(), t.is_neg())
 
     def view(self) -> torch.Tensor:
         if self.nbytes == 0:
-            return torch.empty(self.shape, dtype=self.dtype)
-        flat = bytes_at(self.ptr, self.nbytes)
-        return flat.view(self.dtype).as_strided(self.shape, self.stride)
+            v = torch.empty(self.shape, dtype=self.dtype)
+        else:
+            v = bytes_at(self.ptr, self.nbytes).view(self.dtype).as_strided(self.shape, self.stride)
+        if self.conj:
+            v = v.conj()
+        if self.neg:
+            v = torch._neg_view(v)
+        return v
 
 
 class _Op:
@@ -135,7 +143,11 @@ class _Recorder(TorchDispatchMode):
         region = self.graph._region
         if region is not None:
             out = region.relocate(out, (args, kwargs))
-        if name not in _ALLOCATE_ONLY:
+        # An op that changes only a tensor's shape and strides in place (t_, transpose_,
+        # unsqueeze_; nn.GRU(batch_first=True) calls one) is no work of the graph either:
+        # the ops after it recorded the views it made, and replaying it would change the
+        # bound view it ran on again at every replay.
+        if name not in _ALLOCATE_ONLY and torch.Tag.inplace_view not in func.tags:
             self.graph._ops.append(_Op(func, args, kwargs, out))
         for x in pytree.tree_leaves(out):
             if isinstance(x, torch.Tensor) and not (region is not None and region.holds(x)):
