@@ -27,7 +27,7 @@ def fake_profile(monkeypatch: pytest.MonkeyPatch, costs: list[gb.LayerCost], gbp
     builds measure nothing: measured (on a device, or on cpu by the process's footprint),
     fit_budget would correct the made-up costs by what the small layers really hold and
     plan something else."""
-    monkeypatch.setattr(gt.stack, "profile_units", lambda b, mods, sample: list(costs)[:len(mods)])
+    monkeypatch.setattr(gt.stack, "profile_units", lambda b, mods, sample, **kw: list(costs)[:len(mods)])
     monkeypatch.setattr(gt.stack, "held_bytes", lambda b: None)
     monkeypatch.setattr(gt.stack, "_build_holds", lambda b: None)
     monkeypatch.setattr(gt.stack, "copy_bandwidth", lambda b, n, reps=3: {
