@@ -17,7 +17,8 @@ import torch
 
 from .errors import UsageError
 
-__all__ = ["naming_refusals", "check_passes_gradient", "ctx_tensors", "storage_id"]
+__all__ = ["naming_refusals", "check_passes_gradient", "ctx_tensors", "storage_id", "next_node_number",
+           "foreign_gradient_inputs"]
 
 # (torch's message, the first words of ours after the layer's label)
 _REFUSALS = (
@@ -94,3 +95,38 @@ def storage_id(t: torch.Tensor) -> int | None:
         return int(t.untyped_storage()._cdata)
     except Exception:  # (torch raises several kinds for storage-less subclasses)
         return None
+
+
+def next_node_number() -> int:
+    """The sequence number the next autograd node this thread makes will have about (one
+    made now): nodes made from here on have larger ones."""
+    with torch.enable_grad():
+        return int((torch.zeros((), requires_grad=True) * 1).grad_fn._sequence_nr())  # type: ignore[union-attr]
+
+
+def foreign_gradient_inputs(out: torch.Tensor, own: set[int], since: int) -> list[str]:
+    """What ``out``'s autograd graph reaches that wants a gradient but is neither one of the
+    leaves ``own`` (ids: the layer's input and parameters) nor made by nodes numbered
+    ``since`` and up (this thread's forward): a tensor the layer reads from outside that
+    requires grad (a parameter it does not register, an attribute set to another module's
+    output). A graph would read the one the build saw at every replay and give it no
+    gradient. Each is described for a message."""
+    found: list[str] = []
+    seen: set[int] = set()
+    todo = [out.grad_fn]
+    while todo:
+        node = todo.pop()
+        if node is None or id(node) in seen:
+            continue
+        seen.add(id(node))
+        var = getattr(node, "variable", None)
+        if isinstance(var, torch.Tensor):  # (a leaf's AccumulateGrad)
+            if id(var) not in own:
+                found.append(f"a leaf tensor of shape {tuple(var.shape)} ({var.dtype})"
+                             + (" that is an nn.Parameter" if isinstance(var, torch.nn.Parameter) else ""))
+            continue
+        if node._sequence_nr() < since:
+            found.append(f"a tensor made before the layer's forward (by {type(node).__name__})")
+            continue
+        todo += [n for n, _ in node.next_functions]
+    return found

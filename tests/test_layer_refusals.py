@@ -180,3 +180,51 @@ def test_a_ctx_attribute_holding_a_parameter_trains_as_eager_with_microbatches_i
         _two_in_flight(eager, xs)
         for p, q in zip(stack.parameters(), eager.parameters()):
             assert torch.equal(p.grad, q.grad)
+
+
+class _ReadsOutside(nn.Module):
+    """Reads ``source()`` beside its input: a parameter it does not register, or another
+    module's output set aside before each call."""
+
+    def __init__(self, source) -> None:
+        super().__init__()
+        self.lin = nn.Linear(H, H)
+        self.source = source
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x) + self.source()
+
+
+@pytest.mark.parametrize("kw", KWS, ids=str)
+def test_a_tensor_read_from_outside_that_wants_a_gradient_is_refused_by_name(clean, kw):
+    b = clean
+    torch.manual_seed(0)
+    bias = nn.Parameter(torch.randn(H, device=b.device))  # (the model's, registered by no layer)
+    layers = [_ReadsOutside(lambda: bias).to(b.device), nn.Linear(H, H).to(b.device)]
+    with pytest.raises(UsageError, match=r"reads a leaf tensor of shape \(8,\).*nn.Parameter.*"
+                                         r"no gradient.*Register it as a parameter"):
+        GraphedLayers(layers, torch.zeros(4, H, device=b.device, requires_grad=True), backend=b, **kw)
+    context = {"t": nn.Linear(H, H).to(b.device)(torch.randn(4, H, device=b.device))}
+    layers = [nn.Linear(H, H).to(b.device), _ReadsOutside(lambda: context["t"]).to(b.device)]
+    with pytest.raises(UsageError, match=r"reads a tensor made before the layer's forward"):
+        GraphedLayers(layers, torch.zeros(4, H, device=b.device, requires_grad=True), backend=b, **kw)
+
+
+@pytest.mark.parametrize("kw", KWS[:3], ids=str)
+def test_tensors_read_from_outside_that_want_no_gradient_train_as_eager(clean, kw):
+    """A constant, a frozen parameter and a buffer of another module, read from outside,
+    are no gradient's way: the stack trains as eager."""
+    b = clean
+    torch.manual_seed(0)
+    frozen = nn.Parameter(torch.randn(H, device=b.device), requires_grad=False)
+    const = torch.randn(H, device=b.device)
+    layers = [_ReadsOutside(lambda: frozen).to(b.device), _ReadsOutside(lambda: const).to(b.device)]
+    eager = copy.deepcopy(nn.Sequential(*layers))
+    with GraphedLayers(layers, torch.zeros(4, H, device=b.device, requires_grad=True), backend=b,
+                       **kw) as stack:
+        for _ in range(2):
+            x = torch.randn(4, H, device=b.device)
+            stack(x.clone().requires_grad_()).square().sum().backward()
+            eager(x.clone().requires_grad_()).square().sum().backward()
+        for p, q in zip(stack.parameters(), eager.parameters()):
+            assert torch.equal(p.grad, q.grad)

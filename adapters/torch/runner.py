@@ -18,7 +18,8 @@ from torch import nn
 
 from graphslot.backend import DeviceGraph, RngStream
 from graphslot.errors import CaptureMismatchError, DriverError, StateError, UsageError
-from graphslot.layer_calls import ctx_tensors, naming_refusals, storage_id
+from graphslot.layer_calls import (ctx_tensors, foreign_gradient_inputs, naming_refusals,
+                                   next_node_number, storage_id)
 from graphslot.offload import KEEP, OFFLOAD, RECOMPUTE, OffloadUnit, leaves_on_device
 from graphslot.precision import without_autocast
 from graphslot.recompute import (CallKey, cheap_recompute_contexts, noting_changed_buffers,
@@ -301,12 +302,24 @@ class GraphRunner:
                 self.changed_buffers = buffers
             warm_ctx: list[tuple[str, torch.Tensor]] | None = None
             for _ in range(stack.warmup_iters):
+                since = next_node_number()
                 out = call()
                 if not isinstance(out, torch.Tensor):
                     raise UsageError(f"{self.label} returned {type(out).__name__}; "
                                      "graphed layers must return one tensor")
                 if warm_ctx is None:  # (held until the capture: see ctx_made)
                     warm_ctx = ctx_tensors(out)
+                    foreign = foreign_gradient_inputs(out, {id(t) for t in inputs}, since)
+                    if foreign:
+                        raise UsageError(
+                            f"GraphedLayers ({self.label}): the forward reads {foreign[0]}"
+                            f"{f' (and {len(foreign) - 1} more)' if len(foreign) > 1 else ''}, "
+                            "which requires grad and is neither the layer's input nor one of "
+                            "its parameters: the graphs would read the tensor the build saw at "
+                            "every replay and give it no gradient. Register it as a parameter "
+                            "of the layer that reads it (several layers may share one) or make "
+                            "it inside the layer's forward; another module's output reaches a "
+                            "graphed layer only as its input")
                 if inputs and out.requires_grad:
                     with without_autocast(b.device.type):
                         warm = torch.autograd.grad(out, inputs, torch.ones_like(out),
