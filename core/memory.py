@@ -235,7 +235,8 @@ def saved_bytes_per_layer(layers: Sequence[torch.nn.Module], x: torch.Tensor) ->
             raise UsageError(f"layer {i} returned {type(y).__name__}; graphed layers must "
                              "return one tensor")
         if i + 1 < len(layers):
-            check_passes_gradient(y, f"layer {i}", h.requires_grad or y.requires_grad)
+            check_passes_gradient(y, f"layer {i}", h.requires_grad or any(
+                p.requires_grad for p in m.parameters()))
         out.append(saved)
         h = y.detach().requires_grad_(h.requires_grad or y.requires_grad)
         del y

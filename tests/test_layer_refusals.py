@@ -114,6 +114,19 @@ class _Square(torch.autograd.Function):
         return gh * 4 * ctx.h, g.t() @ ctx.h.square()
 
 
+class _KeepsInput(torch.autograd.Function):
+    """Keeps its input on ctx: the buffer the layer below writes at every forward."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        ctx.x, ctx.w = x, w
+        return x @ w.t()
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor):  # type: ignore[override]
+        return g @ ctx.w, g.t() @ ctx.x
+
+
 class _KeepsWeight(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
@@ -143,11 +156,12 @@ def _two_in_flight(f, xs):
         loss.backward()
 
 
+@pytest.mark.parametrize("fn", [_Square, _KeepsInput])
 @pytest.mark.parametrize("kw", KWS[:3], ids=str)
-def test_a_ctx_attribute_the_forward_makes_refuses_a_second_microbatch_in_flight(clean, kw):
+def test_a_ctx_attribute_the_forward_makes_refuses_a_second_microbatch_in_flight(clean, kw, fn):
     b = clean
     torch.manual_seed(0)
-    layers = [_FnLayer(_Square).to(b.device), nn.Linear(H, H).to(b.device)]
+    layers = [nn.Linear(H, H).to(b.device), _FnLayer(fn).to(b.device), nn.Linear(H, H).to(b.device)]
     eager = copy.deepcopy(nn.Sequential(*layers))
     xs = [torch.randn(4, H, device=b.device) for _ in range(2)]
     with GraphedLayers(layers, torch.zeros(4, H, device=b.device, requires_grad=True), backend=b,
@@ -157,9 +171,10 @@ def test_a_ctx_attribute_the_forward_makes_refuses_a_second_microbatch_in_flight
             stack(x.clone().requires_grad_()).square().sum().backward()
             eager(x.clone().requires_grad_()).square().sum().backward()
         first = stack(xs[0].clone().requires_grad_()).square().sum()
-        with pytest.raises(UsageError, match=r"_Square.h on its ctx.*microbatch \d+ still waits"):
+        name = "_Square.h" if fn is _Square else "_KeepsInput.x"
+        with pytest.raises(UsageError, match=rf"{name} on its ctx.*microbatch \d+ still waits"):
             stack(xs[1].clone().requires_grad_())
-        with torch.no_grad(), pytest.raises(UsageError, match="_Square.h"):
+        with torch.no_grad(), pytest.raises(UsageError, match=name):
             stack(xs[1])  # (an evaluation forward would overwrite it too)
         first.backward()  # the refused forwards changed nothing
         eager(xs[0].clone().requires_grad_()).square().sum().backward()

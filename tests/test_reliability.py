@@ -386,7 +386,7 @@ def test_a_failed_construction_releases_what_it_made(clean, mode):
     assert after[:3] == before[:3], (before, after)
 
 
-@pytest.mark.parametrize("layers", [[0.5], [True], ["1"], [7]])
+@pytest.mark.parametrize("layers", [[0.5], [True], ["1"], [7], torch.tensor([True, False])])
 def test_offload_layers_must_be_layer_indices(clean, layers):
     b = clean
     model = small(b, 2)
@@ -395,11 +395,13 @@ def test_offload_layers_must_be_layer_indices(clean, layers):
         GraphedLayers(list(model.blocks), sample, mode="resident", backend=b, offload_layers=layers)
 
 
-@pytest.mark.parametrize("layers", [1, "01", torch.tensor(1)])
+@pytest.mark.parametrize("layers", [1, "01", torch.tensor(1), pytest.param("np0d", id="numpy-0d")])
 def test_offload_layers_must_be_a_collection(clean, layers):
     b = clean
     model = small(b, 2)
     sample = model.hidden_in(model.batch(0, b.device)[0]).detach()
+    if layers == "np0d":
+        layers = pytest.importorskip("numpy").array(1)
     with pytest.raises(UsageError, match="offload_layers must be a collection of layer indices"):
         GraphedLayers(list(model.blocks), sample, mode="resident", backend=b, offload_layers=layers)
 
@@ -411,8 +413,10 @@ def test_layer_indices_of_numpy_and_torch_integers_are_layer_indices(clean):
     sample = model.hidden_in(model.batch(0, b.device)[0]).detach()
     for layers in (np.array([0, 2]), torch.tensor([0, 2]), [np.int64(0), 2]):
         with GraphedLayers(list(model.blocks), sample, mode="resident", backend=b,
-                           offload_layers=layers, recompute_layers=np.array([1])) as stack:
+                           offload_layers=layers, recompute_layers=np.array([1]),
+                           min_offload_bytes=np.int64(0), section_bytes=np.int32(1 << 20)) as stack:
             assert stack.offload_layers == {0, 2} and stack.recompute_layers == {1}
+            assert stack.engine.section_bytes == 1 << 20 and type(stack.engine.section_bytes) is int
 
 
 @pytest.mark.parametrize("kw", [dict(min_offload_bytes="1MiB"), dict(min_offload_bytes=-1),

@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import collections.abc
 import operator
 from typing import AbstractSet, Any, Iterable, Sequence
 
@@ -84,15 +83,20 @@ def _tied_apart(plan: Sequence[tuple[int, ...]], tied: Sequence[AbstractSet[int]
 def layer_set(name: str, layers: Iterable[int], n: int) -> set[int]:
     """``layers`` as a set of layer indices (any integers: numpy's and one-element integer
     tensors too); a UsageError naming what is not one."""
-    if isinstance(layers, (str, bytes)) or not isinstance(layers, collections.abc.Iterable) or (
-            isinstance(layers, torch.Tensor) and layers.dim() == 0):
+    try:
+        if isinstance(layers, (str, bytes)) or (isinstance(layers, torch.Tensor) and layers.dim() == 0):
+            raise TypeError
+        items = list(layers)  # (a 0-d numpy array raises here too)
+    except TypeError:
         raise UsageError(f"{name} must be a collection of layer indices (e.g. [0, 2]), got "
-                         f"{type(layers).__name__} {layers!r}")
+                         f"{type(layers).__name__} {layers!r}") from None
     chosen: list[int] = []
     bad: list[Any] = []
-    for i in layers:
+    for i in items:
         try:
-            if isinstance(i, bool) or (isinstance(i, torch.Tensor) and i.is_floating_point()):
+            # (a bool, or a mask's element, is no index; a float tensor's __index__ fails)
+            if isinstance(i, bool) or type(i).__name__ == "bool_" or (
+                    isinstance(i, torch.Tensor) and (i.dtype == torch.bool or i.is_floating_point())):
                 raise TypeError
             k = operator.index(i)
         except TypeError:

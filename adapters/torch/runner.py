@@ -373,13 +373,14 @@ class GraphRunner:
                 unit.capture_forward(is_state):
             out = call(unit.keep_also if self.cheap else None)
         self.fwd = fwd
-        # A ctx tensor the capture made anew (not one the warm-up's ctx held too, such as a
-        # parameter or a module's state) is one copy in the pool for every microbatch.
-        # (one whose storage cannot be told is not counted: a wrapper subclass of a library
-        # that keeps its data elsewhere)
-        was = {storage_id(t) for _, t in warm_ctx or ()}
+        # A ctx tensor the next forward overwrites is one copy for every microbatch: one the
+        # capture made anew, or the input (or a view of it), the buffer the layer below
+        # writes. One the warm-up's ctx held too (a parameter, a module's state) stays.
+        # Only plain tensors are judged: a library's wrapper subclass keeps its data
+        # elsewhere (and may report a new empty storage at each call).
+        was = {storage_id(t) for _, t in warm_ctx or ()} - {storage_id(static_in)}
         self.ctx_made = sorted({name for name, t in ctx_tensors(out)
-                                if storage_id(t) not in was and storage_id(t) is not None})
+                                if type(t) in (torch.Tensor, nn.Parameter) and storage_id(t) not in was})
         del warm_ctx, was
         self._out = out  # the captured autograd graph, until the backward graphs exist
         self._inputs = inputs
@@ -603,7 +604,8 @@ class GraphRunner:
             raise StateError(
                 f"{self.label}: microbatch {mb} has no forward waiting for this backward: "
                 "it ran backward already (a second backward through graphed layers, e.g. "
-                "retain_graph=True, is not supported) or close() abandoned it")
+                "retain_graph=True, is not supported), an earlier pass ended without reaching "
+                "this layer (backward(inputs=...) stopping above it), or close() abandoned it")
 
     def _backward(self, grad: torch.Tensor | None, mb: int, input_ref: weakref.ref[torch.Tensor] | None
                   ) -> tuple[torch.Tensor | None, ...]:

@@ -62,6 +62,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import gc
+import operator
 import threading
 import time
 import warnings
@@ -321,9 +322,17 @@ class GraphedLayers(nn.Module):
         if cheap & offload:
             raise UsageError(f"layers {sorted(cheap & offload)} are recomputed cheaply, which "
                              "keeps their input on the device, and in offload_layers too")
+        counts = {}
         for name, v, least in (("min_offload_bytes", min_offload_bytes, 0), ("section_bytes", section_bytes, 1)):
-            if isinstance(v, bool) or not isinstance(v, int) or v < least:
+            try:
+                if isinstance(v, bool):
+                    raise TypeError
+                counts[name] = operator.index(v)  # (numpy's integers too)
+            except TypeError:
+                counts[name] = -1
+            if counts[name] < least:
                 raise UsageError(f"{name} must be an integer of bytes, at least {least}, got {v!r}")
+        min_offload_bytes, section_bytes = counts["min_offload_bytes"], counts["section_bytes"]
         if layers_per_graph is not None and (isinstance(layers_per_graph, bool)
                                              or not isinstance(layers_per_graph, int)
                                              or layers_per_graph < 1):
@@ -886,7 +895,8 @@ class GraphedLayers(nn.Module):
                         "graphs hold one copy of it, which this forward would overwrite while "
                         f"microbatch {min(r.pending)} still waits for its backward. Save it with "
                         "ctx.save_for_backward, or run each microbatch's backward before the "
-                        "next forward")
+                        "next forward (one that will have none, a skipped step's loss, is let "
+                        "go by dropping its output: del loss)")
             self._microbatch += 1
             mb = self._microbatch
             try:
