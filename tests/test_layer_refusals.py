@@ -158,28 +158,47 @@ def _two_in_flight(f, xs):
 
 @pytest.mark.parametrize("fn", [_Square, _KeepsInput])
 @pytest.mark.parametrize("kw", KWS[:3], ids=str)
-def test_a_ctx_attribute_the_forward_makes_refuses_a_second_microbatch_in_flight(clean, kw, fn):
+def test_a_ctx_attribute_the_forward_makes_refuses_the_backward_of_a_microbatch_it_lost(clean, kw, fn):
+    """Another microbatch's forward overwrites the one copy: the older microbatch's
+    backward is refused by name before the stack replays anything for it, the newer one's
+    trains as eager; one that never has a backward (a skipped step's loss, still held)
+    stops nothing."""
     b = clean
     torch.manual_seed(0)
     layers = [nn.Linear(H, H).to(b.device), _FnLayer(fn).to(b.device), nn.Linear(H, H).to(b.device)]
     eager = copy.deepcopy(nn.Sequential(*layers))
-    xs = [torch.randn(4, H, device=b.device) for _ in range(2)]
-    with GraphedLayers(layers, torch.zeros(4, H, device=b.device, requires_grad=True), backend=b,
-                       **kw) as stack:
-        # one at a time: eager's gradients
-        for x in xs:
-            stack(x.clone().requires_grad_()).square().sum().backward()
-            eager(x.clone().requires_grad_()).square().sum().backward()
-        first = stack(xs[0].clone().requires_grad_()).square().sum()
-        name = "_Square.h" if fn is _Square else "_KeepsInput.x"
-        with pytest.raises(UsageError, match=rf"{name} on its ctx.*microbatch \d+ still waits"):
-            stack(xs[1].clone().requires_grad_())
-        with torch.no_grad(), pytest.raises(UsageError, match=name):
-            stack(xs[1])  # (an evaluation forward would overwrite it too)
-        first.backward()  # the refused forwards changed nothing
-        eager(xs[0].clone().requires_grad_()).square().sum().backward()
+    xs = [torch.randn(4, H, device=b.device) for _ in range(3)]
+    name = "_Square.h" if fn is _Square else "_KeepsInput.x"
+
+    def grads_equal() -> None:
         for p, q in zip(stack.parameters(), eager.parameters()):
             assert torch.equal(p.grad, q.grad)
+
+    with GraphedLayers(layers, torch.zeros(4, H, device=b.device, requires_grad=True), backend=b,
+                       **kw) as stack:
+        for x in xs[:2]:  # one at a time: eager's gradients
+            stack(x.clone().requires_grad_()).square().sum().backward()
+            eager(x.clone().requires_grad_()).square().sum().backward()
+        grads_equal()
+        skipped = stack(xs[2].clone().requires_grad_()).square().sum()  # (no backward ever)
+        for lost_by_eval in (False, True):
+            first = stack(xs[0].clone().requires_grad_()).square().sum()
+            if lost_by_eval:
+                with torch.no_grad():
+                    stack(xs[2])  # (an evaluation forward overwrites it too)
+                second = None
+            else:
+                second = stack(xs[1].clone().requires_grad_()).square().sum()
+            before = [p.grad.clone() for p in stack.parameters()]
+            with pytest.raises(UsageError, match=rf"{name} on its ctx.*overwrote.*Nothing of this "
+                                                 "backward ran in the stack"):
+                first.backward()
+            assert all(torch.equal(p.grad, q) for p, q in zip(stack.parameters(), before))
+            if second is not None:
+                second.backward()
+                eager(xs[1].clone().requires_grad_()).square().sum().backward()
+                grads_equal()
+        del skipped, first
 
 
 @pytest.mark.parametrize("kw", KWS[:3], ids=str)

@@ -119,6 +119,11 @@ class StackHost(Protocol):
         """Microbatches whose autograd graph was dropped before their backward ran."""
 
     @property
+    def ctx_overwritten(self) -> dict[int, str]:
+        """Microbatches whose ctx-kept tensors a later forward overwrote: the refusal of
+        their backward."""
+
+    @property
     def tracing(self) -> bool:
         """Whether a timeline or probe watches the replays."""
 
@@ -198,8 +203,8 @@ class GraphRunner:
         # gradient accumulators must come from the training stream, not the capture's.
         self.unit: OffloadUnit
         self.pending: set[int] = set()  # microbatches whose backward has not run
-        #: what custom autograd Functions' ctx keep that the forward made (``ctx_tensors``):
-        #: one copy for all microbatches, so one microbatch at a time
+        #: what custom autograd Functions' ctx keep that the next forward overwrites
+        #: (``ctx_tensors``): one copy for all microbatches (see ``ctx_overwritten``)
         self.ctx_made: list[str] = []
         self.static_in: torch.Tensor
         self.wants_grad_in = False
@@ -613,6 +618,9 @@ class GraphRunner:
         # first, or to the end of autograd's pass where it stops above (a frozen layer
         # below, backward(inputs=...)).
         if mb not in self.host.in_backward:
+            why = self.host.ctx_overwritten.pop(mb, None)
+            if why is not None:  # (before any layer of the stack replays for it)
+                raise UsageError(why)
             self.host.in_backward.add(mb)
             self.host.at_end_of_pass(mb)
         try:

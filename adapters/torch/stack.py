@@ -128,6 +128,10 @@ class _Host:
         return self._stack._abandoned
 
     @property
+    def ctx_overwritten(self) -> dict[int, str]:
+        return self._stack._ctx_overwritten
+
+    @property
     def tracing(self) -> bool:
         return self._stack.engine.timeline is not None or self._stack.probe is not None
 
@@ -377,6 +381,9 @@ class GraphedLayers(nn.Module):
         #: running it (close() waits for them; another thread is refused meanwhile)
         self._inside: dict[object, int] = {}
         self._in_backward: set[int] = set()  # microbatches whose backward pass has begun
+        #: microbatches whose ctx-kept tensors (``GraphRunner.ctx_made``) a later forward
+        #: overwrote, with what their backward is refused with
+        self._ctx_overwritten: dict[int, str] = {}
         self._closed = False
         #: with a memory budget: warns where an optimizer's state outgrows what the plan counted
         self._state_watch: StateWatch | None = None
@@ -889,14 +896,18 @@ class GraphedLayers(nn.Module):
                 self._reap()
             for r in runners:
                 if r.ctx_made and r.pending:
-                    raise UsageError(
-                        f"GraphedLayers ({r.label}): an autograd.Function keeps "
-                        f"{', '.join(r.ctx_made)} on its ctx, not through ctx.save_for_backward: the "
-                        "graphs hold one copy of it, which this forward would overwrite while "
-                        f"microbatch {min(r.pending)} still waits for its backward. Save it with "
-                        "ctx.save_for_backward, or run each microbatch's backward before the "
-                        "next forward (one that will have none, a skipped step's loss, is let "
-                        "go by dropping its output: del loss)")
+                    # This forward overwrites what those microbatches' ctx keep: their
+                    # backward is refused before it replays anything (one that never comes,
+                    # a skipped step's loss, costs nothing).
+                    for m in r.pending:
+                        self._ctx_overwritten.setdefault(m, (
+                            f"GraphedLayers ({r.label}): an autograd.Function keeps "
+                            f"{', '.join(r.ctx_made)} on its ctx, not through "
+                            "ctx.save_for_backward, and the graphs hold one copy of it, which a "
+                            f"forward of another microbatch overwrote before this one's ({m}) "
+                            "backward. Save it with ctx.save_for_backward, or run each "
+                            "microbatch's backward before the next forward. Nothing of this "
+                            "backward ran in the stack"))
             self._microbatch += 1
             mb = self._microbatch
             try:
@@ -1032,6 +1043,7 @@ class GraphedLayers(nn.Module):
 
     def _abandon(self, mb: int) -> None:
         """Microbatch ``mb``'s backward will never run: give back what it holds."""
+        self._ctx_overwritten.pop(mb, None)
         for r in self._runners:
             r.pending.discard(mb)
             r.forget_draws(mb)
