@@ -11,7 +11,7 @@ an integer tensor between two layers when gradients flow below it.
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -71,20 +71,13 @@ def ctx_tensors(out: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
     each with its name (``"Function.attribute"``). Saved-tensor hooks never see them, so
     graphs keep one copy of such a tensor for all microbatches when the forward makes it."""
     found: list[tuple[str, torch.Tensor]] = []
-    seen: set[int] = set()
-    todo = [out.grad_fn]
-    while todo:
-        node = todo.pop()
-        if node is None or id(node) in seen:
-            continue
-        seen.add(id(node))
+    for node in _nodes(out, lambda node: True):
         if isinstance(node, torch.autograd.function.BackwardCFunction):
             cls = getattr(node, "_forward_cls", type(node))
             for name, v in vars(node).items():
                 items = (v.values() if isinstance(v, dict) else v if isinstance(v, (list, tuple))
                          else (v,))
                 found += [(f"{cls.__name__}.{name}", t) for t in items if isinstance(t, torch.Tensor)]
-        todo += [n for n, _ in node.next_functions]
     return found
 
 
@@ -112,6 +105,25 @@ def foreign_gradient_inputs(out: torch.Tensor, own: set[int], since: int) -> lis
     output). A graph would read the one the build saw at every replay and give it no
     gradient. Each is described for a message."""
     found: list[str] = []
+
+    def inside(node: Any) -> bool:  # (a leaf's AccumulateGrad has a variable)
+        return not isinstance(getattr(node, "variable", None), torch.Tensor) and \
+            node._sequence_nr() >= since
+
+    for node in _nodes(out, inside):
+        var = getattr(node, "variable", None)
+        if isinstance(var, torch.Tensor):
+            if id(var) not in own:
+                found.append(f"a leaf tensor of shape {tuple(var.shape)} ({var.dtype})"
+                             + (" that is an nn.Parameter" if isinstance(var, torch.nn.Parameter) else ""))
+        elif node._sequence_nr() < since:
+            found.append(f"a tensor made before the layer's forward (by {type(node).__name__})")
+    return found
+
+
+def _nodes(out: torch.Tensor, descend: Callable[[Any], bool]) -> Iterator[Any]:
+    """The nodes of ``out``'s autograd graph, each once, going on past those ``descend``
+    accepts."""
     seen: set[int] = set()
     todo = [out.grad_fn]
     while todo:
@@ -119,14 +131,6 @@ def foreign_gradient_inputs(out: torch.Tensor, own: set[int], since: int) -> lis
         if node is None or id(node) in seen:
             continue
         seen.add(id(node))
-        var = getattr(node, "variable", None)
-        if isinstance(var, torch.Tensor):  # (a leaf's AccumulateGrad)
-            if id(var) not in own:
-                found.append(f"a leaf tensor of shape {tuple(var.shape)} ({var.dtype})"
-                             + (" that is an nn.Parameter" if isinstance(var, torch.nn.Parameter) else ""))
-            continue
-        if node._sequence_nr() < since:
-            found.append(f"a tensor made before the layer's forward (by {type(node).__name__})")
-            continue
-        todo += [n for n, _ in node.next_functions]
-    return found
+        yield node
+        if descend(node):
+            todo += [n for n, _ in node.next_functions]
