@@ -287,3 +287,16 @@ def test_in_place_view_ops_and_lazy_conjugates_train_as_eager(clean, layer, mode
             want.square().sum().backward()
             for a, e in zip([xg, *stack.parameters()], [xe, *eager.parameters()]):
                 assert torch.equal(a.grad, e.grad)
+
+
+def test_the_stack_indexes_and_iterates_its_layers_as_a_sequential_would(clean):
+    b = clean
+    layers = [nn.Linear(8, 8).to(b.device) for _ in range(3)]
+    with GraphedLayers(layers, torch.zeros(4, 8, device=b.device, requires_grad=True),
+                       backend=b) as stack:
+        assert len(stack) == 3 and list(stack) == layers
+        assert stack[1] is layers[1] and stack[-1] is layers[2] and stack[1:] == layers[1:]
+        with pytest.raises(IndexError):
+            stack[3]
+        # (the modules themselves, registered once: the state_dict is a Sequential's)
+        assert list(stack.state_dict()) == list(nn.Sequential(*layers).state_dict())

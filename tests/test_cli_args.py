@@ -300,6 +300,8 @@ def test_any_granularity_variable_gives_info_or_one_line(capsys, value):
     (["bench", "--trace", "/nonexistent/dir/t.json"], {}, "--trace /nonexistent/dir/t.json"),
     (["bench", "--accumulate", "0"], {}, "--accumulate"),
     (["bench", "--budgets", "10 parsecs"], {}, "--budgets"),
+    # (a negative size after its option is not taken for an option of its own)
+    (["bench", "--budgets", "-1G"], {}, "positive, got '-1G'"),
 ])
 def test_the_console_command_exits_2_with_one_line(argv, env, names):
     full_env = dict(os.environ, GRAPHSLOT_BACKEND="cpu", **env)

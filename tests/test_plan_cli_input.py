@@ -123,6 +123,13 @@ def test_mixed_id_types_are_an_error(tmp_path, capsys, doc, words):
     _expect_2(capsys, *words)
 
 
+def test_a_branch_listed_twice_is_an_error(tmp_path, capsys):
+    doc = {"tensors": [{"name": "a", "size": 1, "start": 0, "end": 1, "branch": "cp1"}],
+           "branches": ["cp1", "cp2", "cp1"]}
+    assert main([_file(tmp_path, json.dumps(doc))]) == 2
+    _expect_2(capsys, "branches[2]", "is listed twice", "branches[0]")
+
+
 @pytest.mark.parametrize("argv, words", [
     ([], "the following arguments are required: FILE.json"),
     (["p.json", "--bogus"], "unrecognized arguments: --bogus"),

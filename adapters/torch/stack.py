@@ -265,7 +265,8 @@ class GraphedLayers(nn.Module):
             tensor hooks, or in several graphs.
 
     ``close()`` releases its slots, banks and host buffers; as a context manager
-    (``with GraphedLayers(...) as stack:``) it closes on exit.
+    (``with GraphedLayers(...) as stack:``) it closes on exit. ``stack[i]``, ``len(stack)``
+    and iterating give its layers, as an ``nn.Sequential`` of them would.
     """
 
     def __init__(self, layers: Sequence[nn.Module], sample_input: torch.Tensor, *,
@@ -1058,6 +1059,16 @@ class GraphedLayers(nn.Module):
             # (one whose backward ran on every layer holds nothing: most of them)
             if mb in self._in_backward or any(mb in r.pending for r in runners):
                 self._abandon(mb)
+
+    def __len__(self) -> int:
+        return len(self.layers)
+
+    def __getitem__(self, i: int | slice) -> Any:
+        """The layer at ``i`` (a list of them for a slice), as ``stack.layers[i]``."""
+        return list(self.layers)[i] if isinstance(i, slice) else self.layers[i]
+
+    def __iter__(self) -> Iterator[nn.Module]:
+        return iter(self.layers)
 
     def close(self, timeout: float = 30.0) -> None:
         """Release the graphs, their pool, the slots, banks and buffers.

@@ -116,6 +116,13 @@ def main(argv: list[str] | None = None) -> int:
     import logging
 
     logging.basicConfig(level=logging.WARNING, format="graphslot: %(message)s")
+    argv = list(sys.argv[1:] if argv is None else argv)
+    # A negative size after its option ("--budgets -1G") reads to argparse as an option
+    # of its own: joined to its option, the size's check names what is wrong with it.
+    for i in range(len(argv) - 1):
+        if argv[i] == "--budgets" and argv[i + 1][:2] in {f"-{d}" for d in "0123456789."}:
+            argv[i:i + 2] = [f"--budgets={argv[i + 1]}"]
+            break
     try:
         parser = build_parser()
         args, extra = parser.parse_known_args(argv)

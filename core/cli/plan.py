@@ -170,6 +170,9 @@ def load_tensors(doc: Any, source: str = "input") -> tuple[list[TensorSpec], lis
             raise PlanError(f"{source}: 'branches' must be a list of strings or integers")
         for k, b in enumerate(branches):
             branch_ids.check(b, f"{source}: branches[{k}]")
+            if b in branches[:k]:
+                raise PlanError(f"{source}: branches[{k}]: branch {_short(b)} is listed twice "
+                                f"(first at branches[{branches.index(b)}])")
     out = []
     for k, entry in enumerate(items):
         where = f"{source}: tensors[{k}]"
