@@ -122,6 +122,10 @@ class SharedArena:
 
     def remove_region(self, name: Hashable) -> None:
         """Unmap and free ``name``'s region; nothing may use its addresses any more."""
+        self._check_open("remove_region")
+        if name not in self._regions:
+            known = ", ".join(map(repr, self._regions)) or "none"
+            raise UsageError(f"remove_region: no region {name!r} (known: {known})")
         res = self._regions.pop(name)
         if res.mappings:
             self.backend.unmap(res, 0, res.mappings[0].size)
@@ -494,6 +498,11 @@ class VariantGraphs:
     # -- teardown ------------------------------------------------------------------------
 
     def _check_open(self, what: str) -> None:
+        if self._state == "closing":
+            raise StateError(f"{what}: close() was called and refused (tensors from the pools "
+                             "were alive): the graphs are released, and the arena's memory is "
+                             "held only until close() succeeds, so nothing can be captured or "
+                             "replayed any more")
         if self._state != "open":
             raise StateError(f"{what}: these variant graphs were closed; the arena's memory is "
                              "gone, so nothing can be captured or replayed any more")
@@ -501,9 +510,10 @@ class VariantGraphs:
     def close(self) -> None:
         """Release every graph and pool, then the arena's memory and regions.
 
-        Raises :class:`StateError` (and keeps all memory) while tensors from a variant's
-        pool are still alive somewhere (outputs held by the caller, say); drop them and
-        call again. Idempotent once it succeeded.
+        Raises :class:`StateError` while tensors from a variant's pool are still alive
+        somewhere (outputs held by the caller, say): the graphs are released by then, the
+        arena's memory is kept so those tensors stay valid, and nothing can be captured or
+        replayed any more; drop them and call again. Idempotent once it succeeded.
         """
         if self._state == "closed":
             return
@@ -554,13 +564,18 @@ class IOTensor:
     keep: bool = False
 
     @property
-    def nbytes(self) -> int:
+    def itemsize(self) -> int:
+        """Bytes of one element."""
         import torch
 
+        return torch.empty((), dtype=self.dtype, device="meta").element_size()
+
+    @property
+    def nbytes(self) -> int:
         n = 1
         for s in self.shape:
             n *= int(s)
-        return n * torch.empty((), dtype=self.dtype, device="meta").element_size()
+        return n * self.itemsize
 
 
 @dataclass(frozen=True)
@@ -585,7 +600,7 @@ def io_specs(tensors: Sequence[IOTensor], steps: Sequence[Step], *,
     Args:
         tensors: the graph I/O tensors, by name.
         steps: the schedule, each naming the tensors it reads and writes.
-        align: byte alignment of each tensor's offset.
+        align: byte alignment of each tensor's offset (at least its element's size).
 
     Returns:
         One :class:`~graphslot.planner.TensorSpec` per tensor, for the planner.
@@ -614,6 +629,9 @@ def io_specs(tensors: Sequence[IOTensor], steps: Sequence[Step], *,
     n_steps = len(steps)
     specs = []
     for name, t in by_name.items():
+        if any(isinstance(d, bool) or not isinstance(d, int) or d < 0 for d in t.shape):
+            raise PlanError(f"I/O tensor {name!r}: shape {tuple(t.shape)!r} must be non-negative "
+                            "integers")
         r, w = reads[name], writes[name]
         if not r and not w:
             raise PlanError(f"I/O tensor {name!r} is used by no step")
@@ -621,8 +639,9 @@ def io_specs(tensors: Sequence[IOTensor], steps: Sequence[Step], *,
         last_read = max(r, default=-1)
         last_write = max(w, default=-1)
         end = n_steps if (t.keep or last_write > last_read) else last_read + 1
+        # (an element never straddles its alignment: a float64 lands on 8 bytes at least)
         specs.append(TensorSpec(name, max(t.nbytes, 1), start, max(end, start + 1),
-                                align=align, branch=t.branch))
+                                align=max(align, t.itemsize), branch=t.branch))
     return specs
 
 
@@ -638,7 +657,7 @@ class IOArena:
         backend: the graphslot backend.
         tensors: the static tensors.
         steps: the step sequence that defines their lifetimes.
-        align: byte alignment of every tensor.
+        align: byte alignment of every tensor (at least its element's size).
     """
 
     def __init__(self, backend: Backend, tensors: Sequence[IOTensor], steps: Sequence[Step], *,
@@ -652,8 +671,14 @@ class IOArena:
         self.naive_bytes = sum(align_up(s.size, align) for s in self.specs)
         size = align_up(max(self.plan.arena_bytes, 1), backend.granularity)
         self.reservation, self.allocation = backend.reserve_mapped(size)
-        self._views = {n: backend.tensor_at(self.reservation.va + self.plan.offsets[n], t.shape, t.dtype)
-                       for n, t in self.tensors.items()}
+        try:
+            self._views = {n: backend.tensor_at(self.reservation.va + self.plan.offsets[n], t.shape,
+                                                t.dtype)
+                           for n, t in self.tensors.items()}
+        except BaseException:  # (all or nothing: the range goes back)
+            backend.unmap_release(self.reservation, 0)
+            backend.free(self.reservation)
+            raise
         self._closed = False
 
     def __getitem__(self, name: str) -> torch.Tensor:

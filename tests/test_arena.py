@@ -342,9 +342,13 @@ def test_bad_use_is_refused_clearly(regions):
     b.map(res, 0, alloc)
     b.set_access(res, 0, alloc.size)
     vg.replay("mlp")
-    # Outputs still held: close keeps everything and says why.
+    # Outputs still held: close keeps the memory behind them and says why; the graphs are
+    # released, and a replay says so truthfully.
     with pytest.raises(StateError, match="still alive"):
         vg.close()
+    with pytest.raises(StateError, match="close\\(\\) was called and refused.*memory is held"):
+        vg.replay("mlp")
+    assert out.sum().isfinite()  # (its bytes still mapped)
     del out
     vg.close()
     vg.close()  # idempotent
@@ -475,6 +479,43 @@ def test_io_of_exclusive_variants_shares_bytes_across_branches(clean):
         assert rep["arena_bytes"] == 2 * 64 * 3 * 128 * 4  # the largest variant's in + out
         assert rep["naive_bytes"] == 2 * 64 * 6 * 128 * 4
         assert io["in_1"].data_ptr() == io.reservation.va or io["out_1"].data_ptr() == io.reservation.va
+
+
+def test_io_tensors_of_several_dtypes_under_a_small_align_land_on_their_elements(clean):
+    b = clean
+    t = [IOTensor("a", (3,), torch.float32), IOTensor("b", (2,), torch.float64),
+         IOTensor("c", (5,), torch.int8)]
+    steps = [Step("s", reads=("a", "c"), writes=("b",))]
+    with IOArena(b, t, steps, align=1) as io:
+        for name in "abc":
+            assert io[name].data_ptr() % io[name].element_size() == 0
+
+
+def test_removing_a_region_the_arena_lacks_is_refused_by_name(regions):
+    b = regions
+    arena = SharedArena(b, capacity=4 * b.granularity, size=b.granularity)
+    arena.add_region("a")
+    with pytest.raises(UsageError, match="no region 'nope' \\(known: 'a'\\)"):
+        arena.remove_region("nope")
+    arena.remove_region("a")
+    arena.close()
+    with pytest.raises(StateError, match="remove_region: this arena was closed"):
+        arena.remove_region("a")
+
+
+def test_an_io_arena_that_fails_to_build_gives_its_range_back(clean, monkeypatch):
+    b = clean
+    before = (len(b.ledger.reservations), b.ledger.mapped_bytes)
+    with pytest.raises(PlanError, match="'x': shape \\(-4, 8\\) must be non-negative"):
+        IOArena(b, [IOTensor("x", (-4, 8), torch.float32)], [Step("s", writes=("x",))])
+
+    def fails(*args, **kwargs):
+        raise UsageError("tensor_at refused")
+
+    monkeypatch.setattr(b, "tensor_at", fails)
+    with pytest.raises(UsageError, match="tensor_at refused"):
+        IOArena(b, [IOTensor("x", (4, 8), torch.float32)], [Step("s", writes=("x",))])
+    assert (len(b.ledger.reservations), b.ledger.mapped_bytes) == before
 
 
 def test_region_graphs_implement_the_declared_interface(regions):
