@@ -811,3 +811,26 @@ def test_create_of_an_impossible_size_fails_cleanly(clean):
         assert "out of memory" in str(ei.value) and ei.value.name == "ENOMEM"
     assert b.ledger.snapshot() == ledger0
     assert footprint(b) == real0
+
+
+def test_pinned_host_bytes_are_counted_while_any_tensor_keeps_them(clean):
+    """A view of a pinned buffer, or a tensor set to its storage, keeps its bytes after the
+    tensor pinned_empty returned is gone: the report counts them until the last goes."""
+    import gc
+
+    from graphslot import memory
+
+    b = clean
+    base = memory.report(b).host_pinned_bytes
+    h = b.pinned_empty(1 << 20)
+    view = h.view(torch.float32)
+    other = torch.empty(0, dtype=torch.uint8).set_(h.untyped_storage())
+    del h
+    gc.collect()
+    assert memory.report(b).host_pinned_bytes == base + (1 << 20)
+    del view
+    gc.collect()
+    assert memory.report(b).host_pinned_bytes == base + (1 << 20)
+    del other
+    gc.collect()
+    assert memory.report(b).host_pinned_bytes == base

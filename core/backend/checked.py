@@ -327,7 +327,8 @@ class Backend(DeviceVendor):
         # Counted while the buffer lives, so memory.report shows host buffers graphslot holds.
         with self._pinned_lock:
             self.pinned_bytes += nbytes
-        weakref.finalize(t, self._unpin, nbytes).atexit = False
+        # (on the storage: a view or a tensor set_ to it keeps the bytes after t is gone)
+        weakref.finalize(t.untyped_storage(), self._unpin, nbytes).atexit = False
         return t
 
     def _unpin(self, nbytes: int) -> None:
