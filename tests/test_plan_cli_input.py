@@ -123,6 +123,16 @@ def test_mixed_id_types_are_an_error(tmp_path, capsys, doc, words):
     _expect_2(capsys, *words)
 
 
+def test_a_key_given_twice_is_an_error(tmp_path, capsys):
+    text = ('{"tensors": [{"name": "a", "size": 1, "start": 0, "end": 1}], '
+            '"tensors": []}')
+    assert main([_file(tmp_path, text)]) == 2
+    _expect_2(capsys, "key 'tensors' appears twice")
+    text = '{"tensors": [{"name": "a", "size": 1, "size": 2, "start": 0, "end": 1}]}'
+    assert main([_file(tmp_path, text)]) == 2
+    _expect_2(capsys, "key 'size' appears twice")
+
+
 def test_a_branch_listed_twice_is_an_error(tmp_path, capsys):
     doc = {"tensors": [{"name": "a", "size": 1, "start": 0, "end": 1, "branch": "cp1"}],
            "branches": ["cp1", "cp2", "cp1"]}

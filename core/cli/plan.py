@@ -119,6 +119,17 @@ def _short(v: Any) -> str:
     return text if len(text) <= 60 else text[:57] + "..."
 
 
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """A JSON object, refusing a key given twice (json keeps the last, silently: a second
+    ``"tensors"`` would replace the first)."""
+    out: dict[str, Any] = {}
+    for k, v in pairs:
+        if k in out:
+            raise PlanError(f"key {k!r} appears twice in one object")
+        out[k] = v
+    return out
+
+
 class _Ids:
     """Branch ids (or alias group ids) must be all strings or all integers: ``1`` and
     ``"1"`` in one file would silently be two ids."""
@@ -342,7 +353,7 @@ def run(args: argparse.Namespace) -> int:
         return _fail(f"{source}: {e}")
     try:
         _check_depth(text)
-        doc = json.loads(text)
+        doc = json.loads(text, object_pairs_hook=_unique_keys)
     except PlanError as e:
         return _fail(f"{source}: {e}")
     except (ValueError, RecursionError) as e:  # JSONDecodeError, too many digits
