@@ -17,7 +17,7 @@ import torch
 
 from .errors import UsageError
 
-__all__ = ["naming_refusals", "check_passes_gradient", "ctx_tensors", "storage_id", "next_node_number",
+__all__ = ["naming_refusals", "check_passes_gradient", "ctx_tensors", "next_node_number",
            "foreign_gradient_inputs"]
 
 # (torch's message, the first words of ours after the layer's label)
@@ -79,15 +79,6 @@ def ctx_tensors(out: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
                          else (v,))
                 found += [(f"{cls.__name__}.{name}", t) for t in items if isinstance(t, torch.Tensor)]
     return found
-
-
-def storage_id(t: torch.Tensor) -> int | None:
-    """An identity of ``t``'s storage, the same for every view of it while it lives; None
-    where ``t`` has none to read (a wrapper subclass keeping its data elsewhere)."""
-    try:
-        return int(t.untyped_storage()._cdata)
-    except Exception:  # (torch raises several kinds for storage-less subclasses)
-        return None
 
 
 def next_node_number() -> int:

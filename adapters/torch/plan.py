@@ -80,6 +80,11 @@ def _tied_apart(plan: Sequence[tuple[int, ...]], tied: Sequence[AbstractSet[int]
     return out
 
 
+def unit_label(layers: Sequence[int]) -> str:
+    """What messages call the layers one graph covers: ``"layer 3"``, ``"layers 0-2"``."""
+    return f"layer {layers[0]}" if len(layers) == 1 else f"layers {layers[0]}-{layers[-1]}"
+
+
 def layer_set(name: str, layers: Iterable[int], n: int) -> set[int]:
     """``layers`` as a set of layer indices (any integers: numpy's and one-element integer
     tensors too); a UsageError naming what is not one."""

@@ -18,15 +18,15 @@ from torch import nn
 
 from graphslot.backend import DeviceGraph, RngStream
 from graphslot.errors import CaptureMismatchError, DriverError, StateError, UsageError
-from graphslot.layer_calls import (ctx_tensors, foreign_gradient_inputs, naming_refusals,
-                                   next_node_number, storage_id)
+from graphslot.layer_calls import ctx_tensors, foreign_gradient_inputs, naming_refusals, next_node_number
 from graphslot.offload import KEEP, OFFLOAD, RECOMPUTE, OffloadUnit, leaves_on_device
 from graphslot.precision import without_autocast
 from graphslot.recompute import (CallKey, cheap_recompute_contexts, noting_changed_buffers,
                                  noting_expensive_outputs)
 
-from .grads import GradHome, ParamGrad, backward_into, give_holders_own_bytes, shares_storage, use_count
-from .plan import param_name
+from .grads import (GradHome, ParamGrad, backward_into, give_holders_own_bytes, shares_storage, storage_id,
+                    use_count)
+from .plan import param_name, unit_label
 
 if TYPE_CHECKING:
     from .stack import GraphedLayers
@@ -189,7 +189,7 @@ class GraphRunner:
         self.module: nn.Module = mods[0] if len(mods) == 1 else nn.Sequential(*mods)
         a, z = layers[0], layers[-1]
         self.name = f"layer{a}" if a == z else f"layers{a}-{z}"
-        self.label = f"layer {a}" if a == z else f"layers {a}-{z}"
+        self.label = unit_label(layers)
         self.params = [p for p in self.module.parameters() if p.requires_grad]
         #: with ``main_grad=True``: each parameter's main_grad, which the backward graph adds into
         self.main_grads: list[torch.Tensor] | None = (
@@ -383,9 +383,11 @@ class GraphRunner:
         # writes. One the warm-up's ctx held too (a parameter, a module's state) stays.
         # Only plain tensors are judged: a library's wrapper subclass keeps its data
         # elsewhere (and may report a new empty storage at each call).
-        was = {storage_id(t) for _, t in warm_ctx or ()} - {storage_id(static_in)}
-        self.ctx_made = sorted({name for name, t in ctx_tensors(out)
-                                if type(t) in (torch.Tensor, nn.Parameter) and storage_id(t) not in was})
+        def plain(found: list[tuple[str, torch.Tensor]] | None) -> list[tuple[str, torch.Tensor]]:
+            return [(n, t) for n, t in found or () if type(t) in (torch.Tensor, nn.Parameter)]
+
+        was = {storage_id(t) for _, t in plain(warm_ctx)} - {storage_id(static_in)}
+        self.ctx_made = sorted({name for name, t in plain(ctx_tensors(out)) if storage_id(t) not in was})
         del warm_ctx, was
         self._out = out  # the captured autograd graph, until the backward graphs exist
         self._inputs = inputs

@@ -88,7 +88,7 @@ from graphslot.sizes import format_bytes
 
 from .grads import ParamGrad, storage_id
 from .plan import (check_layers, check_main_grads, check_sample, HookWatch, hooked_modules, layer_set,
-                   param_name, plan_graphs)
+                   param_name, plan_graphs, unit_label)
 from .runner import GraphRunner, LayerFunction, own_generators, restoring_contents
 
 __all__ = ["GraphedLayers"]
@@ -578,8 +578,7 @@ class GraphedLayers(nn.Module):
         # that keeps everything as by none.
         b.synchronize()
         with b.stream(self._warmup_stream):
-            costs = profile_units(b, mods, sample, labels=[
-                f"layer {u[0]}" if len(u) == 1 else f"layers {u[0]}-{u[-1]}" for u in units])
+            costs = profile_units(b, mods, sample, labels=[unit_label(u) for u in units])
         if self.main_grad:
             # (the backward graphs add into main_grad, made before the build and so in the
             # fixed memory: the pool holds no gradient buffers and the stack no homes)
