@@ -115,13 +115,16 @@ def foreign_gradient_inputs(out: torch.Tensor, own: set[int], since: int) -> lis
 def _nodes(out: torch.Tensor, descend: Callable[[Any], bool]) -> Iterator[Any]:
     """The nodes of ``out``'s autograd graph, each once, going on past those ``descend``
     accepts."""
-    seen: set[int] = set()
+    # A node's Python object lives only while referenced, and a new one may take a freed
+    # one's id: keeping each object seen keeps the ids apart (on a GPU, a joined stack's
+    # walk skipped a foreign leaf through a reused id).
+    seen: dict[int, Any] = {}
     todo = [out.grad_fn]
     while todo:
         node = todo.pop()
         if node is None or id(node) in seen:
             continue
-        seen.add(id(node))
+        seen[id(node)] = node
         yield node
         if descend(node):
             todo += [n for n, _ in node.next_functions]

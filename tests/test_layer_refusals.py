@@ -5,12 +5,15 @@ named work."""
 from __future__ import annotations
 
 import copy
+import types
+import weakref
 
 import pytest
 import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from graphslot import layer_calls
 from graphslot.adapters.torch import GraphedLayers
 from graphslot.errors import UsageError
 
@@ -262,3 +265,35 @@ def test_tensors_read_from_outside_that_want_no_gradient_train_as_eager(clean, k
             eager(x.clone().requires_grad_()).square().sum().backward()
         for p, q in zip(stack.parameters(), eager.parameters()):
             assert torch.equal(p.grad, q.grad)
+
+
+class _Node:
+    """An autograd node's Python object as torch hands it out: made on demand, one per node
+    while it lives (a weak cache), gone once nothing holds it."""
+
+    cache: "weakref.WeakValueDictionary[int, _Node]" = weakref.WeakValueDictionary()
+
+    def __init__(self, key: int, children: dict[int, list[int]]) -> None:
+        self.key, self._children = key, children
+
+    @classmethod
+    def of(cls, key: int, children: dict[int, list[int]]) -> "_Node":
+        node = cls.cache.get(key)
+        if node is None:
+            node = cls.cache[key] = cls(key, children)
+        return node
+
+    @property
+    def next_functions(self) -> tuple[tuple["_Node", int], ...]:
+        return tuple((_Node.of(k, self._children), 0) for k in self._children.get(self.key, []))
+
+
+def test_the_graph_walk_reaches_every_node_though_their_python_objects_come_and_go():
+    """The walk once told nodes apart by id alone: a node object made after another was
+    freed could take its id and be passed over (on a GPU, a joined stack's check missed a
+    parameter no layer registers)."""
+    children = {k: [2 * k + 1, 2 * k + 2] for k in range(63)}  # a binary tree of 127 nodes
+    children[1].append(2)  # and one node reached twice
+    out = types.SimpleNamespace(grad_fn=_Node.of(0, children))
+    keys = [n.key for n in layer_calls._nodes(out, lambda n: True)]  # type: ignore[arg-type]
+    assert sorted(keys) == list(range(127))
