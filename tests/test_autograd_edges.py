@@ -260,6 +260,17 @@ class _Gru(nn.Module):
         return self.gru(x.view(4, 1, 8))[0].view(4, 8)
 
 
+class _Lstm(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        # (on cpu, oneDNN's kernel keeps the workspace its backward reads only with grad
+        # mode on, which a forward replay inside the stack's autograd Function is not)
+        self.lstm = nn.LSTM(8, 8, batch_first=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lstm(x.view(2, 2, 8))[0].reshape(4, 8)
+
+
 class _Conjugate(nn.Module):
     def __init__(self) -> None:
         super().__init__()
@@ -269,9 +280,9 @@ class _Conjugate(nn.Module):
         return (x.to(torch.complex64) @ self.w.conj()).imag  # (a lazily conjugated view)
 
 
-@pytest.mark.parametrize("layer", [_TransposeInPlace, _Gru, _Conjugate])
+@pytest.mark.parametrize("layer", [_TransposeInPlace, _Gru, _Lstm, _Conjugate])
 @pytest.mark.parametrize("mode", ["off", "resident"])
-def test_in_place_view_ops_and_lazy_conjugates_train_as_eager(clean, layer, mode):
+def test_in_place_view_ops_lazy_conjugates_and_grad_mode_kernels_train_as_eager(clean, layer, mode):
     b = clean
     torch.manual_seed(0)
     layers = [layer().to(b.device), nn.Linear(8, 8).to(b.device)]
@@ -300,3 +311,85 @@ def test_the_stack_indexes_and_iterates_its_layers_as_a_sequential_would(clean):
             stack[3]
         # (the modules themselves, registered once: the state_dict is a Sequential's)
         assert list(stack.state_dict()) == list(nn.Sequential(*layers).state_dict())
+
+
+class _Down(nn.Module):
+    """A conv block whose max pooling saves its indices, which its backward trusts."""
+
+    def __init__(self, ci: int, co: int) -> None:
+        super().__init__()
+        self.conv = nn.Conv1d(ci, co, 3, stride=2, padding=1)
+        self.pool = nn.MaxPool1d(2, ceil_mode=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.pool(torch.relu(self.conv(x)))
+
+
+class _Flat(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.transpose(1, 2)
+
+
+class _Seen(torch.autograd.Function):
+    """Saves a tensor of indices naming its layer, and notes what its backward reads."""
+
+    read: list[tuple[int, list[int]]] = []
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, tag: int) -> torch.Tensor:  # type: ignore[override]
+        ctx.tag = tag
+        ctx.save_for_backward(torch.full((64,), tag, dtype=torch.int64, device=x.device))
+        return x * 2
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
+        (idx,) = ctx.saved_tensors
+        # (numpy reads the bytes without an op the capture would record or refuse)
+        _Seen.read.append((ctx.tag, sorted(set(idx.detach().numpy().tolist()))))
+        return g * 2, None
+
+
+class _Tagged(nn.Module):
+    def __init__(self, tag: int) -> None:
+        super().__init__()
+        self.tag = tag
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _Seen.apply(self.lin(x), self.tag)
+
+
+@pytest.mark.parametrize("mode", ["resident", "remap"])
+def test_each_backward_capture_reads_its_own_layers_saved_tensors(clean, mode):
+    """Layers offloading through shared banks: a backend whose capture runs the work (cpu)
+    once captured a layer's backward over a later layer's bytes in its bank, and max
+    pooling's backward, trusting those as indices, wrote out of bounds (a segfault)."""
+    b = clean
+    if not b.new_graph().executes_during_capture:
+        pytest.skip(f"the {b.name} backend's capture runs no work")
+    torch.manual_seed(0)
+    _Seen.read = []
+    layers = [_Tagged(k).to(b.device) for k in range(4)]
+    with GraphedLayers(layers, torch.zeros(4, 8, device=b.device, requires_grad=True), mode=mode,
+                       layers_per_graph=1, backend=b):
+        # (the warm-ups' backwards, then the captures', last layer first)
+        assert [tag for tag, _ in _Seen.read[-4:]] == [3, 2, 1, 0]
+        assert all(read == [tag] for tag, read in _Seen.read), _Seen.read
+
+
+@pytest.mark.parametrize("mode", ["resident", "remap"])
+def test_max_pooling_layers_offloaded_through_shared_banks_train_as_eager(clean, mode):
+    b = clean
+    torch.manual_seed(0)
+    layers = [_Down(4, 8).to(b.device), _Down(8, 16).to(b.device), _Flat(),
+              nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True).to(b.device)]
+    eager = nn.Sequential(*copy.deepcopy(layers))
+    with GraphedLayers(layers, torch.zeros(4, 4, 16, device=b.device, requires_grad=True),
+                       mode=mode, layers_per_graph=1, backend=b) as stack:
+        for _ in range(2):
+            x = torch.randn(4, 4, 16, device=b.device)
+            xg, xe = x.clone().requires_grad_(), x.clone().requires_grad_()
+            stack(xg).square().sum().backward()
+            eager(xe).square().sum().backward()
+            for a, e in zip([xg, *stack.parameters()], [xe, *eager.parameters()]):
+                assert torch.equal(a.grad, e.grad)

@@ -804,3 +804,31 @@ def test_the_table_says_where_the_trace_and_plot_went_or_why_not(backend, tmp_pa
                   configs=("graph_remap",), trace_path=str(tmp_path / "t.json"))
     assert (tmp_path / "t.json").exists()
     assert f"trace of graph_remap's step: {tmp_path / 't.json'}" in bench_report.render_table(r)
+
+
+@pytest.mark.parametrize("isolate", [False, True])
+def test_a_trace_or_plot_that_cannot_be_written_after_the_run_keeps_the_report(
+        capsys, tmp_path, monkeypatch, isolate):
+    """A write failing after the checks passed (a disk filled during the run) once ended
+    in a traceback and lost the results: the report is printed, the failure named, exit 1."""
+    from graphslot import trace
+
+    def full(self, path):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(trace.Timeline, "write", full)
+    monkeypatch.setenv("GRAPHSLOT_BACKEND", "cpu")
+    if isolate:  # (the trace is written by the configuration's own process)
+        monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+        (tmp_path / "sitecustomize.py").write_text(
+            "from graphslot import trace\n"
+            "def full(self, path):\n    raise OSError(28, 'No space left on device')\n"
+            "trace.Timeline.write = full\n")
+    path = tmp_path / "t.json"
+    rc = cli.main(["bench", "--preset", "tiny", "--steps", "1", "--warmup", "0", "--quiet", "--json",
+                   "--configs", "graph_remap", "--trace", str(path)] + (["--isolate"] if isolate else []))
+    out, err = capsys.readouterr()
+    r = json.loads(out)
+    assert rc == 1 and "step_ms" in r["configs"]["graph_remap"], (out, err)
+    assert r["write_errors"] == [f"--trace {path}: cannot write it (No space left on device)"]
+    assert err.strip() == f"graphslot bench: error: --trace {path}: cannot write it (No space left on device)"

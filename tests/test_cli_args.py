@@ -298,6 +298,8 @@ def test_any_granularity_variable_gives_info_or_one_line(capsys, value):
     # the bench checks its output paths before it runs anything (nothing here would fit)
     (["bench", "--plot", "/nonexistent/dir/x.png"], {}, "--plot /nonexistent/dir/x.png"),
     (["bench", "--trace", "/nonexistent/dir/t.json"], {}, "--trace /nonexistent/dir/t.json"),
+    # (a folder access() may call writable for root, where no file can be made)
+    (["bench", "--trace", "/proc/t.json"], {}, "--trace /proc/t.json: cannot write it"),
     (["bench", "--accumulate", "0"], {}, "--accumulate"),
     (["bench", "--budgets", "10 parsecs"], {}, "--budgets"),
     # (a negative size after its option is not taken for an option of its own)
@@ -343,6 +345,24 @@ def test_a_shape_the_device_cannot_hold_is_refused_before_it_takes_the_memory(ca
                              "--heads", "64", "--ffn", "262144", "--layers", "4096"], capsys)
     assert_one_line_error(rc, out, err)
     assert "weights and gradients" in err and "free" in err and "--hidden" in err
+
+
+@pytest.mark.parametrize("option,value", [("--batch", "100000000000000000"),
+                                          ("--batch", "99999999999999999999"),
+                                          ("--seq", "9223372036854775807")])
+def test_a_batch_or_sequence_past_what_the_device_holds_is_refused_by_name(capsys, monkeypatch,
+                                                                           option, value):
+    """Activations past any device (and past what a tensor can index: torch's overflow
+    errors named neither the option nor the bench) are one line and exit 2."""
+    from graphslot.cli import bench
+
+    def never(*a, **k):
+        raise AssertionError("ran")
+
+    monkeypatch.setattr(bench, "run_bench", never)
+    rc, out, err = run_main(["bench", "--json", "--quiet", "--preset", "tiny", option, value], capsys)
+    assert_one_line_error(rc, out, err)
+    assert "input and output" in err and "free" in err and option in err
 
 
 @pytest.mark.parametrize("argv,prog", [(["demo", "--bogus"], "graphslot demo"),

@@ -83,10 +83,16 @@ class _Ref:
 
 
 class _Op:
-    __slots__ = ("func", "args_spec", "in_refs", "out_refs", "out_spec", "in_views", "out_views")
+    __slots__ = ("func", "grad", "args_spec", "in_refs", "out_refs", "out_spec", "in_views",
+                 "out_views")
 
     def __init__(self, func: Any, args: Any, kwargs: Any, out: Any) -> None:
         self.func = func
+        # Some kernels read grad mode as well as their arguments (oneDNN's LSTM keeps the
+        # workspace its backward reads only with it on), and a replay may run under another
+        # mode than the capture (a stack's forward replays inside an autograd Function).
+        # The views a replay passes never require grad, so no autograd graph is built.
+        self.grad = torch.is_grad_enabled()
         flat, self.args_spec = pytree.tree_flatten((args, kwargs))
         self.in_refs = [(_Ref.of(x) if isinstance(x, torch.Tensor) else x) for x in flat]
         out_flat, self.out_spec = pytree.tree_flatten(out)
@@ -290,8 +296,13 @@ class CpuGraph(DeviceGraph):
         # Each op runs as the kernel the capture recorded, as a device graph's would: not
         # through autocast again (the caller's, on at replay, would recast what the capture
         # ran in full precision inside a composite op, such as attention's math path).
-        with torch.autocast("cpu", enabled=False):
+        with torch.autocast("cpu", enabled=False), torch.enable_grad():
+            grad = True
             for op in self._ops:
+                want = getattr(op, "grad", grad)  # (a host step keeps the mode it finds)
+                if want is not grad:
+                    torch.set_grad_enabled(want)
+                    grad = want
                 op.run()
 
     @property

@@ -32,7 +32,7 @@ import statistics
 import sys
 import warnings
 from dataclasses import dataclass
-from typing import Any, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
@@ -161,12 +161,11 @@ def run_bench(b: Backend, shape: BenchShape, *, steps: int = 10, warmup: int = 3
     if trace_path:
         pick = next((n for n in _TRACED if n in traces), None)
         if pick:
-            traces[pick].write(trace_path)
-            out["trace"] = {"config": pick, "path": trace_path}
+            if _written(out, "--trace", trace_path, lambda: traces[pick].write(trace_path)):
+                out["trace"] = {"config": pick, "path": trace_path}
         else:
             out["trace"] = _NO_TRACE
-    if plot_path:
-        plot(out, curves, plot_path)
+    if plot_path and _written(out, "--plot", plot_path, lambda: plot(out, curves, plot_path)):
         out["plot"] = plot_path
     peer_ratios(out["configs"], rounds)
     variant_ratios(out["configs"])
@@ -338,15 +337,18 @@ def _run_child(b: Backend, argv: list[str]) -> dict[str, Any]:
 
     env = {**os.environ, "GRAPHSLOT_BACKEND": b.name}
     done = subprocess.run(argv, env=env, capture_output=True, text=True)
-    if done.returncode != 0:
-        why = (done.stderr.strip().splitlines() or [f"exit status {done.returncode}"])[-1]
-        return {"reason": f"its process failed: {why}"}
     # The report is the last thing printed (indented JSON: it begins with a line "{");
-    # a library may have printed before it.
+    # a library may have printed before it. A process that ran but could not write its
+    # trace reports, then exits 1.
     start = done.stdout.rfind("\n{\n") + 1 if not done.stdout.startswith("{\n") else 0
     try:
         out, _ = json.JSONDecoder().raw_decode(done.stdout, start)
     except ValueError:
+        out = None
+    if done.returncode != 0 and not (isinstance(out, dict) and out.get("write_errors")):
+        why = (done.stderr.strip().splitlines() or [f"exit status {done.returncode}"])[-1]
+        return {"reason": f"its process failed: {why}"}
+    if out is None:
         tail = (done.stderr.strip().splitlines() or ["nothing on stderr"])[-1]
         return {"reason": f"its process printed no report ({tail})"}
     return dict(out)
@@ -379,6 +381,8 @@ def _run_isolated(b: Backend, shape: BenchShape, names: list[str], sweep: bool,
                 bar.update(f"{name}: round {rnd}/{o.rounds}, own process", advance=False)
                 child = _run_child(b, _child_argv(shape, name, o, trace_path if rnd == 1 and
                                                   name == trace_for else None))
+                if child.get("write_errors"):
+                    out.setdefault("write_errors", []).extend(child.pop("write_errors"))
                 c = child.get("configs", {}).get(name) if "reason" not in child else child
                 c = c or {"reason": "its process reported nothing for it"}
                 bar.update(f"{name}: round {rnd}/{o.rounds} done")
@@ -408,24 +412,40 @@ def _run_isolated(b: Backend, shape: BenchShape, names: list[str], sweep: bool,
     if plot_path:
         curves = {n: [(p[0], p[1]) for p in c.get("memory_curve", [])]
                   for n, c in out["configs"].items() if "reason" not in c}
-        plot(out, curves, plot_path)
-        out["plot"] = plot_path
+        if _written(out, "--plot", plot_path, lambda: plot(out, curves, plot_path)):
+            out["plot"] = plot_path
     peer_ratios(out["configs"], o.rounds)
     variant_ratios(out["configs"])
     return out
 
 
+def _written(out: dict[str, Any], option: str, path: str, write: Callable[[], Any]) -> bool:
+    """Run ``write``; where it fails, note why in ``out["write_errors"]`` (the report is
+    still printed, then the command exits 1) rather than losing the run."""
+    try:
+        write()
+    except OSError as e:
+        out.setdefault("write_errors", []).append(f"{option} {path}: cannot write it ({e.strerror or e})")
+        return False
+    return True
+
+
 def _cannot_hold(b: Backend, shape: BenchShape) -> str | None:
     """Why ``shape`` cannot run on ``b``'s device, where its layers' weights and gradients
-    alone exceed what the device has free (on the cpu backend the host's memory, which
-    overcommits rather than failing an allocation: the run would take the machine's)."""
-    need = 2 * shape.weight_bytes()  # (weights and their gradients)
+    and the stack's input and output alone exceed what the device has free (on the cpu
+    backend the host's memory, which overcommits rather than failing an allocation: the
+    run would take the machine's; a size past what a tensor can index fails inside torch
+    with no word of the option)."""
+    weights, acts = 2 * shape.weight_bytes(), 2 * shape.boundary_bytes()
     free, _ = b.mem_info()
-    if need <= free:
+    if weights + acts <= free:
         return None
-    return (f"shape {shape.as_dict()} needs at least {format_bytes(need)} on {b.device} for its "
-            f"layers' weights and gradients, and it has {format_bytes(free)} free: give a "
-            "smaller shape (--hidden, --ffn, --layers)")
+    what, options = (("its layers' weights and gradients", "--hidden, --ffn, --layers")
+                     if weights >= acts else
+                     ("the stack's input and output", "--batch, --seq, --hidden"))
+    return (f"shape {shape.as_dict()} needs at least {format_bytes(weights + acts)} on "
+            f"{b.device} for {what} and the rest, and it has {format_bytes(free)} free: give "
+            f"a smaller shape ({options})")
 
 
 def _is_oom(e: BaseException) -> bool:
@@ -531,7 +551,9 @@ def main(args: argparse.Namespace) -> int:
               f"{str(e).splitlines()[0]}", file=sys.stderr)
         return 2
     print(json.dumps(r, indent=2) if args.json else render_table(r))
-    return 0
+    for why in r.get("write_errors", []):
+        print(f"graphslot bench: error: {why}", file=sys.stderr)
+    return 1 if r.get("write_errors") else 0
 
 
 def add_parser(sub: Any) -> None:

@@ -6,6 +6,7 @@ plot; and the check of its output paths before anything runs.
 from __future__ import annotations
 
 import importlib
+import contextlib
 import os
 import statistics
 from typing import Any
@@ -52,6 +53,16 @@ def check_output_path(path: str, option: str) -> None:
         raise UsageError(f"{option} {path}: is a folder")
     if not os.access(folder, os.W_OK | os.X_OK):
         raise UsageError(f"{option} {path}: folder {folder} is not writable")
+    # (access() says yes to root where no file can be made, as in /proc: try it)
+    existed = os.path.exists(path)
+    try:
+        with open(path, "a"):
+            pass
+    except OSError as e:
+        raise UsageError(f"{option} {path}: cannot write it ({e.strerror or e})") from None
+    if not existed:
+        with contextlib.suppress(OSError):
+            os.remove(path)
     if kinds is PLOT_TYPES:
         try:
             importlib.import_module("matplotlib")
