@@ -311,8 +311,10 @@ class VariantGraphs:
         Args:
             name: the variant (a new one gets its own region).
             fn: the work to capture, called once with ``*args`` and ``**kwargs``.
+            *args: positional arguments for ``fn``.
             part: the graph's name within the variant (forward, backward, ...).
             stream: the capture stream (default: the backend's choice).
+            **kwargs: keyword arguments for ``fn`` (other than ``part`` and ``stream``).
 
         Returns:
             What ``fn`` returned (tensors in the variant's pool, or static tensors it

@@ -832,3 +832,7 @@ def test_a_trace_or_plot_that_cannot_be_written_after_the_run_keeps_the_report(
     assert rc == 1 and "step_ms" in r["configs"]["graph_remap"], (out, err)
     assert r["write_errors"] == [f"--trace {path}: cannot write it (No space left on device)"]
     assert err.strip() == f"graphslot bench: error: --trace {path}: cannot write it (No space left on device)"
+
+
+def test_budgets_given_twice_in_other_units_run_once_under_their_first_spelling():
+    assert bench.parse_budgets("1GiB, 1024MiB,1GiB,1073741824, 2GiB") == ["1GiB", "2GiB"]

@@ -9,6 +9,7 @@ import itertools
 import random
 
 import pytest
+import torch
 
 from graphslot.budget import (CHOICES, FIT_BUILDS, KEEP, OFFLOAD, RECOMPUTE, BudgetPlan,
                               LayerCost, StackProfile, banks_bytes, fit_budget, gradient_homes,
@@ -288,6 +289,23 @@ def test_mode_off_plans_without_offload():
                                        ("1EiB", 1 << 60)])
 def test_budgets_parse_as_sizes(text, want):
     assert parse_budget(text) == want
+
+
+@pytest.mark.parametrize("make", ["int64", "int32", "float64", "array", "tensor"])
+def test_numpy_and_torch_numbers_are_budgets_as_python_ones(make):
+    if make == "tensor":
+        number = torch.tensor(GiB)
+    else:
+        np = pytest.importorskip("numpy")
+        number = np.array(GiB) if make == "array" else getattr(np, make)(GiB)
+    assert parse_budget(number) == GiB and type(parse_budget(number)) is int
+
+
+def test_numpy_values_that_are_no_size_are_named():
+    np = pytest.importorskip("numpy")
+    for bad in (np.array([GiB, GiB]), np.bool_(True), np.int64(-1), torch.tensor([1.0, 2.0])):
+        with pytest.raises(UsageError, match="budget"):
+            parse_budget(bad)
 
 
 @pytest.mark.parametrize("bad", ["lots", "-3GiB", 0, True, "10 parsecs", None, 0.5, "0.5"])

@@ -601,7 +601,7 @@ def test_cli_png_draws_a_chart(tmp_path, capsys):
 def test_cli_png_without_matplotlib_is_a_clear_error(tmp_path, capsys, monkeypatch):
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import now raises ImportError
     png = tmp_path / "arena.png"
-    assert _cli(["plan", _write(tmp_path, DOC), "--png", str(png)]) == 1
+    assert _cli(["plan", _write(tmp_path, DOC), "--png", str(png)]) == 2  # (as bench --plot)
     cap = capsys.readouterr()
     assert "--png needs matplotlib" in cap.err and "graphslot[plot]" in cap.err
     assert cap.out == "" and not png.exists()

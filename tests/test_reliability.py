@@ -431,6 +431,17 @@ def test_byte_counts_must_be_integers(clean, kw):
         GraphedLayers(list(model.blocks), sample, mode="resident", backend=b, **kw)
 
 
+@pytest.mark.parametrize("warmups", [-1, 1.5, "2", True])
+def test_warmup_iterations_must_be_a_count(clean, warmups):
+    b = clean
+    model = small(b, 2)
+    sample = model.hidden_in(model.batch(0, b.device)[0]).detach()
+    with pytest.raises(UsageError, match=f"warmup_iters must be an integer, at least 0, got {warmups!r}"):
+        GraphedLayers(list(model.blocks), sample, backend=b, warmup_iters=warmups)
+    with GraphedLayers(list(model.blocks), sample, backend=b, warmup_iters=torch.tensor(0)) as stack:
+        assert stack.warmup_iters == 1
+
+
 def test_mode_off_refuses_layers_to_offload(clean):
     b = clean
     model = small(b, 2)

@@ -231,7 +231,7 @@ class GraphedLayers(nn.Module):
             integer takes that many at a time. Layers of different choices (kept,
             offloaded, recomputed) never share a graph. ``graph_layers`` says what was
             chosen.
-        warmup_iters: eager iterations before capture.
+        warmup_iters: eager iterations before capture (at least one runs: 0 means one).
         backend: the graphslot backend (default: :func:`graphslot.get_backend`).
         debug_checksums: verify a checksum of every restored activation (slow).
         main_grad: accumulate each parameter's gradient into its ``main_grad`` attribute,
@@ -353,7 +353,13 @@ class GraphedLayers(nn.Module):
         modes = tuple(m.value for m in Mode) if mode is None else (Mode(mode).value,)
         self._engine_args: dict[str, Any] = dict(
             min_bytes=min_offload_bytes, section_bytes=section_bytes, debug_checksums=debug_checksums)
-        self.warmup_iters = max(1, int(warmup_iters))
+        try:
+            warmups = -1 if isinstance(warmup_iters, bool) else operator.index(warmup_iters)
+        except TypeError:
+            warmups = -1
+        if warmups < 0:
+            raise UsageError(f"warmup_iters must be an integer, at least 0, got {warmup_iters!r}")
+        self.warmup_iters = max(1, warmups)  # (the build's checks read one eager iteration)
         self._microbatch = 0
         #: the layers each device graph covers, in order (see ``layers_per_graph``)
         self.graph_layers: tuple[tuple[int, ...], ...] = ()

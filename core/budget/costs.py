@@ -4,7 +4,10 @@ as sizes (:func:`parse_budget`). Imports nothing of the package but errors and s
 
 from __future__ import annotations
 
+import contextlib
 import math
+import numbers
+import operator
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Sequence
 
@@ -296,6 +299,13 @@ def parse_budget(v: int | float | str) -> int:
     """
     if isinstance(v, bool):
         raise UsageError(f"memory budget must be a size in bytes, got {v!r}")
+    if not isinstance(v, (int, float, str)):
+        # (numpy's and torch's numbers, 0-d arrays included: an integer through
+        # operator.index, another real number through float)
+        with contextlib.suppress(TypeError):
+            v = operator.index(v)
+        if not isinstance(v, int) and isinstance(v, numbers.Real):
+            v = float(v)
     if isinstance(v, (int, float)):
         n = v
     elif isinstance(v, str):

@@ -464,12 +464,13 @@ def parse_budgets(text: str | None) -> str | list[str] | None:
     sizes = [s.strip() for s in text.split(",") if s.strip()]
     if not sizes:
         raise ValueError("--budgets: empty list; give sizes such as 10GiB,12GiB or 'sweep'")
+    first: dict[int, str] = {}  # bytes -> the first spelling of them (1GiB and 1024MiB run once)
     for s in sizes:
         try:
-            parse_size(s)
+            first.setdefault(parse_size(s), s)
         except ValueError as e:
             raise ValueError(f"--budgets: {e}") from None
-    return sizes
+    return list(first.values())
 
 
 def check_args(args: argparse.Namespace) -> tuple[BenchShape, tuple[str, ...], str | list[str] | None]:

@@ -326,15 +326,16 @@ def _png_problem(path: str) -> str | None:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Run ``graphslot plan``; 0 on success, 2 for a bad file or argument, 1 when --png
-    cannot draw (matplotlib missing, or the write fails)."""
+    """Run ``graphslot plan``; 0 on success, 2 for a bad file or argument (``--png``
+    without matplotlib included, as ``bench --plot``), 1 when the table's tabulate is
+    missing or the drawing's write fails."""
     if args.png is not None:
         try:  # fail before any output, not after planning
             importlib.import_module("matplotlib")
         except ImportError:
             print("graphslot plan: error: --png needs matplotlib, which is not installed; "
                   "install it with: pip install 'graphslot[plot]'", file=sys.stderr)
-            return 1
+            return 2
         problem = _png_problem(args.png)
         if problem:
             return _fail(problem)

@@ -91,6 +91,7 @@ def export_slot_plan(p: Plan, *, arena_id: int = 0, slot_bytes: int | None = Non
     """One :class:`SlotPlanEntry` per tensor of ``p``, in ``p.tensors`` order.
 
     Args:
+        p: the plan (:func:`~graphslot.planner.plan`'s, say) whose tensors are exported.
         arena_id: the id written to the arena field (>= 0).
         slot_bytes: bytes per physical slot; default the smallest ``align`` of the plan,
             which divides every offset. An offset it does not divide is an error.
