@@ -1,4 +1,5 @@
-"""Byte sizes, one rule each: how a byte count is written, and how far a strided view reaches.
+"""Byte sizes, one rule each: how a byte count is written, how far a strided view reaches,
+and what an argument that counts (bytes, iterations) may be.
 
 Dependency-free, like :mod:`graphslot.errors`: every layer may import it (the backends
 included).
@@ -6,9 +7,12 @@ included).
 
 from __future__ import annotations
 
+import operator
 from typing import Sequence
 
-__all__ = ["format_bytes", "view_extent"]
+from .errors import UsageError
+
+__all__ = ["format_bytes", "view_extent", "whole_count"]
 
 _UNITS = (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10))
 
@@ -53,3 +57,27 @@ def view_extent(shape: Sequence[int], stride: Sequence[int], itemsize: int) -> i
     if not all(shape):
         return 0
     return (1 + sum((int(s) - 1) * int(step) for s, step in zip(shape, stride))) * itemsize
+
+
+def whole_count(value: object, name: str, *, least: int = 0, of: str = "") -> int:
+    """``value`` as a Python ``int`` of at least ``least``: an integer, numpy's and torch's
+    included (through ``operator.index``), never a bool, a float or a string.
+
+    Args:
+        value: what the caller gave.
+        name: the argument, for the message.
+        least: the smallest value allowed.
+        of: what it counts, for the message (``" of bytes"``).
+
+    Raises:
+        UsageError: ``"<name> must be an integer<of>, at least <least>, got <value>"``.
+    """
+    try:
+        if isinstance(value, bool):
+            raise TypeError
+        n = operator.index(value)  # type: ignore[arg-type]
+    except TypeError:
+        n = least - 1
+    if n < least:
+        raise UsageError(f"{name} must be an integer{of}, at least {least}, got {value!r}")
+    return n

@@ -425,7 +425,7 @@ def test_remap_holds_one_bank_where_slots_stream_and_trains_like_resident(engine
 
 def test_section_bytes_is_checked(engine_clean):
     for bad in (0, -1, 1.5, True):
-        with pytest.raises(UsageError, match="section_bytes must be a positive integer"):
+        with pytest.raises(UsageError, match="section_bytes must be an integer of bytes, at least 1"):
             OffloadEngine(engine_clean, "remap", section_bytes=bad)
 
 
@@ -1725,5 +1725,14 @@ def test_a_pass_after_a_release_whose_unmap_failed_finds_its_bank_mapped(engine_
         eng.abandon(t2)
         with pytest.raises(InjectedFault):
             eng.wait_idle()  # the failed release is reported
+    finally:
+        eng.close()
+
+
+def test_byte_counts_of_numpy_or_torch_integers_are_taken_as_ints(engine_clean):
+    eng = OffloadEngine(engine_clean, "remap", min_bytes=torch.tensor(0), section_bytes=torch.tensor(1 << 20))
+    try:
+        assert (eng.min_bytes, eng.section_bytes) == (0, 1 << 20)
+        assert type(eng.min_bytes) is int and type(eng.section_bytes) is int
     finally:
         eng.close()

@@ -36,3 +36,17 @@ def test_view_extent_matches_torch(shape, perm_seed, dtype):
         ptrs = [t[idx].data_ptr() if t.ndim else t.data_ptr() for idx in
                 [tuple(0 for _ in t.shape), tuple(s - 1 for s in t.shape)]]
         assert got == max(ptrs) - min(ptrs) + t.element_size()
+
+
+def test_a_count_is_an_integer_of_at_least_its_least():
+    from fractions import Fraction
+
+    from graphslot.errors import UsageError
+    from graphslot.sizes import whole_count
+
+    assert whole_count(3, "n") == 3 and type(whole_count(torch.tensor(3), "n")) is int
+    for bad in (True, 2.0, "2", Fraction(2), None, -1, torch.tensor([1, 2])):
+        with pytest.raises(UsageError, match=r"^n must be an integer of bytes, at least 0, got "):
+            whole_count(bad, "n", of=" of bytes")
+    with pytest.raises(UsageError, match="at least 1, got 0"):
+        whole_count(0, "n", least=1)

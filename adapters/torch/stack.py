@@ -62,7 +62,6 @@ from __future__ import annotations
 import collections
 import contextlib
 import gc
-import operator
 import threading
 import time
 import warnings
@@ -84,7 +83,7 @@ from graphslot.optimizer_state import StateWatch, state_to_come
 from graphslot.precision import autocast_dtype
 from graphslot.profile import copy_bandwidth, held_bytes, profile_units
 from graphslot.selection import get_backend
-from graphslot.sizes import format_bytes
+from graphslot.sizes import format_bytes, whole_count
 
 from .grads import ParamGrad, storage_id
 from .plan import (check_layers, check_main_grads, check_sample, HookWatch, hooked_modules, layer_set,
@@ -327,22 +326,15 @@ class GraphedLayers(nn.Module):
         if cheap & offload:
             raise UsageError(f"layers {sorted(cheap & offload)} are recomputed cheaply, which "
                              "keeps their input on the device, and in offload_layers too")
-        counts = {}
-        for name, v, least in (("min_offload_bytes", min_offload_bytes, 0), ("section_bytes", section_bytes, 1)):
+        min_offload_bytes = whole_count(min_offload_bytes, "min_offload_bytes", of=" of bytes")
+        section_bytes = whole_count(section_bytes, "section_bytes", least=1, of=" of bytes")
+        warmups = whole_count(warmup_iters, "warmup_iters")
+        if layers_per_graph is not None:
             try:
-                if isinstance(v, bool):
-                    raise TypeError
-                counts[name] = operator.index(v)  # (numpy's integers too)
-            except TypeError:
-                counts[name] = -1
-            if counts[name] < least:
-                raise UsageError(f"{name} must be an integer of bytes, at least {least}, got {v!r}")
-        min_offload_bytes, section_bytes = counts["min_offload_bytes"], counts["section_bytes"]
-        if layers_per_graph is not None and (isinstance(layers_per_graph, bool)
-                                             or not isinstance(layers_per_graph, int)
-                                             or layers_per_graph < 1):
-            raise UsageError(f"layers_per_graph must be a positive integer or None (join small "
-                             f"layers), got {layers_per_graph!r}")
+                layers_per_graph = whole_count(layers_per_graph, "layers_per_graph", least=1)
+            except UsageError:
+                raise UsageError(f"layers_per_graph must be a positive integer or None (join "
+                                 f"small layers), got {layers_per_graph!r}") from None
         if mode is not None and mode not in tuple(m.value for m in Mode):
             raise UsageError(f"mode must be one of {', '.join(repr(m.value) for m in Mode)} "
                              f"or None, got {mode!r}")
@@ -353,12 +345,6 @@ class GraphedLayers(nn.Module):
         modes = tuple(m.value for m in Mode) if mode is None else (Mode(mode).value,)
         self._engine_args: dict[str, Any] = dict(
             min_bytes=min_offload_bytes, section_bytes=section_bytes, debug_checksums=debug_checksums)
-        try:
-            warmups = -1 if isinstance(warmup_iters, bool) else operator.index(warmup_iters)
-        except TypeError:
-            warmups = -1
-        if warmups < 0:
-            raise UsageError(f"warmup_iters must be an integer, at least 0, got {warmup_iters!r}")
         self.warmup_iters = max(1, warmups)  # (the build's checks read one eager iteration)
         self._microbatch = 0
         #: the layers each device graph covers, in order (see ``layers_per_graph``)

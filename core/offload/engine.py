@@ -13,6 +13,7 @@ import torch
 
 from ..backend import Backend
 from ..errors import CaptureMismatchError, StateError, UsageError
+from ..sizes import whole_count
 from .group import OffloadGroup
 from .residency import KeptOnDevice, RemapBanks, Residency, ResidentBanks
 from .saved import SECTION_BYTES
@@ -47,11 +48,8 @@ class OffloadEngine:
             self.mode = Mode(mode)
         except ValueError:
             raise UsageError(f"unknown offload mode {mode!r}; choose off, resident or remap") from None
-        if isinstance(min_bytes, bool) or not isinstance(min_bytes, int) or min_bytes < 0:
-            raise UsageError(f"min_bytes (min_offload_bytes) must be a non-negative integer of "
-                             f"bytes, got {min_bytes!r}")
-        if isinstance(section_bytes, bool) or not isinstance(section_bytes, int) or section_bytes < 1:
-            raise UsageError(f"section_bytes must be a positive integer, got {section_bytes!r}")
+        min_bytes = whole_count(min_bytes, "min_bytes", of=" of bytes")
+        section_bytes = whole_count(section_bytes, "section_bytes", least=1, of=" of bytes")
         self.backend = backend
         self.section_bytes = section_bytes
         self.min_bytes = min_bytes
