@@ -40,6 +40,9 @@
 #   pools [PRESET]  benchmarks/pool_split.py with every layer recomputed (remap; POOL_MODES=
 #           remap,off for both): the graphs' shared pool as built against a pool per
 #           backward graph (POOL_VARIANTS names others: maxsplit, fixed; default preset: llama)
+#   parts [PRESET]  benchmarks/recompute_parts.py: one layer's backward working memory and
+#           graph pool when its attention and MLP are recomputed one at a time, against
+#           whole-layer recompute (default preset: llama; about a minute)
 #   grads [PRESET]  eager and the three modes with zero_grad(), each beside its variant
 #           with .grad kept (zero_grad(set_to_none=False)) over four accumulated
 #           microbatches, in one run: what a kept gradient costs (default preset: default,
@@ -50,7 +53,7 @@
 # A bench's log says, a line each, which configuration it started and when, then ends with
 # its JSON.
 set -uo pipefail
-part=${1:?"which part: abc, a, b, c, te, megatron_te, weakrefs, bench, launch, llama, peers, sweep, budgets, probe, held, pools or grads"}
+part=${1:?"which part: abc, a, b, c, te, megatron_te, weakrefs, bench, launch, llama, peers, sweep, budgets, probe, held, pools, parts or grads"}
 out=${OUT:-/tmp/graphslot-gpu-check}
 mkdir -p "$out"
 cd "$(dirname "$0")/.."
@@ -166,11 +169,13 @@ PY
       run "pools_${preset}_$m" python3 benchmarks/pool_split.py --preset "$preset" --mode "$m" \
         --variants "${POOL_VARIANTS:-shared,split}"
     done ;;
+  parts)
+    run "parts_${2:-llama}" python3 benchmarks/recompute_parts.py --preset "${2:-llama}" --json ;;
   grads)  # a kept .grad over four microbatches beside zero_grad(), per mode, in one run
     preset=${2:-default}
     configs=""
     for c in eager graph graph_resident graph_remap; do configs+="$c,$c@keep@acc4,"; done
     run "grads_$preset" python3 -m graphslot.cli bench --preset "$preset" --isolate --json \
       --steps 3 --warmup 1 --configs "${configs%,}" ;;
-  *) echo "unknown part '$part': choose abc, a, b, c, te, megatron_te, weakrefs, bench, launch, llama, peers, sweep, budgets, probe, held, pools or grads" >&2; exit 2 ;;
+  *) echo "unknown part '$part': choose abc, a, b, c, te, megatron_te, weakrefs, bench, launch, llama, peers, sweep, budgets, probe, held, pools, parts or grads" >&2; exit 2 ;;
 esac
