@@ -73,8 +73,8 @@ def whole_count(value: object, name: str, *, least: int = 0, of: str = "") -> in
         UsageError: ``"<name> must be an integer<of>, at least <least>, got <value>"``.
     """
     try:
-        if isinstance(value, bool):
-            raise TypeError
+        if isinstance(value, bool) or "bool" in str(getattr(value, "dtype", "")):
+            raise TypeError  # (a bool tensor's __index__ answers 1)
         n = operator.index(value)  # type: ignore[arg-type]
     except TypeError:
         n = least - 1

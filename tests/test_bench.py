@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import sys
 import warnings
@@ -819,7 +820,8 @@ def test_a_trace_or_plot_that_cannot_be_written_after_the_run_keeps_the_report(
     monkeypatch.setattr(trace.Timeline, "write", full)
     monkeypatch.setenv("GRAPHSLOT_BACKEND", "cpu")
     if isolate:  # (the trace is written by the configuration's own process)
-        monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+        monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tmp_path), *filter(None, [
+            os.environ.get("PYTHONPATH")])]))
         (tmp_path / "sitecustomize.py").write_text(
             "from graphslot import trace\n"
             "def full(self, path):\n    raise OSError(28, 'No space left on device')\n"
@@ -829,10 +831,32 @@ def test_a_trace_or_plot_that_cannot_be_written_after_the_run_keeps_the_report(
                    "--configs", "graph_remap", "--trace", str(path)] + (["--isolate"] if isolate else []))
     out, err = capsys.readouterr()
     r = json.loads(out)
+    why = f"the trace {path}: cannot write it (No space left on device)"
     assert rc == 1 and "step_ms" in r["configs"]["graph_remap"], (out, err)
-    assert r["write_errors"] == [f"--trace {path}: cannot write it (No space left on device)"]
-    assert err.strip() == f"graphslot bench: error: --trace {path}: cannot write it (No space left on device)"
+    assert r["write_errors"] == [why] and not path.exists()
+    assert r["trace"] == {"config": "graph_remap", "path": None, "reason": why}
+    assert err.strip() == f"graphslot bench: error: {why}"
+
+
+def test_a_plot_that_cannot_be_written_after_the_run_keeps_the_report(capsys, tmp_path, monkeypatch):
+    pytest.importorskip("matplotlib")
+
+    def full(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(bench, "plot", full)
+    path = tmp_path / "p.png"
+    rc = cli.main(["bench", "--preset", "tiny", "--steps", "1", "--warmup", "0", "--quiet", "--json",
+                   "--configs", "eager", "--plot", str(path)])
+    out, err = capsys.readouterr()
+    r = json.loads(out)
+    why = f"the plot {path}: cannot write it (No space left on device)"
+    assert rc == 1 and "step_ms" in r["configs"]["eager"] and "plot" not in r
+    assert r["write_errors"] == [why] and err.strip() == f"graphslot bench: error: {why}"
 
 
 def test_budgets_given_twice_in_other_units_run_once_under_their_first_spelling():
-    assert bench.parse_budgets("1GiB, 1024MiB,1GiB,1073741824, 2GiB") == ["1GiB", "2GiB"]
+    names, sweep = bench._order(["eager", "budget:1GiB@keep", "budget:1024MiB@keep", "eager"],
+                                ["1024MiB", "1GiB", "1073741824", "2GiB"])
+    assert not sweep and names == ["eager", "budget:1GiB@keep", "graph", "budget:1024MiB",
+                                   "budget:2GiB"]

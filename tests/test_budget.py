@@ -291,19 +291,28 @@ def test_budgets_parse_as_sizes(text, want):
     assert parse_budget(text) == want
 
 
-@pytest.mark.parametrize("make", ["int64", "int32", "float64", "array", "tensor"])
+@pytest.mark.parametrize("make", ["int64", "int32", "float32", "float64", "array", "float array",
+                                  "tensor", "float tensor", "fraction"])
 def test_numpy_and_torch_numbers_are_budgets_as_python_ones(make):
-    if make == "tensor":
-        number = torch.tensor(GiB)
+    from fractions import Fraction
+
+    if "tensor" in make or make == "fraction":
+        number = {"tensor": torch.tensor(GiB), "float tensor": torch.tensor(float(GiB)),
+                  "fraction": Fraction(2 * GiB, 2)}[make]
     else:
         np = pytest.importorskip("numpy")
-        number = np.array(GiB) if make == "array" else getattr(np, make)(GiB)
+        number = (np.array(GiB) if make == "array" else np.array(float(GiB)) if make == "float array"
+                  else getattr(np, make)(GiB))
     assert parse_budget(number) == GiB and type(parse_budget(number)) is int
 
 
 def test_numpy_values_that_are_no_size_are_named():
+    from fractions import Fraction
+
     np = pytest.importorskip("numpy")
-    for bad in (np.array([GiB, GiB]), np.bool_(True), np.int64(-1), torch.tensor([1.0, 2.0])):
+    for bad in (np.array([GiB, GiB]), np.bool_(True), np.int64(-1), torch.tensor([1.0, 2.0]),
+                torch.tensor(True), torch.tensor([GiB]), torch.empty((), device="meta"),
+                np.float32("nan"), Fraction(10 ** 400, 3)):
         with pytest.raises(UsageError, match="budget"):
             parse_budget(bad)
 

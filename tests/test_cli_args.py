@@ -299,7 +299,7 @@ def test_any_granularity_variable_gives_info_or_one_line(capsys, value):
     (["bench", "--plot", "/nonexistent/dir/x.png"], {}, "--plot /nonexistent/dir/x.png"),
     (["bench", "--trace", "/nonexistent/dir/t.json"], {}, "--trace /nonexistent/dir/t.json"),
     # (a folder access() may call writable for root, where no file can be made)
-    (["bench", "--trace", "/proc/t.json"], {}, "--trace /proc/t.json: cannot write it"),
+    (["bench", "--trace", "/proc/t.json"], {}, "--trace /proc/t.json: "),
     (["bench", "--accumulate", "0"], {}, "--accumulate"),
     (["bench", "--budgets", "10 parsecs"], {}, "--budgets"),
     # (a negative size after its option is not taken for an option of its own)
@@ -381,3 +381,24 @@ def test_an_unknown_backend_says_where_its_name_came_from(capsys, monkeypatch):
     rc, out, err = run_main(["info"], capsys)
     assert_one_line_error(rc, out, err)
     assert "(set GRAPHSLOT_BACKEND)" in err
+
+
+def test_the_output_path_check_leaves_what_is_there_and_never_waits(tmp_path):
+    """It tries to make the file: an existing one keeps its bytes, a link to a file not
+    made yet stays a link, and a named pipe no one reads is refused, not waited on."""
+    from graphslot.cli.bench_report import check_output_path
+    from graphslot.errors import UsageError
+
+    kept = tmp_path / "kept.json"
+    kept.write_text("mine")
+    link = tmp_path / "link.json"
+    link.symlink_to(tmp_path / "later" / "t.json")
+    pipe = tmp_path / "pipe.json"
+    os.mkfifo(pipe)
+    check_output_path(str(kept), "--trace")
+    check_output_path(str(link), "--trace")
+    check_output_path(str(tmp_path / "new.json"), "--trace")
+    with pytest.raises(UsageError, match="--trace .*pipe.json: cannot write it"):
+        check_output_path(str(pipe), "--trace")
+    assert kept.read_text() == "mine" and link.is_symlink()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["kept.json", "link.json", "pipe.json"]

@@ -79,6 +79,13 @@ def test_png_names_bad_targets(tmp_path, capsys, png, words):
     assert not Path(target).exists()
 
 
+def test_png_where_no_file_can_be_made_is_refused_before_planning(tmp_path, capsys):
+    """(/proc: access() may say yes to root; the plan was printed, then the write failed)"""
+    pytest.importorskip("matplotlib")
+    assert main([_file(tmp_path, json.dumps(GOOD)), "--png", "/proc/arena.png"]) == 2
+    _expect_2(capsys, "--png /proc/arena.png: ")
+
+
 def test_png_to_an_existing_directory_is_refused(tmp_path, capsys):
     pytest.importorskip("matplotlib")
     assert main([_file(tmp_path, json.dumps(GOOD)), "--png", str(tmp_path)]) == 2

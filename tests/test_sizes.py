@@ -45,7 +45,7 @@ def test_a_count_is_an_integer_of_at_least_its_least():
     from graphslot.sizes import whole_count
 
     assert whole_count(3, "n") == 3 and type(whole_count(torch.tensor(3), "n")) is int
-    for bad in (True, 2.0, "2", Fraction(2), None, -1, torch.tensor([1, 2])):
+    for bad in (True, 2.0, "2", Fraction(2), None, -1, torch.tensor([1, 2]), torch.tensor(True)):
         with pytest.raises(UsageError, match=r"^n must be an integer of bytes, at least 0, got "):
             whole_count(bad, "n", of=" of bytes")
     with pytest.raises(UsageError, match="at least 1, got 0"):

@@ -299,7 +299,7 @@ class CpuGraph(DeviceGraph):
         with torch.autocast("cpu", enabled=False), torch.enable_grad():
             grad = True
             for op in self._ops:
-                want = getattr(op, "grad", grad)  # (a host step keeps the mode it finds)
+                want = getattr(op, "grad", grad)  # (a host step: the mode of the op before it)
                 if want is not grad:
                     torch.set_grad_enabled(want)
                     grad = want

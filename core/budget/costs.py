@@ -4,10 +4,8 @@ as sizes (:func:`parse_budget`). Imports nothing of the package but errors and s
 
 from __future__ import annotations
 
-import contextlib
 import math
 import numbers
-import operator
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Sequence
 
@@ -290,22 +288,41 @@ _UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 10**3, "kib": 1 << 10, "m": 1 << 20
 MAX_BUDGET_BYTES = 1 << 60
 
 
+def _python_number(v: Any) -> Any:
+    """``v`` as Python's number where it is numpy's or torch's (a scalar, a 0-d array or
+    tensor, not a bool one), or where it is another real number (a Fraction, a Decimal)
+    that a float holds; ``v`` itself otherwise, for the caller to judge."""
+    if isinstance(v, (bool, int, float, str)):
+        return v
+    if hasattr(v, "dtype") and hasattr(v, "item"):
+        if getattr(v, "ndim", None) != 0 or "bool" in str(v.dtype):
+            return v
+        try:
+            return v.item()
+        except (RuntimeError, ValueError):  # (a meta tensor has no value to read)
+            return v
+    if isinstance(v, numbers.Integral):
+        return int(v)
+    if isinstance(v, numbers.Real):
+        try:
+            return float(v)
+        except (OverflowError, ValueError):
+            return math.inf
+    return v
+
+
 def parse_budget(v: int | float | str) -> int:
     """Bytes from a size: an integer, or a number with a unit (``"10GiB"``, ``"9.5G"``,
-    ``"12000MiB"``, ``"8e9"``; k, M, G, T, P, E alone are binary).
+    ``"12000MiB"``, ``"8e9"``; k, M, G, T, P, E alone are binary). numpy's and torch's
+    numbers (a 0-d array or tensor too) count as Python's.
 
     Raises:
         UsageError: not a positive size.
     """
+    given = v
+    v = _python_number(v)
     if isinstance(v, bool):
-        raise UsageError(f"memory budget must be a size in bytes, got {v!r}")
-    if not isinstance(v, (int, float, str)):
-        # (numpy's and torch's numbers, 0-d arrays included: an integer through
-        # operator.index, another real number through float)
-        with contextlib.suppress(TypeError):
-            v = operator.index(v)
-        if not isinstance(v, int) and isinstance(v, numbers.Real):
-            v = float(v)
+        raise UsageError(f"memory budget must be a size in bytes, got {given!r}")
     if isinstance(v, (int, float)):
         n = v
     elif isinstance(v, str):
@@ -315,19 +332,19 @@ def parse_budget(v: int | float | str) -> int:
         try:
             n = float(num) * _UNITS[unit]
         except (ValueError, KeyError):
-            raise UsageError(f"memory budget {v!r} is not a size (e.g. 10GiB, 9.5G, "
+            raise UsageError(f"memory budget {given!r} is not a size (e.g. 10GiB, 9.5G, "
                              "12000MiB or bytes)") from None
     else:
-        raise UsageError(f"memory budget must be bytes, a size string or 'auto', got {v!r}")
+        raise UsageError(f"memory budget must be bytes, a size string or 'auto', got {given!r}")
     if n != n or n in (math.inf, -math.inf):
-        raise UsageError(f"memory budget {v!r} is not a size: give a finite number of bytes "
+        raise UsageError(f"memory budget {given!r} is not a size: give a finite number of bytes "
                          "(e.g. 10GiB, 9.5G, 12000MiB or bytes)")
     if not n > 0:
-        raise UsageError(f"memory budget must be positive, got {v!r}")
+        raise UsageError(f"memory budget must be positive, got {given!r}")
     if n > MAX_BUDGET_BYTES:
-        raise UsageError(f"memory budget {v!r} is beyond any device's memory (over 1 EiB): "
+        raise UsageError(f"memory budget {given!r} is beyond any device's memory (over 1 EiB): "
                          "give the device memory the step may hold")
     if n < 1:
-        raise UsageError(f"memory budget {v!r} is less than a byte; give bytes or a size "
+        raise UsageError(f"memory budget {given!r} is less than a byte; give bytes or a size "
                          "with a unit (e.g. 0.5GiB)")
     return int(n)

@@ -40,9 +40,9 @@ from ..backend import Backend
 from ..errors import GraphslotError, UsageError
 from ..trace import Timeline
 from . import positive_int
-from .bench_configs import (CONFIGS, PEERS, SWEEP_BUDGETS, base_config, budget_config, build,
-                            check_config, parse_size, plan_report, saved_on_device, split_variant,
-                            sweep_budgets, unsupported)
+from .bench_configs import (CONFIGS, PEERS, SWEEP_BUDGETS, base_config, budget_bytes,
+                            budget_config, build, check_config, parse_size, plan_report,
+                            saved_on_device, split_variant, sweep_budgets, unsupported)
 from ..profile import copy_bandwidth
 from ..sizes import format_bytes
 from .bench_measure import OPTIMIZERS, Inputs, measure, memory_breakdown, prepare, timed_steps
@@ -116,7 +116,10 @@ def run_bench(b: Backend, shape: BenchShape, *, steps: int = 10, warmup: int = 3
 
     Returns:
         The JSON-able report: ``backend``, ``device``, ``shape``, ``copy_ceiling_gbps``,
-        ``configs`` (per configuration its figures, or a ``reason`` it was skipped), ...
+        ``configs`` (per configuration its figures, or a ``reason`` it was skipped), ...;
+        where the trace or the plot could not be written after the run (a full disk),
+        ``write_errors`` says so, a line each, and ``trace`` gives the reason instead of
+        the path (the command prints the report, then the lines, and exits 1).
 
     Raises:
         UsageError: a bad argument or output path; ``progress`` and tqdm is not installed.
@@ -161,11 +164,12 @@ def run_bench(b: Backend, shape: BenchShape, *, steps: int = 10, warmup: int = 3
     if trace_path:
         pick = next((n for n in _TRACED if n in traces), None)
         if pick:
-            if _written(out, "--trace", trace_path, lambda: traces[pick].write(trace_path)):
-                out["trace"] = {"config": pick, "path": trace_path}
+            wrote = _written(out, "the trace", trace_path, lambda: traces[pick].write(trace_path))
+            out["trace"] = {"config": pick, "path": trace_path} if wrote else {
+                "config": pick, "path": None, "reason": out["write_errors"][-1]}
         else:
             out["trace"] = _NO_TRACE
-    if plot_path and _written(out, "--plot", plot_path, lambda: plot(out, curves, plot_path)):
+    if plot_path and _written(out, "the plot", plot_path, lambda: plot(out, curves, plot_path)):
         out["plot"] = plot_path
     peer_ratios(out["configs"], rounds)
     variant_ratios(out["configs"])
@@ -174,7 +178,7 @@ def run_bench(b: Backend, shape: BenchShape, *, steps: int = 10, warmup: int = 3
 
 def _order(configs: Sequence[str], budgets: str | Sequence[str | int] | None) -> tuple[list[str], bool]:
     """The configurations to run before any sweep, in order, and whether to sweep."""
-    names = list(dict.fromkeys(configs))
+    names = _once(configs)
     for name in names:
         check_config(name)
     if budgets is None:
@@ -187,7 +191,21 @@ def _order(configs: Sequence[str], budgets: str | Sequence[str | int] | None) ->
     extra = [budget_config(str(size)) for size in budgets]
     if "graph" not in names:
         names.append("graph")  # the run's lower bound takes its forward and backward
-    return list(dict.fromkeys(names + extra)), False
+    return _once(names + extra), False
+
+
+def _once(names: Sequence[str]) -> list[str]:
+    """``names`` without repeats, in order; budgets are told apart by their bytes (with
+    their variant), so ``budget:1GiB`` and ``budget:1024MiB`` run once, as written first."""
+    seen: set[Any] = set()
+    out = []
+    for name in names:
+        size = budget_bytes(name)
+        key = name if size is None else (size, name[len(base_config(name)):])
+        if key not in seen:
+            seen.add(key)
+            out.append(name)
+    return out
 
 
 def _sweep(out: dict[str, Any]) -> list[str]:
@@ -345,7 +363,8 @@ def _run_child(b: Backend, argv: list[str]) -> dict[str, Any]:
         out, _ = json.JSONDecoder().raw_decode(done.stdout, start)
     except ValueError:
         out = None
-    if done.returncode != 0 and not (isinstance(out, dict) and out.get("write_errors")):
+    if done.returncode != 0 and not (done.returncode == 1 and isinstance(out, dict)
+                                     and out.get("write_errors")):
         why = (done.stderr.strip().splitlines() or [f"exit status {done.returncode}"])[-1]
         return {"reason": f"its process failed: {why}"}
     if out is None:
@@ -393,8 +412,8 @@ def _run_isolated(b: Backend, shape: BenchShape, names: list[str], sweep: bool,
                     if "reason" not in c:
                         ceilings.append(child["copy"])
                         out.setdefault("saved_activation_bytes", child["saved_activation_bytes"])
-                        if name == trace_for and trace_path:
-                            out["trace"] = {"config": name, "path": trace_path}
+                        if name == trace_for and trace_path and "trace" in child:
+                            out["trace"] = child["trace"]  # (written, or why not)
             if rnd == 1 and sweep and not todo and "sweep" not in out:
                 todo = _sweep(out)
                 names = names + todo  # later rounds run them too
@@ -412,20 +431,20 @@ def _run_isolated(b: Backend, shape: BenchShape, names: list[str], sweep: bool,
     if plot_path:
         curves = {n: [(p[0], p[1]) for p in c.get("memory_curve", [])]
                   for n, c in out["configs"].items() if "reason" not in c}
-        if _written(out, "--plot", plot_path, lambda: plot(out, curves, plot_path)):
+        if _written(out, "the plot", plot_path, lambda: plot(out, curves, plot_path)):
             out["plot"] = plot_path
     peer_ratios(out["configs"], o.rounds)
     variant_ratios(out["configs"])
     return out
 
 
-def _written(out: dict[str, Any], option: str, path: str, write: Callable[[], Any]) -> bool:
+def _written(out: dict[str, Any], what: str, path: str, write: Callable[[], Any]) -> bool:
     """Run ``write``; where it fails, note why in ``out["write_errors"]`` (the report is
     still printed, then the command exits 1) rather than losing the run."""
     try:
         write()
     except OSError as e:
-        out.setdefault("write_errors", []).append(f"{option} {path}: cannot write it ({e.strerror or e})")
+        out.setdefault("write_errors", []).append(f"{what} {path}: cannot write it ({e.strerror or e})")
         return False
     return True
 
@@ -464,13 +483,12 @@ def parse_budgets(text: str | None) -> str | list[str] | None:
     sizes = [s.strip() for s in text.split(",") if s.strip()]
     if not sizes:
         raise ValueError("--budgets: empty list; give sizes such as 10GiB,12GiB or 'sweep'")
-    first: dict[int, str] = {}  # bytes -> the first spelling of them (1GiB and 1024MiB run once)
     for s in sizes:
         try:
-            first.setdefault(parse_size(s), s)
+            parse_size(s)
         except ValueError as e:
             raise ValueError(f"--budgets: {e}") from None
-    return list(first.values())
+    return sizes
 
 
 def check_args(args: argparse.Namespace) -> tuple[BenchShape, tuple[str, ...], str | list[str] | None]:

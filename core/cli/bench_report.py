@@ -6,7 +6,6 @@ plot; and the check of its output paths before anything runs.
 from __future__ import annotations
 
 import importlib
-import contextlib
 import os
 import statistics
 from typing import Any
@@ -16,7 +15,7 @@ from ..errors import UsageError
 from ..sizes import format_bytes
 from .bench_configs import PEERS, base_config, budget_bytes, is_planned
 from .bench_measure import OPTIMIZERS, GiB
-from .output import table
+from .output import table, unwritable
 
 __all__ = ["derive", "lower_bound_ms", "planned_figures", "peer_ratios", "variant_ratios", "median_of_rounds",
            "render_table", "curve_positions", "pareto_points", "plot", "check_output_path",
@@ -42,27 +41,13 @@ def check_output_path(path: str, option: str) -> None:
         UsageError: one line naming the option and what is wrong.
     """
     kinds = PLOT_TYPES if "plot" in option else TRACE_TYPES
-    folder = os.path.dirname(os.path.abspath(path))
     ext = os.path.splitext(path)[1].lower()
     if ext not in kinds:
         raise UsageError(f"{option} {path}: unknown file type {ext or '(none)'!r}; "
                          f"use {', '.join(kinds)}")
-    if not os.path.isdir(folder):
-        raise UsageError(f"{option} {path}: folder {folder} does not exist")
-    if os.path.isdir(path):
-        raise UsageError(f"{option} {path}: is a folder")
-    if not os.access(folder, os.W_OK | os.X_OK):
-        raise UsageError(f"{option} {path}: folder {folder} is not writable")
-    # (access() says yes to root where no file can be made, as in /proc: try it)
-    existed = os.path.exists(path)
-    try:
-        with open(path, "a"):
-            pass
-    except OSError as e:
-        raise UsageError(f"{option} {path}: cannot write it ({e.strerror or e})") from None
-    if not existed:
-        with contextlib.suppress(OSError):
-            os.remove(path)
+    problem = unwritable(path)
+    if problem:
+        raise UsageError(f"{option} {path}: {problem}")
     if kinds is PLOT_TYPES:
         try:
             importlib.import_module("matplotlib")

@@ -8,14 +8,16 @@ any work, so a missing library is one clear line, never a traceback after a long
 
 from __future__ import annotations
 
+import contextlib
 import importlib
+import os
 import sys
 import time
 from typing import Any, Sequence
 
 from ..errors import UsageError
 
-__all__ = ["EXTRA", "missing", "table", "Progress", "bar_wanted"]
+__all__ = ["EXTRA", "missing", "table", "Progress", "bar_wanted", "unwritable"]
 
 #: How to install the commands' output libraries (dependencies of the package, missing only
 #: from an install without them).
@@ -132,3 +134,30 @@ def bar_wanted() -> bool:
         return sys.stderr.isatty()
     except (AttributeError, ValueError):  # (a replaced or closed stderr)
         return False
+
+
+def unwritable(path: str) -> str | None:
+    """Why no file can be written at ``path`` (its folder missing or read-only, a folder
+    there, a pipe no one reads), or ``None``, for an option's message. It tries to make
+    the file (``access()`` says yes to root where none can be made, as in /proc) without
+    truncating one that is there, waiting on a pipe or touching a dangling link's target,
+    and removes what it made."""
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        return f"folder {folder} does not exist"
+    if os.path.isdir(path):
+        return "is a folder"
+    if not os.access(folder, os.W_OK | os.X_OK):
+        return f"folder {folder} is not writable"
+    existed = os.path.lexists(path)
+    if existed and not os.path.exists(path):
+        return None  # (a link to a file not made yet: the write makes it)
+    flags = os.O_WRONLY | os.O_NONBLOCK | (0 if existed else os.O_CREAT | os.O_EXCL)
+    try:
+        os.close(os.open(path, flags, 0o644))
+    except OSError as e:
+        return f"cannot write it ({e.strerror or e})"
+    if not existed:
+        with contextlib.suppress(OSError):
+            os.remove(path)
+    return None

@@ -28,7 +28,7 @@ from typing import Any, NoReturn
 
 from ..planner import Plan, PlanError, TensorSpec, baselines, plan
 from ..sizes import format_bytes
-from .output import missing, table
+from .output import missing, table, unwritable
 
 __all__ = ["add_parser", "main", "run", "load_tensors", "MAX_FILE_BYTES", "MAX_DEPTH"]
 
@@ -319,10 +319,8 @@ def _png_problem(path: str) -> str | None:
     if ext not in kinds:
         return (f"--png {path}: unknown image format {ext!r}" if ext else
                 f"--png {path}: no file extension") + f"; use one of: {', '.join(kinds)}"
-    parent = os.path.dirname(path) or "."
-    if not os.path.isdir(parent):
-        return f"--png {path}: directory {parent} does not exist"
-    return None
+    problem = unwritable(path)
+    return f"--png {path}: {problem}" if problem else None
 
 
 def run(args: argparse.Namespace) -> int:

@@ -242,6 +242,14 @@ class OffloadGroup:
                        b.tensor_at(va + self.host_bytes, (kept,), torch.uint8) if kept else None)
         self._plan_sections()
 
+    def clear_slot(self) -> None:
+        """Outside capture: zero the slot's bytes (see :meth:`OffloadUnit.clear_slot`)."""
+        if self.engine.backend.is_capturing():
+            raise StateError(f"offload group {self.name}: clear_slot must run outside graph capture")
+        for t in self._bytes:
+            if t is not None:
+                t.zero_()
+
     def _plan_sections(self) -> None:
         """Which bank sections the slot covers, which saved tensor writes each first and
         last, and the events its graphs record (made now: never under capture)."""

@@ -200,19 +200,13 @@ class OffloadUnit:
                 self._keeping = None
             self._kept = kept
 
-    def slot_contents(self) -> list[torch.Tensor]:
-        """Copies of what its slot holds now (none where it keeps its activations). A
-        backend whose capture runs the work reads the slot while the backward is captured,
-        when its bank may hold another layer's bytes since: an index a kernel trusts (max
-        pooling's) would point anywhere. The stack puts these back before that capture."""
-        g = self._group
-        return [v.clone() for v in g.views] if g.wants_offload else []
-
-    def restore_slot_contents(self, contents: list[torch.Tensor]) -> None:
-        """Outside capture: write back what :meth:`slot_contents` copied."""
-        with torch.no_grad():
-            for view, was in zip(self._group.views, contents):
-                view.copy_(was)
+    def clear_slot(self) -> None:
+        """Outside capture, before its backward graph is captured on a backend whose capture
+        runs the work (cpu): zero its slot. Its bank may hold a later layer's bytes by then,
+        and a kernel trusting saved indices (max pooling's backward) would read them as its
+        own and write out of bounds; zeros index in bounds. What such a capture computes is
+        thrown away (every replay computes anew), so the bytes need only be harmless."""
+        self._group.clear_slot()
 
     def keep_also(self, t: torch.Tensor) -> None:
         """During :meth:`capture_forward` of a unit that keeps its activations on the
