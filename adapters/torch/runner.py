@@ -234,6 +234,7 @@ class GraphRunner:
         # stream of its own, pointed where that microbatch's forward drew.
         self.rng: RngStream | None = None
         self._rng_at: dict[int, Any] = {}  # microbatch -> the default generator before its forward
+        self._slot_at_capture: list[torch.Tensor | None] = []  # (see OffloadUnit.slot_snapshot)
 
     def forget_draws(self, mb: int | None = None) -> None:
         """Drop where microbatch ``mb``'s forward drew (all of them for None): no backward
@@ -378,6 +379,9 @@ class GraphRunner:
                 unit.capture_forward(is_state):
             out = call(unit.keep_also if self.cheap else None)
         self.fwd = fwd
+        if fwd.executes_during_capture:  # (see OffloadUnit.slot_snapshot)
+            with b.stream(side):
+                self._slot_at_capture = unit.slot_snapshot()
         # A ctx tensor the next forward overwrites is one copy for every microbatch: one the
         # capture made anew, or the input (or a view of it), the buffer the layer below
         # writes. One the warm-up's ctx held too (a parameter, a module's state) stays.
@@ -398,6 +402,7 @@ class GraphRunner:
         """Capture the backward graph (after every forward, in reverse layer order)."""
         b, out, inputs = self.stack.backend, self._out, self._inputs
         wants_grad_in = self.wants_grad_in
+        slot_at_capture, self._slot_at_capture = self._slot_at_capture, []
         differentiable = bool(inputs) and out.requires_grad
         # (the layer above's input gradient may be an expanded view, one element standing
         # for many: another microbatch's gradient could not be copied into it)
@@ -418,9 +423,10 @@ class GraphRunner:
         try:
             if differentiable:
                 bwd = self.host.new_graph()
-                if bwd.executes_during_capture:  # (see OffloadUnit.clear_slot)
+                if slot_at_capture:  # (see OffloadUnit.slot_snapshot)
                     with b.stream(self.host.warmup_stream):
-                        self.unit.clear_slot()
+                        self.unit.restore_slot(slot_at_capture)
+                del slot_at_capture
                 # A backend whose capture runs the work (cpu) would add the capture's gradient
                 # (from whatever the static buffers hold) into the targets: put them back after.
                 before = ([None if t is None else t.clone() for t in targets] if targets is not None

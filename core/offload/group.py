@@ -7,6 +7,7 @@ made it only through :class:`GroupHost`, defined here: it imports :mod:`.states`
 from __future__ import annotations
 
 import dataclasses
+import mmap
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Protocol, Sequence
@@ -242,13 +243,28 @@ class OffloadGroup:
                        b.tensor_at(va + self.host_bytes, (kept,), torch.uint8) if kept else None)
         self._plan_sections()
 
-    def clear_slot(self) -> None:
-        """Outside capture: zero the slot's bytes (see :meth:`OffloadUnit.clear_slot`)."""
+    def slot_snapshot(self) -> list[torch.Tensor | None]:
+        """Outside capture: a host copy of the slot's bytes (see
+        :meth:`OffloadUnit.slot_snapshot`), in anonymous mappings of its own, which go back
+        to the system once dropped (the heap would keep them in the process's footprint)."""
         if self.engine.backend.is_capturing():
-            raise StateError(f"offload group {self.name}: clear_slot must run outside graph capture")
+            raise StateError(f"offload group {self.name}: slot_snapshot must run outside graph capture")
+        copies: list[torch.Tensor | None] = []
         for t in self._bytes:
-            if t is not None:
-                t.zero_()
+            host = None
+            if t is not None and t.numel():
+                host = torch.frombuffer(mmap.mmap(-1, t.numel()), dtype=torch.uint8)
+                host.copy_(t)
+            copies.append(host)
+        return copies
+
+    def restore_slot(self, copies: list[torch.Tensor | None]) -> None:
+        """Outside capture: write back what :meth:`slot_snapshot` copied."""
+        if self.engine.backend.is_capturing():
+            raise StateError(f"offload group {self.name}: restore_slot must run outside graph capture")
+        for t, host in zip(self._bytes, copies):
+            if t is not None and host is not None:
+                t.copy_(host)
 
     def _plan_sections(self) -> None:
         """Which bank sections the slot covers, which saved tensor writes each first and

@@ -200,13 +200,18 @@ class OffloadUnit:
                 self._keeping = None
             self._kept = kept
 
-    def clear_slot(self) -> None:
-        """Outside capture, before its backward graph is captured on a backend whose capture
-        runs the work (cpu): zero its slot. Its bank may hold a later layer's bytes by then,
-        and a kernel trusting saved indices (max pooling's backward) would read them as its
-        own and write out of bounds; zeros index in bounds. What such a capture computes is
-        thrown away (every replay computes anew), so the bytes need only be harmless."""
-        self._group.clear_slot()
+    def slot_snapshot(self) -> list[torch.Tensor | None]:
+        """Outside capture, after its forward capture on a backend whose capture runs the
+        work (cpu): a host copy of what its slot holds, for :meth:`restore_slot` before its
+        backward graph is captured. By then its bank may hold a later layer's bytes, which
+        kernels would read as their own: max pooling's backward trusts its indices (a
+        write out of bounds), and LU solves check their pivots. Empty where nothing is in
+        a slot."""
+        return self._group.slot_snapshot() if self._group.wants_offload else []
+
+    def restore_slot(self, copies: list[torch.Tensor | None]) -> None:
+        """Outside capture: write back what :meth:`slot_snapshot` copied."""
+        self._group.restore_slot(copies)
 
     def keep_also(self, t: torch.Tensor) -> None:
         """During :meth:`capture_forward` of a unit that keeps its activations on the
