@@ -280,8 +280,26 @@ class _Conjugate(nn.Module):
         return (x.to(torch.complex64) @ self.w.conj()).imag  # (a lazily conjugated view)
 
 
-@pytest.mark.parametrize("layer", [_TransposeInPlace, _Gru, _Lstm, _Conjugate])
-@pytest.mark.parametrize("mode", ["off", "resident"])
+class _SavesConjugate(nn.Module):
+    """Saves a lazily conjugated view beside the tensor it views (``k * c``), and a
+    negated view (``c.conj().imag``) of it: offloaded, each once read the plain bytes or
+    wrote its values over them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.w = nn.Parameter(torch.randn(4, dtype=torch.complex64))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        c = torch.view_as_complex(self.lin(x).view(4, 4, 2))
+        k = c.conj()
+        im = c.conj().imag
+        out = torch.view_as_real(k * c * self.w).reshape(4, 8)
+        return out + torch.cat([im * im.sin(), im], 1)
+
+
+@pytest.mark.parametrize("layer", [_TransposeInPlace, _Gru, _Lstm, _Conjugate, _SavesConjugate])
+@pytest.mark.parametrize("mode", ["off", "resident", "remap"])
 def test_in_place_view_ops_lazy_conjugates_and_grad_mode_kernels_train_as_eager(clean, layer, mode):
     b = clean
     torch.manual_seed(0)

@@ -59,7 +59,11 @@ class SavedTensorSpec:
         extent = view_extent(shape, stride, es)
         sid = -1
         overlaps = any(step == 0 and n > 1 for n, step in zip(shape, stride))  # expanded: copy densely
-        if storages is not None and not overlaps and t.numel():
+        # A lazily conjugated or negated view reads other values than its storage holds:
+        # a region of its own, its values copied (sharing its storage's region, it read
+        # the plain bytes, or wrote its values over them).
+        lazy = t.is_conj() or t.is_neg()
+        if storages is not None and not overlaps and not lazy and t.numel():
             sid = storages.setdefault(t.untyped_storage().data_ptr(), len(storages))
         return SavedTensorSpec(shape, stride, t.dtype, str(t.device), t.numel() * es,
                                storage=sid, storage_offset=int(t.storage_offset()) * es, extent=extent)
