@@ -447,3 +447,60 @@ def test_lu_solves_offloaded_through_shared_banks_train_as_eager(clean, mode):
         eager(xe).square().sum().backward()
         for a, e in zip([xg, *stack.parameters()], [xe, *eager.parameters()]):
             assert torch.equal(a.grad, e.grad)
+
+
+
+class _NoOneDnn(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(4, 4, 3, padding=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.backends.mkldnn.flags(enabled=False):
+            y = self.conv(x.view(4, 4, 2, 2))
+        return y.reshape(4, 16) + x
+
+
+class _DoubleDefault(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        was = torch.get_default_dtype()
+        torch.set_default_dtype(torch.float64)
+        try:
+            d = x.device
+            noise = torch.randn(4, 16, device=d)  # (float64: the default dtype when it runs)
+            y = (self.lin(x).double() * torch.full((16,), 0.1, device=d)
+                 + torch.arange(16, device=d) * 0.1 + noise)
+        finally:
+            torch.set_default_dtype(was)
+        return y.float()
+
+
+@pytest.mark.parametrize("layer", [_NoOneDnn, _DoubleDefault])
+@pytest.mark.parametrize("mode", ["off", "resident"])
+def test_layers_that_set_global_state_around_their_ops_train_as_eager(clean, layer, mode):
+    """The cpu backend's graphs once replayed such ops under the state of the replay (a
+    convolution through oneDNN, a factory op in float32)."""
+    b = clean
+    torch.manual_seed(0)
+    layers = [layer().to(b.device), layer().to(b.device)]
+    eager = nn.Sequential(*copy.deepcopy(layers))
+    with GraphedLayers(layers, torch.zeros(4, 16, device=b.device, requires_grad=True), mode=mode,
+                       layers_per_graph=1, backend=b) as stack:
+        for step in range(2):
+            torch.manual_seed(step)
+            x = torch.randn(4, 16, device=b.device)
+            xg, xe = x.clone().requires_grad_(), x.clone().requires_grad_()
+            torch.manual_seed(10 + step)
+            out = stack(xg)
+            torch.manual_seed(10 + step)
+            want = eager(xe)
+            assert torch.equal(out, want)
+            out.square().sum().backward()
+            want.square().sum().backward()
+            for a, e in zip([xg, *stack.parameters()], [xe, *eager.parameters()]):
+                assert torch.equal(a.grad, e.grad)
+        assert torch.get_default_dtype() == torch.float32 and torch.backends.mkldnn.enabled

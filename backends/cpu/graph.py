@@ -83,16 +83,12 @@ class _Ref:
 
 
 class _Op:
-    __slots__ = ("func", "grad", "args_spec", "in_refs", "out_refs", "out_spec", "in_views",
+    __slots__ = ("func", "state", "args_spec", "in_refs", "out_refs", "out_spec", "in_views",
                  "out_views")
 
     def __init__(self, func: Any, args: Any, kwargs: Any, out: Any) -> None:
         self.func = func
-        # Some kernels read grad mode as well as their arguments (oneDNN's LSTM keeps the
-        # workspace its backward reads only with it on), and a replay may run under another
-        # mode than the capture (a stack's forward replays inside an autograd Function).
-        # The views a replay passes never require grad, so no autograd graph is built.
-        self.grad = torch.is_grad_enabled()
+        self.state = _global_state()
         flat, self.args_spec = pytree.tree_flatten((args, kwargs))
         self.in_refs = [(_Ref.of(x) if isinstance(x, torch.Tensor) else x) for x in flat]
         out_flat, self.out_spec = pytree.tree_flatten(out)
@@ -115,6 +111,23 @@ class _Op:
             if got.data_ptr() == want.data_ptr() and got.stride() == want.stride():
                 continue  # in place, a view, or written through out=: already at the address
             want.copy_(got)
+
+
+def _global_state() -> tuple[bool, torch.dtype, bool]:
+    """What kernels read besides their arguments, which a replay may find otherwise than
+    the capture did: grad mode (oneDNN's LSTM keeps the workspace its backward reads only
+    with it on, and a stack's forward replays inside an autograd Function, grad off), the
+    default dtype (a factory op recorded with dtype None) and whether oneDNN runs
+    (convolutions differ in the last bits without it)."""
+    return torch.is_grad_enabled(), torch.get_default_dtype(), torch._C._get_mkldnn_enabled()
+
+
+def _set_global_state(state: tuple[bool, torch.dtype, bool]) -> None:
+    # (the views a replay passes never require grad: grad mode builds no autograd graph)
+    grad, dtype, mkldnn = state
+    torch._C._set_grad_enabled(grad)
+    torch.set_default_dtype(dtype)
+    torch._C._set_mkldnn_enabled(mkldnn)
 
 
 class _HostStep:
@@ -296,14 +309,18 @@ class CpuGraph(DeviceGraph):
         # Each op runs as the kernel the capture recorded, as a device graph's would: not
         # through autocast again (the caller's, on at replay, would recast what the capture
         # ran in full precision inside a composite op, such as attention's math path).
-        with torch.autocast("cpu", enabled=False), torch.enable_grad():
-            grad = True
-            for op in self._ops:
-                want = getattr(op, "grad", grad)  # (a host step: the mode of the op before it)
-                if want is not grad:
-                    torch.set_grad_enabled(want)
-                    grad = want
-                op.run()
+        caller = state = _global_state()
+        try:
+            with torch.autocast("cpu", enabled=False):
+                for op in self._ops:
+                    want = getattr(op, "state", state)  # (a host step: the op's before it)
+                    if want != state:
+                        _set_global_state(want)
+                        state = want
+                    op.run()
+        finally:
+            if state != caller:
+                _set_global_state(caller)
 
     @property
     def num_ops(self) -> int:
