@@ -98,7 +98,7 @@ class _NoteOutputs(TorchDispatchMode):
         super().__init__()
         self.note, self.skip, self.watch = note, skip, watch
         self.calls = _Calls()
-        self.outputs: list[tuple[CallKey, torch.Tensor, int]] = []
+        self.outputs: list[tuple[CallKey, torch.Tensor, int, torch.Tensor]] = []
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))
@@ -110,8 +110,19 @@ class _NoteOutputs(TorchDispatchMode):
                         if self.note is not None:
                             self.note(t)
                         if self.watch:
-                            self.outputs.append((key, t, t._version))
+                            self.outputs.append((key, t, t._version, _sum_of(t)))
         return out
+
+
+def _sum_of(t: torch.Tensor) -> torch.Tensor:
+    """A fingerprint of ``t``'s values that stays on its device: their sum in float64."""
+    with torch.no_grad():
+        return t.detach().sum(dtype=torch.float64) if t.is_floating_point() or t.is_complex() \
+            else t.detach().sum(dtype=torch.int64)
+
+
+def _same_sum(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return bool(torch.equal(a, b) or (a.is_floating_point() and a.isnan().item() and b.isnan().item()))
 
 
 @contextlib.contextmanager
@@ -130,7 +141,10 @@ def noting_expensive_outputs(note: Callable[[torch.Tensor], None] | None = None
     try:
         with mode:
             yield changed
-        changed.update(key for key, t, version in mode.outputs if t._version != version)
+        # The version tells most changes; a view that shares no version counter
+        # (unsafe_chunk's: a GRU cell's gates go through sigmoid_ so on cpu) only the values do.
+        changed.update(key for key, t, version, total in mode.outputs
+                       if t._version != version or not _same_sum(_sum_of(t), total))
     finally:
         mode.outputs.clear()
 

@@ -234,6 +234,49 @@ def test_a_layer_with_an_in_place_activation_recomputes_cheaply_as_eager(clean, 
         assert_bitwise(train(layers, stack), want)
 
 
+class _UnsafeChunks(nn.Module):
+    """Changes a product's output in place through ``unsafe_chunk`` views, which share no
+    version counter with it (as a GRU cell does on cpu): only the values tell."""
+
+    def __init__(self, h: int = 32) -> None:
+        super().__init__()
+        self.gates = nn.Linear(h, 2 * h)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        a, g = self.gates(x).unsafe_chunk(2, -1)
+        return x + a.sigmoid_() * g.tanh_()
+
+
+@pytest.mark.parametrize("layer", [_UnsafeChunks, lambda: nn.GRU(32, 32, batch_first=True)])
+def test_an_output_changed_through_views_sharing_no_version_is_made_again(clean, layer):
+    b = clean
+    torch.manual_seed(0)
+    base = [layer().to(b.device) for _ in range(2)]
+    base = [_First(m) if isinstance(m, nn.GRU) else m for m in base]
+    xs = [torch.randn(4, 8, 32, device=b.device) for _ in range(2)]
+
+    def train(layers, stack=None):
+        f = stack or nn.Sequential(*layers)
+        for x in xs:
+            f(x.clone().requires_grad_()).square().sum().backward()
+        return [p.grad for m in layers for p in m.parameters()]
+
+    want = train(copy.deepcopy(base))
+    layers = copy.deepcopy(base)
+    with GraphedLayers(layers, xs[0].clone().requires_grad_(), mode="off", recompute_layers=[0, 1],
+                       recompute_ops="cheap", layers_per_graph=1, backend=b) as stack:
+        assert_bitwise(train(layers, stack), want)
+
+
+class _First(nn.Module):
+    def __init__(self, rnn: nn.Module) -> None:
+        super().__init__()
+        self.rnn = rnn
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.rnn(x)[0]
+
+
 def test_the_profile_counts_an_output_changed_in_place_as_made_again(clean):
     from graphslot.profile import profile_units
 
