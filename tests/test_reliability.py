@@ -9,6 +9,7 @@ import gc
 import os
 import threading
 import time
+import warnings
 import weakref
 from typing import Any
 
@@ -522,3 +523,27 @@ def test_backward_twice_says_so(clean):
         loss.backward(retain_graph=True)
         with pytest.raises(StateError, match="ran backward already"):
             loss.backward()
+
+
+def test_a_parameter_the_forward_changes_in_place_during_the_build_is_named(clean):
+    """nn.Embedding(max_norm=...) renormalises the rows it reads: the build's forwards on
+    its sample change the weight, which eager training would not have done. Buffers are
+    put back; a weight is named, with the way out."""
+    b = clean
+
+    class Renormed(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.emb = nn.Embedding(32, 8, max_norm=1.0)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x + self.emb((x.abs() * 10).long().clamp(0, 31)).mean(1)
+
+    torch.manual_seed(0)
+    layers = [Renormed().to(b.device), nn.Linear(8, 8).to(b.device)]
+    with pytest.warns(UserWarning, match=r"changed parameter 0\.emb\.weight in place .*load_state_dict"):
+        GraphedLayers(layers, torch.randn(4, 8, device=b.device, requires_grad=True), backend=b).close()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # (nothing changed: nothing said)
+        GraphedLayers([nn.Linear(8, 8).to(b.device) for _ in range(2)],
+                      torch.randn(4, 8, device=b.device, requires_grad=True), backend=b).close()

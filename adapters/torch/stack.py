@@ -390,6 +390,7 @@ class GraphedLayers(nn.Module):
         # random numbers they draw come from a fork of the generators, so the stack starts
         # from the state the layers and the caller's seed came with, as eager would.
         own = own_generators(self.layers)
+        versions = [(name, p, p._version) for name, p in self.layers.named_parameters()]
         with restoring_contents(list(self.layers.buffers()), wait_first=self.backend.synchronize), \
                 _building(self.backend.device, self.autocast_dtype, own):
             try:
@@ -406,6 +407,18 @@ class GraphedLayers(nn.Module):
                 self._unmake()  # what the failed build made goes before the error does
                 self._warmup_stream = None
                 raise
+        # Parameters are not copied back as buffers are (a copy of every weight would cost
+        # what the model does): one the layers' forwards change in place is named instead.
+        changed = [name for name, p, version in versions if p._version != version]
+        if changed:
+            warnings.warn(
+                f"GraphedLayers: the layers' forwards changed parameter{'s' if len(changed) > 1 else ''} "
+                f"{', '.join(changed[:4])}{' ...' if len(changed) > 4 else ''} in place while the "
+                "stack was built (nn.Embedding(max_norm=...) renormalises the rows it reads, for "
+                "one): the build ran those forwards on its sample input, which eager training "
+                "would not have, so the parameters differ from before the build. Load the "
+                "weights to train from after the build (load_state_dict copies them in place, "
+                "where the graphs read them)", stacklevel=2)
         #: the module hooks as captured (after the build: a lazy module drops its own in
         #: its first forward): one added or removed since is refused at a graphed forward
         self._hook_watch = HookWatch(self.layers)
