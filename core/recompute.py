@@ -24,6 +24,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
+from .offload import same_values, values_fingerprint
+
 __all__ = ["EXPENSIVE_OPS", "CallKey", "is_expensive", "cheap_recompute_contexts",
            "noting_expensive_outputs", "noting_changed_buffers"]
 
@@ -110,19 +112,8 @@ class _NoteOutputs(TorchDispatchMode):
                         if self.note is not None:
                             self.note(t)
                         if self.watch:
-                            self.outputs.append((key, t, t._version, _sum_of(t)))
+                            self.outputs.append((key, t, t._version, values_fingerprint(t)))
         return out
-
-
-def _sum_of(t: torch.Tensor) -> torch.Tensor:
-    """A fingerprint of ``t``'s values that stays on its device: their sum in float64."""
-    with torch.no_grad():
-        return t.detach().sum(dtype=torch.float64) if t.is_floating_point() or t.is_complex() \
-            else t.detach().sum(dtype=torch.int64)
-
-
-def _same_sum(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return bool(torch.equal(a, b) or (a.is_floating_point() and a.isnan().item() and b.isnan().item()))
 
 
 @contextlib.contextmanager
@@ -144,7 +135,7 @@ def noting_expensive_outputs(note: Callable[[torch.Tensor], None] | None = None
         # The version tells most changes; a view that shares no version counter
         # (unsafe_chunk's: a GRU cell's gates go through sigmoid_ so on cpu) only the values do.
         changed.update(key for key, t, version, total in mode.outputs
-                       if t._version != version or not _same_sum(_sum_of(t), total))
+                       if t._version != version or not same_values(values_fingerprint(t), total))
     finally:
         mode.outputs.clear()
 

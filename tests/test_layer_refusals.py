@@ -297,3 +297,28 @@ def test_the_graph_walk_reaches_every_node_though_their_python_objects_come_and_
     out = types.SimpleNamespace(grad_fn=_Node.of(0, children))
     keys = [n.key for n in layer_calls._nodes(out, lambda n: True)]  # type: ignore[arg-type]
     assert sorted(keys) == list(range(127))
+
+
+@pytest.mark.parametrize("mode", ["resident", "remap"])
+def test_a_layer_filling_a_tensor_after_saving_it_is_not_offloaded_silently(clean, mode):
+    """RReLU's kernel fills the noise it saved, without a new version: a slot copied the
+    unfilled tensor and the backward trained wrong. Refused by name; kept, it trains as
+    eager."""
+    b = clean
+    torch.manual_seed(0)
+    layers = [nn.Sequential(nn.Linear(H, H), nn.RReLU()).to(b.device) for _ in range(2)]
+    with pytest.raises(UsageError, match=r"layer 0: its forward changes a tensor in place after "
+                                         r"saving it.*leave it out of offload_layers"):
+        GraphedLayers(layers, torch.zeros(4, H, device=b.device, requires_grad=True), mode=mode,
+                      layers_per_graph=1, backend=b)
+    eager = copy.deepcopy(nn.Sequential(*layers))
+    with GraphedLayers(layers, torch.zeros(4, H, device=b.device, requires_grad=True), mode=mode,
+                       offload_layers=[], layers_per_graph=1, backend=b) as stack:
+        x = torch.randn(4, H, device=b.device)
+        xg, xe = x.clone().requires_grad_(), x.clone().requires_grad_()
+        torch.manual_seed(1)
+        stack(xg).square().sum().backward()
+        torch.manual_seed(1)
+        eager(xe).square().sum().backward()
+        for p, q in zip([xg, *stack.parameters()], [xe, *eager.parameters()]):
+            assert torch.equal(p.grad, q.grad)

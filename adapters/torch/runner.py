@@ -19,7 +19,8 @@ from torch import nn
 from graphslot.backend import DeviceGraph, RngStream
 from graphslot.errors import CaptureMismatchError, DriverError, StateError, UsageError
 from graphslot.layer_calls import ctx_tensors, foreign_gradient_inputs, naming_refusals, next_node_number
-from graphslot.offload import KEEP, OFFLOAD, RECOMPUTE, OffloadUnit, leaves_on_device
+from graphslot.offload import (KEEP, OFFLOAD, RECOMPUTE, OffloadUnit, leaves_on_device,
+                               watching_saved_values)
 from graphslot.precision import without_autocast
 from graphslot.recompute import (CallKey, cheap_recompute_contexts, noting_changed_buffers,
                                  noting_expensive_outputs)
@@ -309,7 +310,21 @@ class GraphRunner:
             warm_ctx: list[tuple[str, torch.Tensor]] | None = None
             for _ in range(stack.warmup_iters):
                 since = next_node_number()
-                out = call()
+                # (the first: does the forward change a tensor after saving it? A slot
+                # copies it when saved)
+                watching: ContextManager[list[int]] = (
+                    watching_saved_values(lambda t: not is_state(t))
+                    if warm_ctx is None and unit.wants_offload else contextlib.nullcontext([]))
+                with watching as late:
+                    out = call()
+                if late:
+                    raise UsageError(
+                        f"{self.label}: its forward changes a tensor in place after saving it for "
+                        f"backward (saved tensor #{late[0]} of those it offloads; RReLU's kernel "
+                        "fills the noise it saved, for one): its slot copies each saved tensor "
+                        "when it is saved, so its backward would read what the tensor held then. "
+                        "Keep this layer's activations on the device: leave it out of "
+                        "offload_layers (or give mode='off')")
                 if not isinstance(out, torch.Tensor):
                     raise UsageError(f"{self.label} returned {type(out).__name__}; "
                                      "graphed layers must return one tensor")

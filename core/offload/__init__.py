@@ -76,7 +76,7 @@ imports only the interface modules of graphslot (backend, errors, sizes).
 
 from .engine import OffloadEngine
 from .saved import (SECTION_BYTES, SavedLayout, SavedTensorSpec, never_offloaded, recording_saved_tensors,
-                    sections_of, state_storages)
+                    same_values, sections_of, state_storages, values_fingerprint, watching_saved_values)
 from .states import Mode
 from .unit import KEEP, OFFLOAD, POLICIES, RECOMPUTE, OffloadUnit, leaves_on_device, ping_pong_banks
 from .worker import EXIT_WAIT_S, DriverWorker
@@ -95,6 +95,9 @@ __all__ = [
     "SavedTensorSpec",
     "SECTION_BYTES",
     "sections_of",
+    "values_fingerprint",
+    "same_values",
+    "watching_saved_values",
     "DriverWorker",
     "EXIT_WAIT_S",
     # for graphslot.memory's measurements (the same rule the units apply)

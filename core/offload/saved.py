@@ -151,6 +151,42 @@ def never_offloaded(t: torch.Tensor, device_type: str, state: set[int]) -> bool:
     return t.device.type != device_type or t.numel() == 0 or t.untyped_storage().data_ptr() in state
 
 
+def values_fingerprint(t: torch.Tensor) -> torch.Tensor:
+    """A fingerprint of ``t``'s values that stays on its device (their sum, in float64 or
+    int64): what tells a change made through a way the version counter does not see."""
+    with torch.no_grad():
+        t = t.detach()
+        return t.sum(dtype=torch.float64 if t.is_floating_point() or t.is_complex() else torch.int64)
+
+
+def same_values(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Two :func:`values_fingerprint` of one tensor tell no change (NaN as NaN)."""
+    return bool(torch.equal(a, b) or (a.is_floating_point() and bool(a.isnan()) and bool(b.isnan())))
+
+
+@contextlib.contextmanager
+def watching_saved_values(watch: Callable[[torch.Tensor], bool]) -> Iterator[list[int]]:
+    """Around an eager forward: yields a list that, on exit, holds the indices (in saving
+    order, among the saved tensors ``watch`` accepts) of those whose values changed after
+    they were saved. Some kernels fill an input they save, and without a new version:
+    RReLU's noise is saved before its kernel draws it. A copy made when such a tensor is
+    saved (a slot's) holds what it held then, not what eager's backward reads."""
+    seen: list[tuple[torch.Tensor, torch.Tensor]] = []  # (autograd holds them anyway)
+    changed: list[int] = []
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        if watch(t):
+            seen.append((t, values_fingerprint(t)))
+        return t
+
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            yield changed
+        changed.extend(i for i, (t, was) in enumerate(seen) if not same_values(values_fingerprint(t), was))
+    finally:
+        seen.clear()
+
+
 @contextlib.contextmanager
 def recording_saved_tensors(record: Callable[[torch.Tensor], None]) -> Iterator[None]:
     """Run a forward that no backward follows, handing each tensor autograd saves to
