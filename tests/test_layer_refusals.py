@@ -300,10 +300,10 @@ def test_the_graph_walk_reaches_every_node_though_their_python_objects_come_and_
 
 
 @pytest.mark.parametrize("mode", ["resident", "remap"])
-def test_a_layer_filling_a_tensor_after_saving_it_is_not_offloaded_silently(clean, mode):
+def test_a_layer_filling_a_tensor_after_saving_it_is_not_offloaded_or_recomputed_silently(clean, mode):
     """RReLU's kernel fills the noise it saved, without a new version: a slot copied the
-    unfilled tensor and the backward trained wrong. Refused by name; kept, it trains as
-    eager."""
+    unfilled tensor, and a recompute's backward read it unfilled; both trained wrong.
+    Refused by name; kept, it trains as eager."""
     b = clean
     torch.manual_seed(0)
     layers = [nn.Sequential(nn.Linear(H, H), nn.RReLU()).to(b.device) for _ in range(2)]
@@ -311,6 +311,11 @@ def test_a_layer_filling_a_tensor_after_saving_it_is_not_offloaded_silently(clea
                                          r"saving it.*leave it out of offload_layers"):
         GraphedLayers(layers, torch.zeros(4, H, device=b.device, requires_grad=True), mode=mode,
                       layers_per_graph=1, backend=b)
+    # (recomputed: torch.utils.checkpoint's backward reads the noise unfilled as well)
+    with pytest.raises(UsageError, match=r"layer 1: its forward changes a tensor in place after "
+                                         r"saving it.*leave this layer out of recompute_layers"):
+        GraphedLayers(layers, torch.zeros(4, H, device=b.device, requires_grad=True), mode=mode,
+                      offload_layers=[], recompute_layers=[1], layers_per_graph=1, backend=b)
     eager = copy.deepcopy(nn.Sequential(*layers))
     with GraphedLayers(layers, torch.zeros(4, H, device=b.device, requires_grad=True), mode=mode,
                        offload_layers=[], layers_per_graph=1, backend=b) as stack:

@@ -302,9 +302,17 @@ class GraphRunner:
                 # them), and every recompute leaves those buffers as the forward left them.
                 noting: ContextManager[set[CallKey]] = (
                     noting_expensive_outputs() if self.cheap else contextlib.nullcontext(set()))
-                with noting_changed_buffers(self.module) as buffers, noting as changed:
+                with noting_changed_buffers(self.module) as buffers, noting as changed, \
+                        watching_saved_values(lambda t: not is_state(t)) as late:
                     out = run(static_in)
                 del out
+                if late:  # (torch.utils.checkpoint's own backward reads such a tensor unfilled)
+                    raise UsageError(
+                        f"{self.label}: its forward changes a tensor in place after saving it for "
+                        f"backward (saved tensor #{late[0]}; RReLU's kernel fills the noise it "
+                        "saved, for one), and a recompute's backward then reads it as saved, "
+                        "unfilled (torch.utils.checkpoint's too): leave this layer out of "
+                        "recompute_layers")
                 self.recompute_calls = frozenset(changed)
                 self.changed_buffers = buffers
             warm_ctx: list[tuple[str, torch.Tensor]] | None = None
