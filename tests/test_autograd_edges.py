@@ -410,12 +410,16 @@ def test_max_pooling_layers_offloaded_through_shared_banks_train_as_eager(clean,
                        mode=mode, layers_per_graph=1, backend=b) as stack:
         for _ in range(2):
             x = torch.randn(4, 4, 16, device=b.device)
-            xg, xe = x.clone().requires_grad_(), x.clone().requires_grad_()
-            stack(xg).square().sum().backward()
-            eager(xe).square().sum().backward()
-            for a, e in zip([xg, *stack.parameters()], [xe, *eager.parameters()]):
-                assert torch.equal(a.grad, e.grad)
+            _steps_as_eager(stack, eager, x)
 
+
+def _steps_as_eager(stack: GraphedLayers, eager: nn.Module, x: torch.Tensor) -> None:
+    """One backward of ``x`` through each: the input's and parameters' gradients equal."""
+    xg, xe = x.clone().requires_grad_(), x.clone().requires_grad_()
+    stack(xg).square().sum().backward()
+    eager(xe).square().sum().backward()
+    for a, e in zip([xg, *stack.parameters()], [xe, *eager.parameters()]):
+        assert torch.equal(a.grad, e.grad)
 
 
 class _Solve(nn.Module):
@@ -442,12 +446,7 @@ def test_lu_solves_offloaded_through_shared_banks_train_as_eager(clean, mode):
     with GraphedLayers(layers, torch.zeros(4, 16, device=b.device, requires_grad=True),
                        mode=mode, layers_per_graph=1, backend=b) as stack:
         x = torch.randn(4, 16, device=b.device)
-        xg, xe = x.clone().requires_grad_(), x.clone().requires_grad_()
-        stack(xg).square().sum().backward()
-        eager(xe).square().sum().backward()
-        for a, e in zip([xg, *stack.parameters()], [xe, *eager.parameters()]):
-            assert torch.equal(a.grad, e.grad)
-
+        _steps_as_eager(stack, eager, x)
 
 
 class _NoOneDnn(nn.Module):

@@ -218,20 +218,23 @@ def test_a_layer_with_an_in_place_activation_recomputes_cheaply_as_eager(clean, 
     torch.manual_seed(0)
     base = [_InPlaceAct().to(b.device) for _ in range(3)]
     xs = [torch.randn(8, 32, device=b.device) for _ in range(2)]
-
-    def train(layers, stack=None):
-        f = stack or nn.Sequential(*layers)
-        for x in xs:
-            f(x.clone().requires_grad_()).square().sum().backward()
-        return [p.grad for m in layers for p in m.parameters()]
-
-    want = train(copy.deepcopy(base))
+    want = _grads(copy.deepcopy(base), xs)
     layers = copy.deepcopy(base)
     offload = [0] if mode != "off" else []
     with GraphedLayers(layers, xs[0].clone().requires_grad_(), mode=mode, offload_layers=offload,
                        recompute_layers=[1, 2], recompute_ops="cheap", layers_per_graph=1,
                        backend=b) as stack:
-        assert_bitwise(train(layers, stack), want)
+        assert_bitwise(_grads(layers, xs, stack), want)
+
+
+def _grads(layers: list[nn.Module], xs: list[torch.Tensor], stack: nn.Module | None = None
+           ) -> list[torch.Tensor]:
+    """The layers' gradients after a backward of each of ``xs`` through ``stack`` (or the
+    layers eagerly)."""
+    f = stack or nn.Sequential(*layers)
+    for x in xs:
+        f(x.clone().requires_grad_()).square().sum().backward()
+    return [p.grad for m in layers for p in m.parameters()]
 
 
 class _UnsafeChunks(nn.Module):
@@ -254,18 +257,11 @@ def test_an_output_changed_through_views_sharing_no_version_is_made_again(clean,
     base = [layer().to(b.device) for _ in range(2)]
     base = [_First(m) if isinstance(m, nn.GRU) else m for m in base]
     xs = [torch.randn(4, 8, 32, device=b.device) for _ in range(2)]
-
-    def train(layers, stack=None):
-        f = stack or nn.Sequential(*layers)
-        for x in xs:
-            f(x.clone().requires_grad_()).square().sum().backward()
-        return [p.grad for m in layers for p in m.parameters()]
-
-    want = train(copy.deepcopy(base))
+    want = _grads(copy.deepcopy(base), xs)
     layers = copy.deepcopy(base)
     with GraphedLayers(layers, xs[0].clone().requires_grad_(), mode="off", recompute_layers=[0, 1],
                        recompute_ops="cheap", layers_per_graph=1, backend=b) as stack:
-        assert_bitwise(train(layers, stack), want)
+        assert_bitwise(_grads(layers, xs, stack), want)
 
 
 class _First(nn.Module):
