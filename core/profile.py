@@ -24,6 +24,7 @@ from .budget import LayerCost
 from .errors import UsageError
 from .layer_calls import naming_refusals
 from .memory import run_counting_saved
+from .offload import leaves_on_device, watching_saved_values
 from .precision import without_autocast
 from .recompute import cheap_recompute_contexts, noting_changed_buffers, noting_expensive_outputs
 
@@ -133,6 +134,7 @@ def profile_units(b: Backend, units: Sequence[torch.nn.Module], sample: torch.Te
         label = f"layer {k}" if labels is None else labels[k]
         params = [p for p in m.parameters() if p.requires_grad]
         inputs = ([x] if x.requires_grad else []) + params
+        state = leaves_on_device([m], x.device.type)
         grad_bytes = sum(p.numel() * p.element_size() for p in params)
         # A first, untimed forward counts what it saves (and warms the unit up), and what
         # its expensive ops return (what a cheap recompute keeps).
@@ -188,6 +190,14 @@ def profile_units(b: Backend, units: Sequence[torch.nn.Module], sample: torch.Te
                 del y, gy
         if not sees_peak:
             work = 2 * out.numel() * out.element_size()  # an output's gradient and a temporary
+        # A forward that fills a tensor after saving it (RReLU's noise) keeps its
+        # activations on the device: a slot would copy the tensor unfilled, and a
+        # recompute's backward reads it unfilled too. (One more forward, after the timed
+        # ones: the counting one keeps nothing autograd could watch.)
+        with naming_refusals(label), watching_saved_values(
+                lambda t: not state(t)) as late:
+            y_watch = m(x)
+        del y_watch
         cheap_ms: float | None = None
         recompute_calls = frozenset(changed)
         if cheap_bytes and inputs and recompute_calls:
@@ -220,7 +230,7 @@ def profile_units(b: Backend, units: Sequence[torch.nn.Module], sample: torch.Te
                                input_bytes=x.numel() * x.element_size() + changed_bytes,
                                grad_bytes=sum(p.numel() * p.element_size() for p in own),
                                cheap_saved_bytes=None if cheap_ms is None else cheap_bytes,
-                               cheap_recompute_ms=cheap_ms))
+                               cheap_recompute_ms=cheap_ms, keep_only=bool(late)))
         x = out.requires_grad_(x.requires_grad or bool(params))
     b.synchronize()
     return costs

@@ -549,7 +549,35 @@ def brute_force_all(p: StackProfile, budget: int) -> tuple[float, int]:
 
 
 def budget_choices(c: LayerCost) -> tuple[str, ...]:
+    if c.keep_only:
+        return (KEEP,)
     return CHOICES + ((budget.RECOMPUTE_CHEAP,) if c.cheap else ())
+
+
+def test_a_layer_whose_activations_must_stay_is_kept_by_every_plan_and_the_search_alike():
+    """A layer whose forward fills a tensor after saving it (nn.RReLU) can be neither
+    offloaded nor recomputed: plans keep it, the least budget counts it, and the local
+    search matches the exhaustive one."""
+    rng = random.Random(5)
+    ratios = []
+    for _ in range(10):
+        n = rng.randint(2, 5)
+        pinned = rng.sample(range(n), rng.randint(1, n - 1))
+        base = random_profile(rng, n)
+        p = dataclasses.replace(base, layers=tuple(dataclasses.replace(c, keep_only=i in pinned)
+                                                   for i, c in enumerate(base.layers)))
+        assert smallest_peak(p, exhaustive=True) >= smallest_peak(base, exhaustive=True)
+        for limit in (smallest_peak(p, exhaustive=True), predict_peak_bytes(p, (KEEP,) * n, "off")):
+            for exhaustive in (True, False):
+                plan = plan_budget(p, limit, exhaustive=exhaustive)
+                assert all(plan.choices[i] == KEEP for i in pinned), (pinned, plan.choices)
+        ratios += search_ratios(p, brute_force_all)
+    assert max(ratios) <= 1.06
+    with pytest.raises(UsageError, match=r"layers \[0\]: their activations stay on the device"):
+        predict_peak_bytes(p := StackProfile((LayerCost(1.0, 2.0, GiB, keep_only=True),), 1.0, 1.0),
+                           (RECOMPUTE,), "off")
+    with pytest.raises(UsageError, match="keep_only must be a bool"):
+        LayerCost(1.0, 2.0, GiB, keep_only=1)  # type: ignore[arg-type]
 
 
 def test_a_cheap_recompute_is_modelled_as_keeping_part_and_recomputing_little():

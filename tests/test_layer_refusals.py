@@ -15,7 +15,7 @@ from torch.utils.checkpoint import checkpoint
 
 from graphslot import layer_calls
 from graphslot.adapters.torch import GraphedLayers
-from graphslot.errors import UsageError
+from graphslot.errors import BudgetError, UsageError
 
 H = 8
 KWS = [dict(mode="off"), dict(mode="resident", layers_per_graph=1), dict(mode="remap"),
@@ -327,3 +327,21 @@ def test_a_layer_filling_a_tensor_after_saving_it_is_not_offloaded_or_recomputed
         eager(xe).square().sum().backward()
         for p, q in zip([xg, *stack.parameters()], [xe, *eager.parameters()]):
             assert torch.equal(p.grad, q.grad)
+
+
+
+def test_under_a_budget_a_layer_filling_a_tensor_after_saving_it_is_kept(clean):
+    """The profile marks such a layer keep_only: the planner neither offloads nor
+    recomputes it (it chose to, and the build then refused its own plan)."""
+    from graphslot.profile import profile_units
+
+    b = clean
+    torch.manual_seed(0)
+    layers = [nn.Sequential(nn.Linear(H, 4 * H), act, nn.Linear(4 * H, H)).to(b.device)
+              for act in (nn.RReLU(), nn.GELU(), nn.RReLU(), nn.GELU())]
+    sample = torch.zeros(64, H, device=b.device, requires_grad=True)
+    assert [c.keep_only for c in profile_units(b, layers, sample)] == [True, False, True, False]
+    with pytest.raises(BudgetError) as refused:  # (the least plan is built, and named)
+        GraphedLayers(layers, sample, memory_budget=1, layers_per_graph=1, backend=b)
+    least = refused.value.least_plan.choices
+    assert least[0] == least[2] == "keep" and {least[1], least[3]} != {"keep"}, least

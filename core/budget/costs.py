@@ -61,6 +61,8 @@ class LayerCost:
             expensive ops; see :data:`RECOMPUTE_CHEAP`); None: not offered.
         cheap_recompute_ms: the extra backward time of recomputing it cheaply (its cheap
             ops again); None: not offered.
+        keep_only: its activations must stay on the device, neither offloaded nor
+            recomputed (its forward fills a tensor after saving it, as ``nn.RReLU`` does).
     """
 
     forward_ms: float
@@ -72,8 +74,11 @@ class LayerCost:
     grad_bytes: int = 0
     cheap_saved_bytes: int | None = None
     cheap_recompute_ms: float | None = None
+    keep_only: bool = False
 
     def __post_init__(self) -> None:
+        if not isinstance(self.keep_only, bool):
+            raise UsageError(f"LayerCost.keep_only must be a bool, got {self.keep_only!r}")
         for k in ("forward_ms", "backward_ms", "saved_bytes", "work_bytes", "input_bytes",
                   "grad_bytes", "cheap_saved_bytes", "cheap_recompute_ms"):
             v = getattr(self, k)

@@ -10,7 +10,7 @@ from typing import Sequence
 
 from ..backend import align_up
 from ..errors import UsageError
-from .costs import (_ALL_CHOICES, OFFLOAD, RECOMPUTE, RECOMPUTE_CHEAP,
+from .costs import (_ALL_CHOICES, KEEP, OFFLOAD, RECOMPUTE, RECOMPUTE_CHEAP,
                     StackProfile)
 
 
@@ -69,6 +69,10 @@ def _check(profile: StackProfile, choices: Sequence[str]) -> None:
     if no:
         raise UsageError(f"layers {no}: {RECOMPUTE_CHEAP} without cheap_saved_bytes and "
                          "cheap_recompute_ms in their profile")
+    kept = [i for i, (c, ch) in enumerate(zip(profile.layers, choices)) if c.keep_only and ch != KEEP]
+    if kept:
+        raise UsageError(f"layers {kept}: their activations stay on the device (keep_only in "
+                         "their profile), so they are neither offloaded nor recomputed")
 
 
 def banks_for(choices: Sequence[str], mode: str) -> int:

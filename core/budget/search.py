@@ -38,7 +38,7 @@ class _Scored:
 
 def _options(profile: StackProfile) -> list[tuple[str, ...]]:
     """The choices the search may give each layer."""
-    return [_ALL_CHOICES if c.cheap else CHOICES for c in profile.layers]
+    return [(KEEP,) if c.keep_only else _ALL_CHOICES if c.cheap else CHOICES for c in profile.layers]
 
 
 def _modes(choices: Sequence[str]) -> tuple[str, ...]:
@@ -190,7 +190,8 @@ def _search(profile: StackProfile, key: Objective, exhaustive: bool | None = Non
     seeds = [ch for ch in _seeds(n, any(c.cheap for c in profile.layers))
              if all(c in o for c, o in zip(ch, options))]
     firsts = sorted((s for ch in seeds for s in _scored(profile, ch)), key=key)[:starts]
-    firsts += [s for ch in also for s in _scored(profile, tuple(ch))]
+    firsts += [s for ch in also if all(c in o for c, o in zip(ch, options))
+               for s in _scored(profile, tuple(ch))]
     best: _Scored | None = None
     seen: set[tuple[str, ...]] = set()
     # Plans an earlier start's climb stood on: a climb that reaches one would mostly
