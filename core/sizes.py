@@ -12,7 +12,7 @@ from typing import Sequence
 
 from .errors import UsageError
 
-__all__ = ["format_bytes", "view_extent", "whole_count"]
+__all__ = ["format_bytes", "view_extent", "as_integer", "whole_count"]
 
 _UNITS = (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10))
 
@@ -59,9 +59,20 @@ def view_extent(shape: Sequence[int], stride: Sequence[int], itemsize: int) -> i
     return (1 + sum((int(s) - 1) * int(step) for s, step in zip(shape, stride))) * itemsize
 
 
+def as_integer(value: object) -> int | None:
+    """``value`` as a Python ``int`` where it is an integer (numpy's and torch's too,
+    through ``operator.index``), else None: a bool of any kind (a bool tensor's
+    ``__index__`` answers 1), a float or a string is none."""
+    if isinstance(value, bool) or "bool" in str(getattr(value, "dtype", "")):
+        return None
+    try:
+        return operator.index(value)  # type: ignore[arg-type]
+    except TypeError:
+        return None
+
+
 def whole_count(value: object, name: str, *, least: int = 0, of: str = "") -> int:
-    """``value`` as a Python ``int`` of at least ``least``: an integer, numpy's and torch's
-    included (through ``operator.index``), never a bool, a float or a string.
+    """``value`` as a Python ``int`` of at least ``least`` (see :func:`as_integer`).
 
     Args:
         value: what the caller gave.
@@ -72,12 +83,7 @@ def whole_count(value: object, name: str, *, least: int = 0, of: str = "") -> in
     Raises:
         UsageError: ``"<name> must be an integer<of>, at least <least>, got <value>"``.
     """
-    try:
-        if isinstance(value, bool) or "bool" in str(getattr(value, "dtype", "")):
-            raise TypeError  # (a bool tensor's __index__ answers 1)
-        n = operator.index(value)  # type: ignore[arg-type]
-    except TypeError:
-        n = least - 1
-    if n < least:
+    n = as_integer(value)
+    if n is None or n < least:
         raise UsageError(f"{name} must be an integer{of}, at least {least}, got {value!r}")
     return n

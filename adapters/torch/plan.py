@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import operator
 from typing import AbstractSet, Any, Iterable, Sequence
 
 import torch
@@ -12,6 +11,7 @@ from torch import nn
 
 from graphslot.backend import Backend
 from graphslot.errors import UsageError
+from graphslot.sizes import as_integer
 
 #: ``layers_per_graph=None`` joins consecutive layers while what their forwards save
 #: stays within this together. A graph replay and an offload copy cost the host about as
@@ -98,16 +98,11 @@ def layer_set(name: str, layers: Iterable[int], n: int) -> set[int]:
     chosen: list[int] = []
     bad: list[Any] = []
     for i in items:
-        try:
-            # (a bool, or a mask's element, is no index; a float tensor's __index__ fails)
-            if isinstance(i, bool) or type(i).__name__ == "bool_" or (
-                    isinstance(i, torch.Tensor) and (i.dtype == torch.bool or i.is_floating_point())):
-                raise TypeError
-            k = operator.index(i)
-        except TypeError:
+        k = as_integer(i)  # (a bool, or a mask's element, is no index)
+        if k is None:
             bad.append(i)
-            continue
-        (chosen if 0 <= k < n else bad).append(k)
+        else:
+            (chosen if 0 <= k < n else bad).append(k)
     if bad:
         raise UsageError(f"{name} {bad} are not layer indices (integers 0..{n - 1})")
     return set(chosen)

@@ -306,13 +306,10 @@ class GraphRunner:
                         watching_saved_values(lambda t: not is_state(t)) as late:
                     out = run(static_in)
                 del out
-                if late:  # (torch.utils.checkpoint's own backward reads such a tensor unfilled)
-                    raise UsageError(
-                        f"{self.label}: its forward changes a tensor in place after saving it for "
-                        f"backward (saved tensor #{late[0]}; RReLU's kernel fills the noise it "
-                        "saved, for one), and a recompute's backward then reads it as saved, "
-                        "unfilled (torch.utils.checkpoint's too): leave this layer out of "
-                        "recompute_layers")
+                # (torch.utils.checkpoint's own backward reads such a tensor unfilled)
+                self._refuse_filled_after_saving(late, "a recompute's backward then reads it as "
+                                                 "saved, unfilled (torch.utils.checkpoint's too): "
+                                                 "leave this layer out of recompute_layers")
                 self.recompute_calls = frozenset(changed)
                 self.changed_buffers = buffers
             warm_ctx: list[tuple[str, torch.Tensor]] | None = None
@@ -325,14 +322,11 @@ class GraphRunner:
                     if warm_ctx is None and unit.wants_offload else contextlib.nullcontext([]))
                 with watching as late:
                     out = call()
-                if late:
-                    raise UsageError(
-                        f"{self.label}: its forward changes a tensor in place after saving it for "
-                        f"backward (saved tensor #{late[0]} of those it offloads; RReLU's kernel "
-                        "fills the noise it saved, for one): its slot copies each saved tensor "
-                        "when it is saved, so its backward would read what the tensor held then. "
-                        "Keep this layer's activations on the device: leave it out of "
-                        "offload_layers (or give mode='off')")
+                self._refuse_filled_after_saving(late, "its slot copies each saved tensor when it "
+                                                 "is saved, so its backward would read what the "
+                                                 "tensor held then. Keep this layer's activations "
+                                                 "on the device: leave it out of offload_layers "
+                                                 "(or give mode='off')")
                 if not isinstance(out, torch.Tensor):
                     raise UsageError(f"{self.label} returned {type(out).__name__}; "
                                      "graphed layers must return one tensor")
@@ -420,6 +414,14 @@ class GraphRunner:
         self._inputs = inputs
         self.static_out = out.detach()
         return self.static_out
+
+    def _refuse_filled_after_saving(self, late: list[int], why: str) -> None:
+        """Refuse the build where :func:`watching_saved_values` found saved tensors
+        (``late``, their indices) changed after they were saved; ``why`` that matters."""
+        if late:
+            raise UsageError(f"{self.label}: its forward changes a tensor in place after saving it "
+                             f"for backward (saved tensor #{late[0]}; RReLU's kernel fills the "
+                             f"noise it saved, for one), and {why}")
 
     def build_backward(self, static_grad_out: torch.Tensor | None, shared: set[int]) -> None:
         """Capture the backward graph (after every forward, in reverse layer order)."""

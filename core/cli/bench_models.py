@@ -79,13 +79,12 @@ class BenchShape(GPTConfig):
             per_layer = int(h * h * (2 + 2 * kv)) + 3 * h * f
         else:
             per_layer = 4 * h * h + 2 * h * f
-        return per_layer * self.layers * torch.empty((), dtype=self.dtype).element_size()
+        return per_layer * self.layers * self.dtype.itemsize
 
     def boundary_bytes(self) -> int:
         """One activation between layers (``batch x seq x hidden``): the step holds the
         stack's input and its output at least."""
-        return (self.batch * self.seq * self.hidden
-                * torch.empty((), dtype=self.dtype).element_size())
+        return self.batch * self.seq * self.hidden * self.dtype.itemsize
 
     def check(self) -> None:
         """``ValueError`` naming the option of a field out of range for this model."""
