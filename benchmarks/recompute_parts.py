@@ -21,7 +21,10 @@ process of its own:
   second forward of the parts;
 - ``kept``: each part checkpointed with no checkpoint around the layer: the forward keeps
   the parts' inputs (what a plan would send to the host), and the backward runs each part
-  once more.
+  once more;
+- ``children``: as ``kept``, with every direct child of the layer checkpointed (norms
+  too), which a library could do to any layer without being told its parts;
+- ``none``: no checkpoint (the layer keeps all it saves), for reference.
 
 For each: the bytes the forward leaves (``kept_mib``); the backward's live peak above
 them (``backward_peak_mib``, the allocator's peak allocated); forward and backward times
@@ -44,7 +47,7 @@ import sys
 from typing import Any
 
 MiB = 1 << 20
-VARIANTS = ("whole", "parts", "kept")
+VARIANTS = ("whole", "parts", "kept", "children", "none")
 
 
 def _checkpointed(module: Any) -> None:
@@ -79,6 +82,9 @@ def _layer(variant: str, args: argparse.Namespace) -> tuple[Any, Any, Any, Any]:
                          f"{[n for n, _ in layer.named_modules() if n]}")
     if variant in ("parts", "kept"):
         for m in parts:
+            _checkpointed(m)
+    if variant == "children":
+        for m in layer.children():
             _checkpointed(m)
     run = layer
     if variant in ("whole", "parts"):
@@ -215,7 +221,7 @@ def main() -> int:
             results.append(json.loads(done.stdout.strip().splitlines()[-1]))
             grads[v] = torch.load(path)
     for r in results:
-        if "whole" in grads and r["variant"] in grads:
+        if "whole" in grads and r["variant"] in grads and r["variant"] != "whole":
             r["equal_to_whole"] = all(torch.equal(a, b) for a, b in zip(grads[r["variant"]], grads["whole"]))
     if args.json:
         print(json.dumps(results, indent=2))

@@ -40,8 +40,7 @@ from .layer_calls import check_passes_gradient, naming_refusals
 from .offload import SavedTensorSpec, never_offloaded, recording_saved_tensors, state_storages
 
 __all__ = ["MemoryReport", "report", "measure", "release_unused", "used_bytes", "saved_activation_bytes",
-           "run_counting_saved",
-           "saved_bytes_per_layer"]
+           "run_counting_saved", "saved_bytes_by_part", "saved_bytes_per_layer"]
 
 
 @dataclass(frozen=True)
@@ -197,6 +196,36 @@ def run_counting_saved(fn: Callable[[], Any], device_type: str,
         out = fn()
     # A tensor saved twice, or several views of one buffer, cost their storage once.
     return out, sum(b - a for a, b in spans.values())
+
+
+def saved_bytes_by_part(fn: Callable[[], Any], device_type: str, modules: Sequence[torch.nn.Module],
+                        parts: Sequence[torch.nn.Module]) -> list[int]:
+    """Run ``fn`` (a forward of ``modules``) and count what autograd saves while each of
+    ``parts`` (modules it calls, none inside another) runs: per part, in bytes, counted
+    as :func:`run_counting_saved` counts."""
+    spans: list[dict[int, tuple[int, int]]] = [{} for _ in parts]
+    state = state_storages(modules)
+    records = [_recording_spans(device_type, state, s) for s in spans]
+    running: list[int | None] = [None]
+
+    def record(t: torch.Tensor) -> None:
+        if running[0] is not None:
+            records[running[0]](t)
+
+    def enter(i: int) -> Callable[..., None]:
+        return lambda *_: running.__setitem__(0, i)
+
+    handles = []
+    for i, m in enumerate(parts):
+        handles.append(m.register_forward_pre_hook(enter(i)))
+        handles.append(m.register_forward_hook(lambda *_: running.__setitem__(0, None)))
+    try:
+        with recording_saved_tensors(record):
+            fn()
+    finally:
+        for h in handles:
+            h.remove()
+    return [sum(b - a for a, b in s.values()) for s in spans]
 
 
 def saved_activation_bytes(layers: Sequence[torch.nn.Module], x: torch.Tensor) -> int:

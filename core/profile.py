@@ -23,10 +23,11 @@ from .backend import Backend
 from .budget import LayerCost
 from .errors import UsageError
 from .layer_calls import naming_refusals
-from .memory import run_counting_saved
+from .memory import run_counting_saved, saved_bytes_by_part
 from .offload import leaves_on_device, watching_saved_values
 from .precision import without_autocast
-from .recompute import cheap_recompute_contexts, noting_changed_buffers, noting_expensive_outputs
+from .recompute import (checkpointing_parts, cheap_recompute_contexts, noting_changed_buffers,
+                        noting_draws, noting_expensive_outputs, recompute_parts)
 
 __all__ = ["copy_bandwidth", "profile_units", "held_bytes"]
 
@@ -111,7 +112,8 @@ class _Ahead:
 
 
 def profile_units(b: Backend, units: Sequence[torch.nn.Module], sample: torch.Tensor, *,
-                  iters: int = 2, labels: Sequence[str] | None = None) -> list[LayerCost]:
+                  iters: int = 2, labels: Sequence[str] | None = None,
+                  parts: Sequence[Sequence[torch.nn.Module]] | None = None) -> list[LayerCost]:
     """Each unit's :class:`~graphslot.budget.LayerCost`, measured eagerly on ``b``'s device.
 
     Args:
@@ -122,6 +124,9 @@ def profile_units(b: Backend, units: Sequence[torch.nn.Module], sample: torch.Te
             more where the backend times the device alone, the first finding how long
             the host takes).
         labels: what errors call each unit (default ``"layer K"``, K its index).
+        parts: each unit's parts, recomputed one at a time where the plan says so
+            (default: :func:`~graphslot.recompute.recompute_parts` of each unit; a unit
+            of several layers has theirs).
 
     Raises:
         UsageError: a unit does not return one tensor.
@@ -146,7 +151,8 @@ def profile_units(b: Backend, units: Sequence[torch.nn.Module], sample: torch.Te
                 kept[s.data_ptr()] = s.nbytes()
 
         t0 = time.perf_counter()
-        with noting_changed_buffers(m) as buffers, noting_expensive_outputs(note) as changed:
+        with noting_changed_buffers(m) as buffers, noting_expensive_outputs(note) as changed, \
+                noting_draws() as drawn:
             with naming_refusals(label):
                 y, saved = run_counting_saved(lambda: m(x), x.device.type, [m])
         # (a recompute saves, with the input, the buffers the forward changes as it found
@@ -156,7 +162,8 @@ def profile_units(b: Backend, units: Sequence[torch.nn.Module], sample: torch.Te
         # with; a cheap recompute runs a forward twice and dispatches each op in Python)
         host = (time.perf_counter() - t0) * 1e3
         ahead = _Ahead(b, {"forward": 4 * host + 2, "backward": 4 * host + 2,
-                           "cheap": 8 * host + 2})
+                           "cheap": 8 * host + 2, "parts_forward": 4 * host + 2,
+                           "parts_backward": 8 * host + 2})
         reps = iters + 1 if ahead.on else iters
         cheap_bytes = sum(kept.values())
         if not isinstance(y, torch.Tensor):
@@ -223,6 +230,24 @@ def profile_units(b: Backend, units: Sequence[torch.nn.Module], sample: torch.Te
                 ahead.saw("cheap", tc)
                 both.append(tc["device_ms"])
             cheap_ms = min(max(0.0, min(both) - min(fwd_ms) - min(bwd_ms)), min(fwd_ms))
+        # Recomputed part by part (not where a part would draw other random numbers or
+        # change buffers a second time, nor where it saves no less than whole)
+        these = list(recompute_parts(m) if parts is None else parts[k])
+        if not inputs or late or buffers or drawn:
+            these = []
+        parts_cost: tuple[int, int, float] | None = None
+        if these:
+            with checkpointing_parts(these), naming_refusals(label):
+                y, parts_saved = run_counting_saved(lambda: m(x), x.device.type, [m])
+            del y
+            if parts_saved < saved:
+                parts_work, parts_ms = _parts_cost(b, m, x, inputs, these, grad_bytes, ahead,
+                                                   reps, sees_peak, label)
+                if not sees_peak:  # (the largest part's activations again, beside the rest)
+                    parts_work = work + max(saved_bytes_by_part(
+                        lambda: m(x), x.device.type, [m], these))
+                parts_cost = (parts_saved, parts_work,
+                              min(max(0.0, parts_ms - min(fwd_ms) - min(bwd_ms)), min(fwd_ms)))
         own = [p for p in params if id(p) not in seen]
         seen.update(id(p) for p in own)
         costs.append(LayerCost(forward_ms=min(fwd_ms), backward_ms=min(bwd_ms),
@@ -230,8 +255,37 @@ def profile_units(b: Backend, units: Sequence[torch.nn.Module], sample: torch.Te
                                input_bytes=x.numel() * x.element_size() + changed_bytes,
                                grad_bytes=sum(p.numel() * p.element_size() for p in own),
                                cheap_saved_bytes=None if cheap_ms is None else cheap_bytes,
-                               cheap_recompute_ms=cheap_ms, keep_only=bool(late)))
+                               cheap_recompute_ms=cheap_ms, keep_only=bool(late),
+                               parts_saved_bytes=None if parts_cost is None else parts_cost[0],
+                               parts_work_bytes=None if parts_cost is None else parts_cost[1],
+                               parts_recompute_ms=None if parts_cost is None else parts_cost[2]))
         x = out.requires_grad_(x.requires_grad or bool(params))
     b.synchronize()
     return costs
 
+
+
+def _parts_cost(b: Backend, m: torch.nn.Module, x: torch.Tensor, inputs: list[torch.Tensor],
+                parts: list[torch.nn.Module], grad_bytes: int, ahead: _Ahead, reps: int,
+                sees_peak: bool, label: str) -> tuple[int, float]:
+    """``m`` recomputed part by part: its backward's working memory beyond what its
+    forward saved and the gradients (0 where the allocator keeps no peak), and its
+    forward and backward time together (the least of ``reps``)."""
+    work, both = 0, []
+    with checkpointing_parts(parts), naming_refusals(label):
+        for _ in range(reps):
+            b.synchronize()
+            b.allocator_stats(reset_peak=True)
+            with b.timed(ahead_ms=ahead("parts_forward")) as tf:
+                y = m(x)
+            after_fwd = b.allocator_stats()["allocated_bytes"]
+            with b.timed(ahead_ms=ahead("parts_backward")) as tb, without_autocast(x.device.type):
+                torch.autograd.grad(y, inputs, torch.ones_like(y), allow_unused=True)
+            ahead.saw("parts_forward", tf)
+            ahead.saw("parts_backward", tb)
+            both.append(tf["device_ms"] + tb["device_ms"])
+            peak = b.allocator_stats()["peak_allocated_bytes"]
+            if sees_peak and peak is not None and after_fwd is not None:
+                work = max(work, peak - after_fwd - grad_bytes)
+            del y
+    return max(0, work), min(both)

@@ -27,6 +27,7 @@ from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint
 from .offload import same_values, values_fingerprint
 
 __all__ = ["EXPENSIVE_OPS", "CallKey", "is_expensive", "cheap_recompute_contexts",
+           "recompute_parts", "checkpointing_parts", "noting_draws",
            "noting_expensive_outputs", "noting_changed_buffers"]
 
 
@@ -185,3 +186,70 @@ def cheap_recompute_contexts(note: Callable[[torch.Tensor], None] | None = None,
 def _both(forward: Any, noting: _NoteOutputs) -> Iterator[None]:
     with forward, noting:
         yield
+
+
+def recompute_parts(module: torch.nn.Module) -> list[torch.nn.Module]:
+    """The parts a layer is recomputed by, one at a time (``recompute_ops="parts"``): the
+    children of the first module with two or more, going down from ``module`` through
+    modules with one child (a wrapper around a decoder layer, say: its attention, MLP and
+    norms). Empty where no module has two children (nothing to take apart)."""
+    m = module
+    while True:
+        children = list(m.children())
+        if len(children) >= 2:
+            return children
+        if not children:
+            return []
+        m = children[0]
+
+
+@contextlib.contextmanager
+def checkpointing_parts(parts: list[torch.nn.Module]) -> Iterator[None]:
+    """Within: each of ``parts`` runs its forward under a non-reentrant
+    ``torch.utils.checkpoint``, so a forward of the layer saves only what each part is
+    given (and what the code between the parts saves), and its backward runs each part
+    again just before that part's own backward: one part's activations are live at a
+    time, against all of them with the whole layer recomputed at once. The part runs
+    again from what its forward was given, with the parameters it reads then (a capture
+    that swaps them for aliases of the same memory is read alike). Random numbers are not
+    restored (``preserve_rng_state=False``: a part that draws them is not recomputed this
+    way), nor module state its forward changes (a caller refuses those)."""
+    had = [(m, m.__dict__.get("forward")) for m in parts]
+    try:
+        for m in parts:
+            forward = m.forward
+
+            def run(*args: Any, _forward: Any = forward, **kwargs: Any) -> Any:
+                return torch.utils.checkpoint.checkpoint(
+                    _forward, *args, use_reentrant=False, preserve_rng_state=False, **kwargs)
+
+            m.forward = run  # (an instance attribute: hooks still run around it)
+        yield
+    finally:
+        for m, own in reversed(had):
+            if own is None:
+                m.__dict__.pop("forward", None)
+            else:
+                m.forward = own
+
+
+class _NoteDraws(TorchDispatchMode):
+    """Appends the name of each op called within that draws random numbers."""
+
+    def __init__(self, drawn: list[str]) -> None:
+        super().__init__()
+        self.drawn = drawn
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if _draws(func, args, kwargs or {}):
+            self.drawn.append(str(getattr(func, "overloadpacket", func)))
+        return func(*args, **(kwargs or {}))
+
+
+@contextlib.contextmanager
+def noting_draws() -> Iterator[list[str]]:
+    """Within: yields a list that gets the name of each op called that draws random
+    numbers (dropout, ``torch.rand``; attention with a dropout probability above 0)."""
+    drawn: list[str] = []
+    with _NoteDraws(drawn):
+        yield drawn

@@ -109,7 +109,7 @@ def test_an_expensive_call_that_draws_random_numbers_runs_again(clean, monkeypat
 def test_bad_recompute_ops_are_named(clean):
     b = clean
     model = small_gpt(b, 2)
-    with pytest.raises(UsageError, match="recompute_ops must be 'all' or 'cheap'"):
+    with pytest.raises(UsageError, match="recompute_ops must be 'all', 'cheap' or 'parts'"):
         graphed(model, b, "off", recompute_layers=[0], recompute_ops="some")
     with pytest.raises(UsageError, match=r"layers \[0\] are recomputed cheaply"):
         graphed(model, b, "remap", recompute_layers=[0], offload_layers=[0], recompute_ops="cheap")

@@ -24,10 +24,11 @@ def plan_graphs(n: int, offloaded: AbstractSet[int], layers_per_graph: int | Non
                 saved_bytes: Sequence[int] | None, join_bytes: int | None = None,
                 recomputed: AbstractSet[int] = frozenset(),
                 cheap: AbstractSet[int] = frozenset(),
-                tied: Sequence[AbstractSet[int]] = ()) -> tuple[tuple[int, ...], ...]:
+                tied: Sequence[AbstractSet[int]] = (),
+                parts: AbstractSet[int] = frozenset()) -> tuple[tuple[int, ...], ...]:
     """Which of ``n`` layers each device graph covers: consecutive runs, never mixing
     layers in and outside ``offloaded`` (or ``recomputed``, or ``cheap``: recomputed
-    cheaply); ``layers_per_graph`` at a
+    cheaply, or ``parts``: recomputed part by part); ``layers_per_graph`` at a
     time, or, when it is None, as many as keep ``saved_bytes`` (per layer) within
     ``join_bytes`` together (default :data:`JOIN_BYTES`). ``tied``: for each parameter
     several layers use, those layers; where the graphs would add its parts in another
@@ -37,8 +38,8 @@ def plan_graphs(n: int, offloaded: AbstractSet[int], layers_per_graph: int | Non
     join_bytes = JOIN_BYTES if join_bytes is None else join_bytes
     alone: set[int] = set()
 
-    def kind(i: int) -> tuple[bool, bool, bool]:
-        return (i in offloaded, i in recomputed, i in cheap)
+    def kind(i: int) -> tuple[bool, bool, bool, bool]:
+        return (i in offloaded, i in recomputed, i in cheap, i in parts)
 
     while True:
         plan: list[tuple[int, ...]] = []

@@ -22,8 +22,9 @@ from graphslot.layer_calls import ctx_tensors, foreign_gradient_inputs, naming_r
 from graphslot.offload import (KEEP, OFFLOAD, RECOMPUTE, OffloadUnit, leaves_on_device,
                                watching_saved_values)
 from graphslot.precision import without_autocast
-from graphslot.recompute import (CallKey, cheap_recompute_contexts, noting_changed_buffers,
-                                 noting_expensive_outputs)
+from graphslot.recompute import (CallKey, checkpointing_parts, cheap_recompute_contexts,
+                                 noting_changed_buffers, noting_draws, noting_expensive_outputs,
+                                 recompute_parts)
 
 from .grads import (GradHome, ParamGrad, backward_into, give_holders_own_bytes, shares_storage, storage_id,
                     use_count)
@@ -218,8 +219,13 @@ class GraphRunner:
         # The stack's first layer copies its input in and hands its input gradient out as a
         # copy; the others read and write their neighbours' buffers themselves.
         self.first = index == 0
+        #: recomputed part by part (``recompute_ops="parts"``): its forward runs each of these
+        #: modules under a checkpoint of its own and saves what each is given, and its
+        #: backward graph runs each again right before that part's backward
+        self.parts: list[nn.Module] = ([p for i in layers for p in recompute_parts(stack.layers[i])]
+                                       if layers[0] in stack.parts_layers else [])
         #: its forward saves only its input, and its backward graph runs the forward again
-        self.recompute = layers[0] in stack.recompute_layers
+        self.recompute = layers[0] in stack.recompute_layers and not self.parts
         #: recomputed cheaply: its forward also keeps its expensive ops' outputs, and its
         #: backward graph runs only the cheap ops again (:mod:`graphslot.recompute`)
         self.cheap = layers[0] in stack.cheap_layers
@@ -258,7 +264,7 @@ class GraphRunner:
         alias_of = {id(p): a for p, a in zip(self.params, aliases)}
 
         def run(x: torch.Tensor, *found: torch.Tensor) -> Any:
-            with _parameters_as(self.module, alias_of):
+            with _parameters_as(self.module, alias_of), checkpointing_parts(self.parts):
                 if found:  # (the changed buffers as this microbatch's forward found them)
                     with torch.no_grad():
                         for t, v in zip(self.changed_buffers, found):
@@ -296,6 +302,8 @@ class GraphRunner:
         b.wait_event(side, b.record_event(b.new_event()))
         own = [(i, *o) for i in self.layers for o in own_generators(stack.layers[i])]
         with b.stream(side), naming_refusals(self.label):
+            if self.parts:
+                self._check_parts(run, static_in)
             if self.recompute:
                 # What the forward changes in place: a cheap recompute makes those expensive
                 # outputs again instead of keeping them (torch's selective policy refuses
@@ -414,6 +422,21 @@ class GraphRunner:
         self._inputs = inputs
         self.static_out = out.detach()
         return self.static_out
+
+    def _check_parts(self, run: Callable[[torch.Tensor], Any], static_in: torch.Tensor) -> None:
+        """Refuse a layer recomputed part by part whose forward draws random numbers or
+        changes its buffers: a part's recompute would draw other numbers, or change them
+        a second time (recomputing the whole layer restores both)."""
+        with noting_changed_buffers(self.module) as changed, noting_draws() as drawn:
+            out = run(static_in)
+        del out
+        why = (f"draws random numbers ({drawn[0]})" if drawn else
+               f"changes its buffers ({len(changed)}: batch norm's running statistics, say)"
+               if changed else None)
+        if why:
+            raise UsageError(f"{self.label} is recomputed part by part (recompute_ops='parts'), "
+                             f"and its forward {why}: a part run again would not do the same. "
+                             "Recompute it whole (recompute_ops='all'), which restores both")
 
     def _refuse_filled_after_saving(self, late: list[int], why: str) -> None:
         """Refuse the build where :func:`watching_saved_values` found saved tensors

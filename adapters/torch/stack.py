@@ -73,8 +73,9 @@ import torch
 from torch import nn
 
 from graphslot.backend import Backend, DeviceGraph, align_up
-from graphslot.budget import (OFFLOAD, RECOMPUTE, RECOMPUTE_CHEAP, BudgetPlan, StackProfile, banks_bytes,
-                              fit_budget, gradient_homes, parse_budget, refusal_message)
+from graphslot.budget import (OFFLOAD, RECOMPUTE, RECOMPUTE_CHEAP, RECOMPUTE_PARTS, BudgetPlan,
+                              StackProfile, banks_bytes, fit_budget, gradient_homes, parse_budget,
+                              refusal_message)
 from graphslot.errors import BudgetError, CaptureMismatchError, StateError, UsageError
 from graphslot.layer_calls import check_passes_gradient
 from graphslot.memory import release_unused, saved_bytes_per_layer
@@ -82,6 +83,7 @@ from graphslot.offload import SECTION_BYTES, Mode, OffloadEngine, ping_pong_bank
 from graphslot.optimizer_state import StateWatch, state_to_come
 from graphslot.precision import autocast_dtype
 from graphslot.profile import copy_bandwidth, held_bytes, profile_units
+from graphslot.recompute import recompute_parts
 from graphslot.selection import get_backend
 from graphslot.sizes import format_bytes, whole_count
 
@@ -203,12 +205,18 @@ class GraphedLayers(nn.Module):
             again (``torch.utils.checkpoint`` captured inside the graphs). A layer also in
             ``offload_layers`` sends that input to the host.
         recompute_ops: what ``recompute_layers`` run again: ``"all"`` (the default: the
-            whole forward, keeping only the input) or ``"cheap"`` (only the cheap ops:
+            whole forward, keeping only the input), ``"cheap"`` (only the cheap ops:
             norms, activation functions, casts and other elementwise work; the outputs of
             matrix products, attention and convolutions are kept on the device, in the
-            graphs' pool; see :mod:`graphslot.recompute`). A layer recomputed cheaply keeps
-            its input on the device (not in ``offload_layers``). With ``memory_budget``
-            the planner chooses per layer (``plan.recompute_ops``).
+            graphs' pool; see :mod:`graphslot.recompute`) or ``"parts"`` (the whole
+            forward, one part at a time: each child of the layer, its attention, MLP and
+            norms say (:func:`graphslot.recompute.recompute_parts`), is checkpointed on its
+            own, so the forward saves what each part is given and the backward holds one
+            part's activations at a time; not for a layer that draws random numbers or
+            changes its buffers). A layer recomputed cheaply keeps its input on the device
+            (not in ``offload_layers``); one recomputed by parts in ``offload_layers``
+            sends its parts' inputs to the host. With ``memory_budget`` the planner
+            chooses per layer (``plan.recompute_ops``).
         memory_budget: bytes the training step may hold at its peak (the framework
             allocator's reserved bytes plus graphslot's pages, counting what the device
             holds when the stack is built; where the allocator keeps no figures, as on
@@ -314,15 +322,22 @@ class GraphedLayers(nn.Module):
         recompute = layer_set("recompute_layers", [] if recompute_layers is None else recompute_layers, n)
         offload = layer_set("offload_layers", (set(range(n)) - recompute) if offload_layers is None
                             else offload_layers, n)
-        if recompute_ops not in ("all", "cheap"):
-            raise UsageError(f"recompute_ops must be 'all' or 'cheap', got {recompute_ops!r}")
-        if recompute_ops == "cheap" and memory_budget is not None:
+        if recompute_ops not in ("all", "cheap", "parts"):
+            raise UsageError(f"recompute_ops must be 'all', 'cheap' or 'parts', got {recompute_ops!r}")
+        if recompute_ops != "all" and memory_budget is not None:
             raise UsageError("recompute_ops is for recompute_layers; with memory_budget the "
                              "planner chooses what each recomputed layer runs again")
-        if recompute_ops == "cheap" and not recompute:
-            raise UsageError("recompute_ops='cheap' says what recompute_layers run again, and "
-                             "recompute_layers names none: name the layers to recompute")
+        if recompute_ops != "all" and not recompute:
+            raise UsageError(f"recompute_ops={recompute_ops!r} says what recompute_layers run "
+                             "again, and recompute_layers names none: name the layers to recompute")
         cheap = set(recompute) if recompute_ops == "cheap" else set()
+        parts = set(recompute) if recompute_ops == "parts" else set()
+        no_parts = [i for i in sorted(parts) if not recompute_parts(self.layers[i])]
+        if no_parts:
+            raise UsageError(f"recompute_ops='parts': layer {no_parts[0]} "
+                             f"({type(self.layers[no_parts[0]]).__name__}) has no parts to "
+                             "recompute one at a time (no module in it has two children or "
+                             "more): recompute it whole (recompute_ops='all')")
         if cheap & offload:
             raise UsageError(f"layers {sorted(cheap & offload)} are recomputed cheaply, which "
                              "keeps their input on the device, and in offload_layers too")
@@ -399,7 +414,7 @@ class GraphedLayers(nn.Module):
                     sample_input.detach().requires_grad_(sample_input.requires_grad))
                 if memory_budget is None:
                     self._make(Mode(modes[0]) if mode is not None else Mode.RESIDENT, offload,
-                               recompute, layers_per_graph, saved, sample_input, cheap)
+                               recompute, layers_per_graph, saved, sample_input, cheap, parts)
                 else:
                     self._make_planned(memory_budget, modes, layers_per_graph, saved,
                                        sample_input, section_bytes)
@@ -451,16 +466,20 @@ class GraphedLayers(nn.Module):
 
     def _make(self, mode: Mode, offload: set[int], recompute: set[int],
               layers_per_graph: int | None, saved: list[int] | None, sample: torch.Tensor,
-              cheap: frozenset[int] | set[int] = frozenset()) -> None:
+              cheap: frozenset[int] | set[int] = frozenset(),
+              parts: frozenset[int] | set[int] = frozenset()) -> None:
         """Build the engine, the graphs' plan and every graph."""
         self.offload_layers, self.recompute_layers = set(offload), set(recompute)
         #: the recomputed layers that run only their cheap ops again (``recompute_ops``)
         self.cheap_layers = set(cheap)
+        #: the recomputed layers that run their forward again part by part (``recompute_ops``)
+        self.parts_layers = set(parts)
         self._grad_homes = not self.main_grad and self._homes_pay(mode, saved, sample)
         self.engine = OffloadEngine(self.backend, mode, **self._engine_args)
         self.graph_layers = plan_graphs(len(self.layers), self.offload_layers, layers_per_graph,
                                         saved, recomputed=self.recompute_layers,
-                                        cheap=self.cheap_layers, tied=self._tied())
+                                        cheap=self.cheap_layers, parts=self.parts_layers,
+                                        tied=self._tied())
         host = _Host(self)
         self._runners = [GraphRunner(self, host, k, ls) for k, ls in enumerate(self.graph_layers)]
         self._build(sample)
@@ -469,8 +488,9 @@ class GraphedLayers(nn.Module):
         """Does this build give gradients homes outside the pool (:class:`GradHome`)?
         :func:`graphslot.budget.gradient_homes` says, from what the layers keep in the
         graphs' pool (``saved``, measured) against the gradients' bytes."""
-        # (a layer recomputed cheaply keeps part of what it saves: counted as kept)
-        gone = ((self.recompute_layers - self.cheap_layers)
+        # (a layer recomputed cheaply, or by parts with their inputs on the device, keeps
+        # part of what it saves: counted as kept)
+        gone = ((self.recompute_layers - self.cheap_layers - self.parts_layers)
                 | (self.offload_layers if mode is not Mode.OFF else set()))
         kept = [i for i in range(len(self.layers)) if i not in gone]
         if not kept or self.keep_grads:
@@ -520,12 +540,13 @@ class GraphedLayers(nn.Module):
             self.plan = _per_layer(plan, units)
             recomputed = set(self.plan.layers(RECOMPUTE))
             cheap = set(self.plan.layers(RECOMPUTE_CHEAP))
+            parts = set(self.plan.layers(RECOMPUTE_PARTS))
             # (in a mode that offloads, a recomputed layer's input goes to the host too,
-            # unless it is recomputed cheaply)
+            # unless it is recomputed cheaply; by parts, what its parts are given)
             offloaded = set(self.plan.layers(OFFLOAD)) | (recomputed - cheap if plan.mode != "off"
                                                           else set())
             self._make(Mode(plan.mode), offloaded, recomputed, layers_per_graph, saved, sample,
-                       cheap)
+                       cheap, parts)
             release_unused(b)
             held = _build_holds(b)
             if held is None:
@@ -583,7 +604,9 @@ class GraphedLayers(nn.Module):
         # that keeps everything as by none.
         b.synchronize()
         with b.stream(self._warmup_stream):
-            costs = profile_units(b, mods, sample, labels=[unit_label(u) for u in units])
+            costs = profile_units(b, mods, sample, labels=[unit_label(u) for u in units],
+                                  parts=[[p for i in u for p in recompute_parts(self.layers[i])]
+                                         for u in units])
         if self.main_grad:
             # (the backward graphs add into main_grad, made before the build and so in the
             # fixed memory: the pool holds no gradient buffers and the stack no homes)

@@ -23,7 +23,8 @@ The model behind it:
   gradient buffers reusing what the layers after it kept (their backward is done with
   it by then), so the pool is the largest, over the layers, of what the layers up to it
   keep, the gradients from it on and its backward's working memory (a recomputed
-  layer's activations again among it). :func:`predict_peak_bytes`.
+  layer's activations again among it; recomputed part by part, one part's at a time).
+  :func:`predict_peak_bytes`.
 
 :func:`plan_budget` searches the choices: every combination for small stacks, a local
 search from position patterns above that (tested against the exhaustive search).
@@ -38,13 +39,15 @@ bound of a plan) and :mod:`.search` (the planning), each importing only those be
 from __future__ import annotations
 
 from .costs import (AUTO_MIN_SAVING, AUTO_SLACK, CHOICES, EXHAUSTIVE_LAYERS, FIT_BUILDS, KEEP,
-                    MODES, OFFLOAD, RECOMPUTE, RECOMPUTE_CHEAP, SEARCH_STARTS, BudgetPlan, LayerCost,
+                    MODES, OFFLOAD, RECOMPUTE, RECOMPUTE_CHEAP, RECOMPUTE_PARTS, SEARCH_STARTS,
+                    BudgetPlan, LayerCost,
                     StackProfile, parse_budget)
 from .model import (banks_bytes, banks_for, bound_ms, gradient_homes, lower_bound_ms,
                     predict_peak_bytes, predict_step_ms, slot_bytes)
 from .search import fit_budget, plan_budget, refusal_message, smallest_peak
 
-__all__ = ["KEEP", "OFFLOAD", "RECOMPUTE", "CHOICES", "RECOMPUTE_CHEAP", "LayerCost", "StackProfile",
+__all__ = ["KEEP", "OFFLOAD", "RECOMPUTE", "CHOICES", "RECOMPUTE_CHEAP", "RECOMPUTE_PARTS",
+           "LayerCost", "StackProfile",
            "BudgetPlan", "predict_step_ms", "predict_peak_bytes", "banks_bytes", "slot_bytes",
            "bound_ms", "lower_bound_ms", "plan_budget", "smallest_peak", "parse_budget",
            "fit_budget", "gradient_homes", "refusal_message"]

@@ -21,7 +21,19 @@ CHOICES = (KEEP, OFFLOAD, RECOMPUTE)
 #: device. Offered for layers whose profile has those figures. A plan reports such a
 #: layer as ``"recompute"`` in ``choices``, with ``"cheap"`` in ``recompute_ops``.
 RECOMPUTE_CHEAP = "recompute_cheap"
-_ALL_CHOICES = CHOICES + (RECOMPUTE_CHEAP,)
+#: The model's and the search's name for a layer recomputed part by part (see
+#: :func:`graphslot.recompute.recompute_parts`): its forward saves what each part is given
+#: (``LayerCost.parts_saved_bytes``), which goes to the host in a mode that offloads, and
+#: its backward holds one part's activations at a time (``LayerCost.parts_work_bytes``)
+#: for about a whole recompute's time (``LayerCost.parts_recompute_ms``). Offered for
+#: layers whose profile has those figures. A plan reports such a layer as
+#: ``"recompute"`` in ``choices``, with ``"parts"`` in ``recompute_ops``.
+RECOMPUTE_PARTS = "recompute_parts"
+_ALL_CHOICES = CHOICES + (RECOMPUTE_CHEAP, RECOMPUTE_PARTS)
+#: each detailed choice's letter in a plan's short form (:func:`short`)
+_LETTERS = {KEEP: "K", OFFLOAD: "O", RECOMPUTE: "R", RECOMPUTE_CHEAP: "C", RECOMPUTE_PARTS: "P"}
+#: a recomputed layer's ``recompute_ops`` entry by detailed choice
+_OPS = {RECOMPUTE: "all", RECOMPUTE_CHEAP: "cheap", RECOMPUTE_PARTS: "parts"}
 #: the offload engine's modes a plan may use (see :class:`BudgetPlan`)
 MODES = ("off", "resident", "remap")
 
@@ -63,6 +75,12 @@ class LayerCost:
             ops again); None: not offered.
         keep_only: its activations must stay on the device, neither offloaded nor
             recomputed (its forward fills a tensor after saving it, as ``nn.RReLU`` does).
+        parts_saved_bytes: what its forward saves when recomputed part by part (what each
+            part is given; see :data:`RECOMPUTE_PARTS`); None: not offered.
+        parts_work_bytes: the working memory of its backward then, beyond what that
+            forward saved (one part's activations again, and the gradients' temporaries);
+            None: not offered.
+        parts_recompute_ms: the extra backward time then; None: not offered.
     """
 
     forward_ms: float
@@ -75,20 +93,28 @@ class LayerCost:
     cheap_saved_bytes: int | None = None
     cheap_recompute_ms: float | None = None
     keep_only: bool = False
+    parts_saved_bytes: int | None = None
+    parts_work_bytes: int | None = None
+    parts_recompute_ms: float | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.keep_only, bool):
             raise UsageError(f"LayerCost.keep_only must be a bool, got {self.keep_only!r}")
         for k in ("forward_ms", "backward_ms", "saved_bytes", "work_bytes", "input_bytes",
-                  "grad_bytes", "cheap_saved_bytes", "cheap_recompute_ms"):
+                  "grad_bytes", "cheap_saved_bytes", "cheap_recompute_ms", "parts_saved_bytes",
+                  "parts_work_bytes", "parts_recompute_ms"):
             v = getattr(self, k)
-            if v is None and k.startswith("cheap"):
+            if v is None and k.startswith(("cheap", "parts")):
                 continue
             if not isinstance(v, (int, float)) or isinstance(v, bool) or v < 0 or v != v:
                 raise UsageError(f"LayerCost.{k} must be a number >= 0, got {v!r}")
         if (self.cheap_saved_bytes is None) != (self.cheap_recompute_ms is None):
             raise UsageError("LayerCost: cheap_saved_bytes and cheap_recompute_ms go together "
                              "(both, or neither)")
+        if len({self.parts_saved_bytes is None, self.parts_work_bytes is None,
+                self.parts_recompute_ms is None}) > 1:
+            raise UsageError("LayerCost: parts_saved_bytes, parts_work_bytes and "
+                             "parts_recompute_ms go together (all three, or none)")
         if self.recompute_ms is None:
             object.__setattr__(self, "recompute_ms", float(self.forward_ms))
         elif self.recompute_ms < 0:
@@ -103,21 +129,31 @@ class LayerCost:
         """Whether recomputing it cheaply is offered (its profile has the figures)."""
         return self.cheap_saved_bytes is not None
 
+    @property
+    def parts(self) -> bool:
+        """Whether recomputing it part by part is offered (its profile has the figures)."""
+        return self.parts_saved_bytes is not None
+
     def recompute_for(self, choice: str) -> float:
         """Its extra backward time under ``choice``."""
         if choice == RECOMPUTE:
             return self.recompute
         if choice == RECOMPUTE_CHEAP:
             return float(self.cheap_recompute_ms or 0.0)
+        if choice == RECOMPUTE_PARTS:
+            return float(self.parts_recompute_ms or 0.0)
         return 0.0
 
     def kept_for(self, choice: str, mode: str) -> int:
         """What it keeps in the graphs' pool between its forward and backward under
-        ``choice`` (a recomputed layer's input is a boundary buffer, counted apart)."""
+        ``choice`` (a recomputed layer's input is a boundary buffer, counted apart; what a
+        layer recomputed by parts saves goes to a slot where the mode offloads)."""
         if choice == KEEP or (choice == OFFLOAD and mode == "off"):
             return self.saved_bytes
         if choice == RECOMPUTE_CHEAP:
             return int(self.cheap_saved_bytes or 0)
+        if choice == RECOMPUTE_PARTS and mode == "off":
+            return int(self.parts_saved_bytes or 0)
         return 0
 
 
@@ -204,9 +240,10 @@ class BudgetPlan:
     Attributes:
         choices: per layer, ``"keep"``, ``"offload"`` or ``"recompute"``.
         recompute_ops: per layer, for a recomputed one, ``"all"`` (its whole forward
-            again, keeping only its input) or ``"cheap"`` (its cheap ops again, keeping
-            its expensive ops' outputs: :mod:`graphslot.recompute`); None for the others.
-            Empty: every recomputed layer ``"all"``.
+            again, keeping only its input), ``"cheap"`` (its cheap ops again, keeping
+            its expensive ops' outputs: :mod:`graphslot.recompute`) or ``"parts"`` (its
+            whole forward again, one part at a time, keeping what each part is given);
+            None for the others. Empty: every recomputed layer ``"all"``.
         mode: the offload engine's mode the plan needs (``"off"`` without offload,
             ``"resident"``: two banks, or ``"remap"``: one bank, mapped while a pass runs).
         budget_bytes: the budget asked for (None: ``"auto"``).
@@ -241,18 +278,20 @@ class BudgetPlan:
     recompute_ops: tuple[str | None, ...] = ()
 
     def layers(self, choice: str) -> list[int]:
-        """The indices of the layers with ``choice`` (``"recompute"``: both kinds;
-        :data:`RECOMPUTE_CHEAP`: those recomputed cheaply)."""
+        """The indices of the layers with ``choice`` (``"recompute"``: every kind;
+        :data:`RECOMPUTE_CHEAP`: those recomputed cheaply; :data:`RECOMPUTE_PARTS`: those
+        recomputed part by part)."""
         return [i for i, c in enumerate(self.detailed) if c == choice
-                or (choice == RECOMPUTE and c == RECOMPUTE_CHEAP)]
+                or (choice == RECOMPUTE and c in _OPS)]
 
     @property
     def detailed(self) -> tuple[str, ...]:
-        """``choices`` with :data:`RECOMPUTE_CHEAP` for the layers recomputed cheaply (what
-        the model's functions take)."""
-        ops = self.recompute_ops
-        return tuple(RECOMPUTE_CHEAP if c == RECOMPUTE and i < len(ops) and ops[i] == "cheap"
-                     else c for i, c in enumerate(self.choices))
+        """``choices`` with :data:`RECOMPUTE_CHEAP` and :data:`RECOMPUTE_PARTS` for the
+        layers recomputed cheaply or part by part (what the model's functions take)."""
+        ops = tuple(self.recompute_ops) + (None,) * (len(self.choices) - len(self.recompute_ops))
+        kind = {v: k for k, v in _OPS.items()}
+        return tuple(kind.get(op or "all", c) if c == RECOMPUTE else c
+                     for c, op in zip(self.choices, ops))
 
     def as_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -270,15 +309,13 @@ class BudgetPlan:
 def reported(choices: Sequence[str]) -> tuple[tuple[str, ...], tuple[str | None, ...]]:
     """``choices`` as a plan reports them, ``(choices, recompute_ops)``: the inverse of
     :attr:`BudgetPlan.detailed`."""
-    ops = tuple("cheap" if c == RECOMPUTE_CHEAP else "all" if c == RECOMPUTE else None
-                for c in choices)
-    return (tuple(RECOMPUTE if c == RECOMPUTE_CHEAP else c for c in choices),
-            ops if any(o == "cheap" for o in ops) else ())
+    ops = tuple(_OPS.get(c) for c in choices)
+    return (tuple(RECOMPUTE if c in _OPS else c for c in choices),
+            ops if any(o not in (None, "all") for o in ops) else ())
 
 
 def short(choices: Sequence[str]) -> str:
-    return "".join({KEEP: "K", OFFLOAD: "O", RECOMPUTE: "R", RECOMPUTE_CHEAP: "C"}[c]
-                   for c in choices)
+    return "".join(_LETTERS[c] for c in choices)
 
 
 

@@ -10,7 +10,7 @@ from typing import Sequence
 
 from ..backend import align_up
 from ..errors import UsageError
-from .costs import (_ALL_CHOICES, KEEP, OFFLOAD, RECOMPUTE, RECOMPUTE_CHEAP,
+from .costs import (_ALL_CHOICES, KEEP, OFFLOAD, RECOMPUTE, RECOMPUTE_CHEAP, RECOMPUTE_PARTS,
                     StackProfile)
 
 
@@ -23,6 +23,10 @@ class _Table:
     backward: tuple[float, ...]
     saved: tuple[int, ...]
     work: tuple[int, ...]
+    #: what a layer recomputed by parts saves, and its backward's working memory then
+    #: (0 where not offered)
+    parts_saved: tuple[int, ...]
+    parts_work: tuple[int, ...]
     input: tuple[int, ...]
     grad: tuple[int, ...]
     #: ``LayerCost.kept_for(choice, mode)`` by ``(choice, mode == "off")``
@@ -39,6 +43,7 @@ def _table(profile: StackProfile) -> _Table:
     ls = profile.layers
     return _Table(tuple(c.forward_ms for c in ls), tuple(c.backward_ms for c in ls),
                   tuple(c.saved_bytes for c in ls), tuple(c.work_bytes for c in ls),
+                  tuple(c.parts_saved_bytes or 0 for c in ls), tuple(c.parts_work_bytes or 0 for c in ls),
                   tuple(c.input_bytes for c in ls), tuple(c.grad_bytes for c in ls),
                   {(ch, off): tuple(c.kept_for(ch, "off" if off else "remap") for c in ls)
                    for ch in _ALL_CHOICES for off in (False, True)},
@@ -69,6 +74,11 @@ def _check(profile: StackProfile, choices: Sequence[str]) -> None:
     if no:
         raise UsageError(f"layers {no}: {RECOMPUTE_CHEAP} without cheap_saved_bytes and "
                          "cheap_recompute_ms in their profile")
+    no = [i for i, (c, ch) in enumerate(zip(profile.layers, choices))
+          if ch == RECOMPUTE_PARTS and not c.parts]
+    if no:
+        raise UsageError(f"layers {no}: {RECOMPUTE_PARTS} without parts_saved_bytes, "
+                         "parts_work_bytes and parts_recompute_ms in their profile")
     kept = [i for i, (c, ch) in enumerate(zip(profile.layers, choices)) if c.keep_only and ch != KEEP]
     if kept:
         raise UsageError(f"layers {kept}: their activations stay on the device (keep_only in "
@@ -77,7 +87,7 @@ def _check(profile: StackProfile, choices: Sequence[str]) -> None:
 
 def banks_for(choices: Sequence[str], mode: str) -> int:
     """Staging banks per size class of slots: two in resident, one in remap, none off."""
-    if mode == "off" or not any(c in (OFFLOAD, RECOMPUTE) for c in choices):
+    if mode == "off" or not any(c in (OFFLOAD, RECOMPUTE, RECOMPUTE_PARTS) for c in choices):
         return 0
     return 2 if mode == "resident" else 1
 
@@ -85,11 +95,13 @@ def banks_for(choices: Sequence[str], mode: str) -> int:
 def slot_bytes(profile: StackProfile, choices: Sequence[str], mode: str) -> list[int]:
     """What each layer puts in a slot (0: nothing leaves the device). An offloaded layer's
     saved activations; a recomputed layer's input when the mode offloads (its forward
-    saves nothing else, and its input buffer then goes back to the graphs' pool)."""
+    saves nothing else, and its input buffer then goes back to the graphs' pool); what
+    a layer recomputed by parts saves, when the mode offloads."""
     if mode == "off":
         return [0] * len(choices)
     t = _table(profile)
-    return [t.saved[i] if ch == OFFLOAD else t.input[i] if ch == RECOMPUTE else 0
+    return [t.saved[i] if ch == OFFLOAD else t.input[i] if ch == RECOMPUTE
+            else t.parts_saved[i] if ch == RECOMPUTE_PARTS else 0
             for i, ch in enumerate(choices)]
 
 
@@ -156,7 +168,10 @@ def _peak(profile: StackProfile, choices: Sequence[str], mode: str, slots: Seque
             v = kept_below + saved[i]
             if v > pool:
                 pool = v
-        v = kept_below + grads_above + work[i]
+        if ch == RECOMPUTE_PARTS:  # (its parts' activations again, one part at a time)
+            v = kept_below + grads_above + t.parts_work[i]
+        else:
+            v = kept_below + grads_above + work[i]
         if ch == RECOMPUTE or ch == RECOMPUTE_CHEAP:
             v += saved[i] - k
         if v > pool:

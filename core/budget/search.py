@@ -11,8 +11,9 @@ from typing import Callable, Iterable, Sequence
 
 from ..errors import BudgetError, UsageError
 from ..sizes import format_bytes
-from .costs import (_ALL_CHOICES, AUTO_MIN_SAVING, AUTO_SLACK, CHOICES, EXHAUSTIVE_LAYERS,
-                    FIT_BUILDS, KEEP, MODES, OFFLOAD, RECOMPUTE, RECOMPUTE_CHEAP, SEARCH_STARTS,
+from .costs import (AUTO_MIN_SAVING, AUTO_SLACK, CHOICES, EXHAUSTIVE_LAYERS,
+                    FIT_BUILDS, KEEP, MODES, OFFLOAD, RECOMPUTE, RECOMPUTE_CHEAP, RECOMPUTE_PARTS,
+                    SEARCH_STARTS,
                     BudgetPlan, StackProfile, parse_budget, reported, short)
 from .model import _has_homes, recompute_ms, score, slot_bytes
 
@@ -38,7 +39,8 @@ class _Scored:
 
 def _options(profile: StackProfile) -> list[tuple[str, ...]]:
     """The choices the search may give each layer."""
-    return [(KEEP,) if c.keep_only else _ALL_CHOICES if c.cheap else CHOICES for c in profile.layers]
+    return [(KEEP,) if c.keep_only else CHOICES + ((RECOMPUTE_CHEAP,) if c.cheap else ())
+             + ((RECOMPUTE_PARTS,) if c.parts else ()) for c in profile.layers]
 
 
 def _modes(choices: Sequence[str]) -> tuple[str, ...]:
@@ -46,7 +48,8 @@ def _modes(choices: Sequence[str]) -> tuple[str, ...]:
     # recomputed layer's input may go to the host too, or stay (off)
     if OFFLOAD in choices:
         return ("resident", "remap")
-    return ("off", "resident", "remap") if RECOMPUTE in choices else ("off",)
+    return (("off", "resident", "remap") if RECOMPUTE in choices or RECOMPUTE_PARTS in choices
+            else ("off",))
 
 
 def _scored_all(profile: StackProfile, choices: tuple[str, ...]) -> tuple[_Scored, ...]:
@@ -127,10 +130,10 @@ def _smallest_within(limit: float) -> Objective:
     return key
 
 
-def _seeds(n: int, cheap: bool = False) -> list[tuple[str, ...]]:
+def _seeds(n: int, cheap: bool = False, parts: bool = False) -> list[tuple[str, ...]]:
     """Starting points by position: no offload; the first k layers offloaded; every other
     layer from the first; k layers spread evenly; each with the rest kept or recomputed
-    (or, with ``cheap``, recomputed cheaply)."""
+    (or, with ``cheap``, recomputed cheaply, or with ``parts``, by parts)."""
     seeds: set[tuple[str, ...]] = set()
     for k in range(n + 1):
         sets = {tuple(range(k)),
@@ -138,7 +141,8 @@ def _seeds(n: int, cheap: bool = False) -> list[tuple[str, ...]]:
                 tuple(sorted({round(j * (n - 1) / (k - 1)) for j in range(k)})) if k > 1
                 else tuple(range(k))}
         for s in sets:
-            for rest in (KEEP, RECOMPUTE) + ((RECOMPUTE_CHEAP,) if cheap else ()):
+            for rest in ((KEEP, RECOMPUTE) + ((RECOMPUTE_CHEAP,) if cheap else ())
+                         + ((RECOMPUTE_PARTS,) if parts else ())):
                 seeds.add(tuple(OFFLOAD if i in s else rest for i in range(n)))
     return sorted(seeds)
 
@@ -187,7 +191,8 @@ def _search(profile: StackProfile, key: Objective, exhaustive: bool | None = Non
     if exhaustive:
         return min((s for ch in itertools.product(*options) for s in _scored(profile, ch)),
                    key=key)
-    seeds = [ch for ch in _seeds(n, any(c.cheap for c in profile.layers))
+    seeds = [ch for ch in _seeds(n, any(c.cheap for c in profile.layers),
+                                 any(c.parts for c in profile.layers))
              if all(c in o for c, o in zip(ch, options))]
     firsts = sorted((s for ch in seeds for s in _scored(profile, ch)), key=key)[:starts]
     firsts += [s for ch in also if all(c in o for c, o in zip(ch, options))

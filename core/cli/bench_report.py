@@ -241,11 +241,12 @@ def _f(v: float | None, fmt: str = ".1f") -> str:
 
 
 def _plan_text(plan: dict[str, Any]) -> str:
-    """``KKORC (resident)``: a letter per layer (keep, offload, recompute, recompute
-    cheaply) and the mode."""
+    """``KKORCP (resident)``: a letter per layer (keep, offload, recompute, recompute
+    cheaply, recompute part by part) and the mode."""
     ops = plan.get("recompute_ops") or ()
-    letters = "".join("C" if k < len(ops) and ops[k] == "cheap" else str(ch)[:1].upper()
-                      for k, ch in enumerate(plan.get("choices", ())))
+    kinds = {"cheap": "C", "parts": "P"}
+    letters = "".join(kinds.get(ops[k], "R") if k < len(ops) and ch == "recompute" and ops[k]
+                      else str(ch)[:1].upper() for k, ch in enumerate(plan.get("choices", ())))
     return f"{letters} ({plan.get('mode', '?')})"
 
 

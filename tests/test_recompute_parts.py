@@ -1,0 +1,245 @@
+"""Layers recomputed part by part inside the graphs (``recompute_ops="parts"``): each
+child of a layer runs under a checkpoint of its own, the forward saves what each part is
+given, the backward holds one part's activations at a time, and training is bit for bit
+eager's; the planner offers it where a layer's profile has its figures."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import random
+
+import pytest
+import torch
+from torch import nn
+
+from graphslot import budget as gb
+from graphslot.adapters.torch import GraphedLayers
+from graphslot.errors import UsageError
+from graphslot.memory import run_counting_saved, saved_bytes_by_part
+from graphslot.profile import profile_units
+from graphslot.recompute import checkpointing_parts, noting_draws, recompute_parts
+from stacks import graphed, small_gpt
+from test_budget import llama_like, random_profile, search_ratios
+from test_budget_stack import fake_profile
+from test_graphed_grads import assert_bitwise, run
+
+GiB, MiB = 1 << 30, 1 << 20
+
+
+class Decoder(nn.Module):
+    """A pre-norm block of four parts: norm, mixer, norm, MLP."""
+
+    def __init__(self, n: int = 16, extra: nn.Module | None = None) -> None:
+        super().__init__()
+        self.n1, self.n2 = nn.LayerNorm(n), nn.LayerNorm(n)
+        self.mix = nn.Sequential(nn.Linear(n, n), nn.Tanh())
+        self.mlp = nn.Sequential(nn.Linear(n, 4 * n), nn.GELU(), nn.Linear(4 * n, n))
+        self.extra = extra
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.mix(self.n1(x))
+        x = x + self.mlp(self.n2(x))
+        return x if self.extra is None else self.extra(x)
+
+
+class Wrapper(nn.Module):
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.inner(x)
+
+
+def test_a_layers_parts_are_the_children_of_its_first_module_with_several():
+    d = Decoder()
+    assert recompute_parts(d) == [d.n1, d.n2, d.mix, d.mlp]
+    assert recompute_parts(Wrapper(Wrapper(d))) == [d.n1, d.n2, d.mix, d.mlp]  # (wrappers gone through)
+    assert recompute_parts(nn.Linear(2, 2)) == []
+    assert recompute_parts(Wrapper(nn.Linear(2, 2))) == []
+
+
+def test_parts_run_under_checkpoints_only_within_and_save_their_inputs():
+    torch.manual_seed(0)
+    d = Decoder()
+    own = d.mlp.forward = d.mlp.forward  # (an instance attribute of its own stays)
+    x = torch.randn(4, 16, requires_grad=True)
+    whole = run_counting_saved(lambda: d(x), "cpu", [d])[1]
+    with checkpointing_parts(recompute_parts(d)):
+        parts = run_counting_saved(lambda: d(x), "cpu", [d])[1]
+        y = d(x)
+    assert parts == 4 * x.numel() * x.element_size() < whole  # (each part's input, once)
+    assert "forward" not in d.n1.__dict__ and d.mlp.__dict__["forward"] is own
+    y.square().sum().backward()
+    got = [p.grad.clone() for p in d.parameters()]
+    d.zero_grad()
+    d(x).square().sum().backward()
+    assert_bitwise(got, [p.grad for p in d.parameters()])
+    # what each part saves while it runs (its own activations, the input among them)
+    by_part = saved_bytes_by_part(lambda: d(x), "cpu", [d], recompute_parts(d))
+    assert by_part[3] == max(by_part) and sum(by_part) <= whole
+
+
+def test_drawing_ops_are_noted():
+    with noting_draws() as drawn:
+        nn.Dropout(0.5)(torch.ones(4))
+        torch.ones(4) * 2
+    assert drawn == ["aten.bernoulli_"]
+    with noting_draws() as drawn:
+        nn.Dropout(0.5).eval()(torch.ones(4))
+    assert drawn == []
+
+
+@pytest.mark.parametrize("mode", ["off", "resident", "remap"])
+def test_parts_recompute_trains_as_eager_bitwise(clean, mode):
+    """Layers 1 and 2 recomputed by parts (layer 2's parts' inputs to the host where the
+    mode offloads), beside an offloaded, a kept and a wholly recomputed layer."""
+    b = clean
+    base = small_gpt(b, 4)
+    want = run(copy.deepcopy(base), b, 3, 2, False)
+    model = copy.deepcopy(base)
+    offload = [0, 2] if mode != "off" else []
+    with graphed(model, b, mode, offload_layers=offload, recompute_layers=[1, 2],
+                 recompute_ops="parts") as stack:
+        assert stack.parts_layers == {1, 2} and stack.recompute_layers == {1, 2}
+        assert [r.recompute for r in stack._runners] == [False] * 4  # (no whole checkpoint)
+        assert [bool(r.parts) for r in stack._runners] == [False, True, True, False]
+        assert [r.unit.offloads for r in stack._runners] == [mode != "off", False, mode != "off", False]
+        assert_bitwise(run(model, b, 3, 2, False), want)
+
+
+@pytest.mark.parametrize("per_graph", [1, None], ids=["graph-per-layer", "joined"])
+def test_parts_recompute_trains_as_eager_with_microbatches_in_flight(clean, per_graph):
+    b = clean
+    base = small_gpt(b, 4)
+    eager, model = copy.deepcopy(base), copy.deepcopy(base)
+    with graphed(model, b, "remap", offload_layers=[0, 1], recompute_layers=[0, 1, 3],
+                 recompute_ops="parts", layers_per_graph=per_graph) as stack:
+        if per_graph is None:  # (parts layers share a graph only with parts layers)
+            assert stack.graph_layers[-2:] == ((2,), (3,))
+        for m in (eager, model):
+            losses = [m(*m.batch(k, b.device)) for k in range(3)]
+            for loss in reversed(losses):
+                loss.backward()
+        assert_bitwise([p.grad for p in model.parameters()], [p.grad for p in eager.parameters()])
+
+
+def test_parts_keep_less_than_keeping_and_more_than_a_whole_recompute(clean):
+    """What the backward graph reads of the forward's memory: the parts' inputs (and what
+    the ops between the parts save: attention's, here) for parts; the input alone whole."""
+    b = clean
+    kept = {}
+    for name, kw in (("keep", {}), ("all", {"recompute_layers": [0, 1, 2]}),
+                     ("parts", {"recompute_layers": [0, 1, 2], "recompute_ops": "parts"})):
+        model = small_gpt(b, 3)
+        with graphed(model, b, "off", **kw) as stack:
+            kept[name] = [g.kept_bytes for g in stack.engine.groups]
+            model(*model.batch(0, b.device)).backward()
+    for k in range(3):
+        assert kept["all"][k] < kept["parts"][k] < kept["keep"][k], kept
+
+
+@pytest.mark.parametrize("layer,match", [
+    (lambda: Decoder(extra=nn.Dropout(0.2)), "draws random numbers"),
+    (lambda: Decoder(extra=nn.BatchNorm1d(16)), "changes its buffers"),
+    (lambda: nn.Linear(16, 16), "has no parts"),
+])
+def test_a_layer_parts_cannot_recompute_is_refused_by_name(clean, layer, match):
+    b = clean
+    layers = [layer().to(b.device) for _ in range(2)]
+    with pytest.raises(UsageError, match=match):
+        GraphedLayers(layers, torch.randn(4, 16, device=b.device, requires_grad=True), backend=b,
+                      mode="off", recompute_layers=[1], recompute_ops="parts")
+
+
+def test_the_profile_offers_parts_where_a_layer_has_them_and_may_run_them_again(clean):
+    b = clean
+    torch.manual_seed(0)
+    layers = [Decoder(64), nn.Linear(64, 64), Decoder(64, extra=nn.Dropout(0.1)),
+              Decoder(64, extra=nn.BatchNorm1d(64))]
+    costs = profile_units(b, [m.to(b.device) for m in layers],
+                          torch.randn(32, 64, device=b.device, requires_grad=True))
+    d = costs[0]
+    assert d.parts and d.parts_saved_bytes < d.saved_bytes
+    assert d.parts_saved_bytes == 4 * 32 * 64 * 4  # (each part's input)
+    assert d.parts_work_bytes > 0 and d.parts_recompute_ms >= 0
+    assert [c.parts for c in costs] == [True, False, False, False]
+
+
+def parts_profile(rng: random.Random, n: int) -> gb.StackProfile:
+    base = random_profile(rng, n)
+    return dataclasses.replace(base, layers=tuple(
+        dataclasses.replace(c, parts_saved_bytes=rng.randint(0, c.saved_bytes // 2),
+                            parts_work_bytes=rng.randint(0, c.saved_bytes + c.work_bytes),
+                            parts_recompute_ms=c.forward_ms * rng.uniform(0.9, 1.2))
+        if rng.random() < 0.7 else c for c in base.layers))
+
+
+def test_the_model_counts_one_parts_activations_and_sends_the_parts_inputs_out():
+    layer = dataclasses.replace(llama_like(1).layers[0], parts_saved_bytes=256 * MiB,
+                                parts_work_bytes=1200 * MiB, parts_recompute_ms=6.5)
+    p = gb.StackProfile((layer,) * 2, 55.0, 55.0, fixed_bytes=7 * GiB)
+    P, R, K = gb.RECOMPUTE_PARTS, gb.RECOMPUTE, gb.KEEP
+    # off: the parts' inputs stay in the pool; a mode that offloads puts them in slots
+    assert gb.slot_bytes(p, (P, K), "off") == [0, 0]
+    assert gb.slot_bytes(p, (P, R), "remap") == [256 * MiB, 64 * MiB]
+    # the pool at the bottom layer's backward: both layers' parts' inputs and one part's
+    # activations again, against every activation again beside the working memory
+    assert (gb.predict_peak_bytes(p, (P, P), "off") - gb.predict_peak_bytes(p, (R, R), "off")
+            == (2 * 256 + 1200) * MiB - (layer.saved_bytes + layer.work_bytes))
+    assert gb.predict_step_ms(p, (P, K), "off") == pytest.approx(
+        gb.predict_step_ms(p, (K, K), "off") + 6.5)
+    with pytest.raises(UsageError, match="without parts_saved_bytes"):
+        gb.predict_peak_bytes(llama_like(2), (P, K), "off")
+    with pytest.raises(UsageError, match="go together"):
+        gb.LayerCost(1.0, 2.0, GiB, parts_saved_bytes=MiB)
+
+
+def test_the_search_offers_parts_and_matches_the_exhaustive_one():
+    rng = random.Random(11)
+    ratios = []
+    for _ in range(8):
+        p = parts_profile(rng, rng.randint(2, 4))
+        ratios += search_ratios(p, brute_force_parts)
+    assert max(ratios) <= 1.06
+
+
+def brute_force_parts(p: gb.StackProfile, limit: int) -> tuple[float, int]:
+    import itertools
+    best = (float("inf"), 0)
+    opts = [gb.CHOICES + ((gb.RECOMPUTE_PARTS,) if c.parts else ()) for c in p.layers]
+    for ch in itertools.product(*opts):
+        for mode in (("resident", "remap") if gb.OFFLOAD in ch else ("off", "resident", "remap")):
+            peak = gb.predict_peak_bytes(p, ch, mode)
+            if peak <= limit:
+                best = min(best, (gb.predict_step_ms(p, ch, mode), peak))
+    return best
+
+
+def test_a_plan_reports_parts_as_recompute_with_its_ops():
+    choices, ops = gb.costs.reported((gb.KEEP, gb.RECOMPUTE_PARTS, gb.RECOMPUTE))
+    assert choices == ("keep", "recompute", "recompute") and ops == (None, "parts", "all")
+    plan = gb.BudgetPlan(choices, "off", None, 0, 0.0, 0.0, 0, 0.0, "", recompute_ops=ops)
+    assert plan.detailed == (gb.KEEP, gb.RECOMPUTE_PARTS, gb.RECOMPUTE)
+    assert plan.layers("recompute") == [1, 2] and plan.layers(gb.RECOMPUTE_PARTS) == [1]
+    assert gb.costs.short(plan.detailed) == "KPR"
+
+
+def test_the_least_plan_recomputes_by_parts_where_that_holds_least(clean, monkeypatch):
+    """A profile where a part's activations are a fraction of the layer's: the least
+    budget recomputes by parts, and the stack built from it trains as eager."""
+    b = clean
+    layer = gb.LayerCost(4.0, 8.0, 64 * MiB, recompute_ms=4.0, work_bytes=8 * MiB,
+                         input_bytes=MiB, parts_saved_bytes=4 * MiB, parts_work_bytes=24 * MiB,
+                         parts_recompute_ms=4.2)
+    fake_profile(monkeypatch, [layer] * 4, gbps=5.0)
+    base = small_gpt(b, 4)
+    want = run(copy.deepcopy(base), b, 2, 1, True)
+    model = copy.deepcopy(base)
+    with graphed(copy.deepcopy(base), b, None, memory_budget="auto") as probe:
+        least = gb.smallest_peak(probe.plan.profile)
+    with graphed(model, b, None, memory_budget=least) as stack:
+        assert stack.plan.recompute_ops and "parts" in stack.plan.recompute_ops
+        assert stack.parts_layers == set(stack.plan.layers(gb.RECOMPUTE_PARTS))
+        assert_bitwise(run(model, b, 2, 1, True), want)
