@@ -9,6 +9,8 @@ from __future__ import annotations
 import json
 import sys
 
+from graphslot.budget import plan_letters
+
 GiB = 1 << 30
 
 
@@ -26,9 +28,7 @@ def main(path: str) -> None:
         line = f"{name}: {c['step_ms']:.1f} ms, {c['peak_device_bytes'] / GiB:.3f} GiB"
         p = c.get("plan")
         if p:
-            ops = p.get("recompute_ops") or ()
-            letters = "".join("C" if k < len(ops) and ops[k] == "cheap" else ch[0].upper()
-                              for k, ch in enumerate(p["choices"]))
+            letters = plan_letters(p["choices"], p.get("recompute_ops") or ())
             model = p.get("model_peak_bytes")
             line += (f"; {letters} {p['mode']}, built {p['predicted_peak_bytes'] / GiB:.3f} GiB"
                      + (f", model {model / GiB:.3f} GiB" if model else "")

@@ -22,6 +22,8 @@ import sys
 import time
 from typing import Any
 
+from graphslot.budget import plan_letters
+
 GiB = 1 << 30
 SHAPE = ("layers", "seq")  # (the preset's fields this script's options override)
 
@@ -154,9 +156,7 @@ def main() -> int:
         line = {k: r.get(k) for k in ("run", "step_ms", "peak_gib", "build_s", "error")}
         if "plan" in r:
             p = r["plan"]
-            ops = p.get("recompute_ops") or ()
-            line.update(choices="".join("C" if k < len(ops) and ops[k] == "cheap" else c[0].upper()
-                                        for k, c in enumerate(p["choices"])), mode=p["mode"],
+            line.update(choices=plan_letters(p["choices"], p.get("recompute_ops") or ()), mode=p["mode"],
                         pred_peak=round(p["predicted_peak_gib"], 3),
                         pred_step=round(p["predicted_step_ms"], 1),
                         bound=round(p["lower_bound_ms"], 1))

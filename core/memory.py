@@ -27,10 +27,11 @@ what it can see and blind to the rest:
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 from dataclasses import asdict, dataclass, fields
 from contextlib import contextmanager
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, ContextManager, Iterator, Sequence
 
 import torch
 
@@ -247,10 +248,12 @@ def saved_activation_bytes(layers: Sequence[torch.nn.Module], x: torch.Tensor) -
     return run_counting_saved(forward, x.device.type, layers)[1]
 
 
-def saved_bytes_per_layer(layers: Sequence[torch.nn.Module], x: torch.Tensor) -> list[int]:
+def saved_bytes_per_layer(layers: Sequence[torch.nn.Module], x: torch.Tensor,
+                          around: Callable[[int], ContextManager[Any]] | None = None) -> list[int]:
     """What each of ``layers`` (applied in order to ``x``) saves for backward, in bytes, as
     :func:`saved_activation_bytes` counts it for one layer. One layer's saved tensors are
-    held at a time, so this costs one layer's activations, not the stack's.
+    held at a time, so this costs one layer's activations, not the stack's. ``around(i)``,
+    where given, is entered around layer ``i``'s forward (parts checkpointed, say).
 
     Raises:
         UsageError: a layer does not return one tensor (naming it).
@@ -258,7 +261,7 @@ def saved_bytes_per_layer(layers: Sequence[torch.nn.Module], x: torch.Tensor) ->
     out: list[int] = []
     h = x
     for i, m in enumerate(layers):
-        with naming_refusals(f"layer {i}"):
+        with naming_refusals(f"layer {i}"), (contextlib.nullcontext() if around is None else around(i)):
             y, saved = run_counting_saved(lambda: m(h), x.device.type, [m])
         if not isinstance(y, torch.Tensor):
             raise UsageError(f"layer {i} returned {type(y).__name__}; graphed layers must "

@@ -237,10 +237,11 @@ def profile_units(b: Backend, units: Sequence[torch.nn.Module], sample: torch.Te
             these = []
         parts_cost: tuple[int, int, float] | None = None
         if these:
-            with checkpointing_parts(these), naming_refusals(label):
+            inplace: list[str] = []  # (a part's saved input changed in place: not offered)
+            with checkpointing_parts(these, inplace), naming_refusals(label):
                 y, parts_saved = run_counting_saved(lambda: m(x), x.device.type, [m])
             del y
-            if parts_saved < saved:
+            if parts_saved < saved and not inplace:
                 parts_work, parts_ms = _parts_cost(b, m, x, inputs, these, grad_bytes, ahead,
                                                    reps, sees_peak, label)
                 if not sees_peak:  # (the largest part's activations again, beside the rest)

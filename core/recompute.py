@@ -22,6 +22,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten, tree_unflatten
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from .offload import same_values, values_fingerprint
@@ -204,7 +205,8 @@ def recompute_parts(module: torch.nn.Module) -> list[torch.nn.Module]:
 
 
 @contextlib.contextmanager
-def checkpointing_parts(parts: list[torch.nn.Module]) -> Iterator[None]:
+def checkpointing_parts(parts: list[torch.nn.Module],
+                        changed: list[str] | None = None) -> Iterator[None]:
     """Within: each of ``parts`` runs its forward under a non-reentrant
     ``torch.utils.checkpoint``, so a forward of the layer saves only what each part is
     given (and what the code between the parts saves), and its backward runs each part
@@ -213,19 +215,51 @@ def checkpointing_parts(parts: list[torch.nn.Module]) -> Iterator[None]:
     again from what its forward was given, with the parameters it reads then (a capture
     that swaps them for aliases of the same memory is read alike). Random numbers are not
     restored (``preserve_rng_state=False``: a part that draws them is not recomputed this
-    way), nor module state its forward changes (a caller refuses those)."""
+    way), nor module state its forward changes (a caller refuses those).
+
+    Every tensor a part is given, keyword arguments and tensors inside tuples included,
+    goes to the checkpoint as an input of its own, so what saves it (an offload slot, a
+    microbatch's parked copy) sees it; torch's checkpoint would keep the others by
+    reference only.
+
+    Args:
+        parts: the modules (:func:`recompute_parts`).
+        changed: where given, gets on exit the name of each part whose input was changed
+            in place after the part was given it (``nn.ReLU(inplace=True)`` as a part, say):
+            its checkpoint saved that input, so the backward would fail on its version.
+    """
     had = [(m, m.__dict__.get("forward")) for m in parts]
+    given: list[tuple[str, list[tuple[torch.Tensor, int]]]] = []
     try:
         for m in parts:
             forward = m.forward
 
-            def run(*args: Any, _forward: Any = forward, **kwargs: Any) -> Any:
+            def run(*args: Any, _forward: Any = forward, _name: str = type(m).__name__,
+                    **kwargs: Any) -> Any:
+                flat, spec = tree_flatten((args, kwargs))
+                at = [i for i, v in enumerate(flat) if isinstance(v, torch.Tensor)]
+                tensors = [flat[i] for i in at]
+                if changed is not None:
+                    given.append((_name, [(t, t._version) for t in tensors]))
+                rest = [None if isinstance(v, torch.Tensor) else v for v in flat]  # (no reference kept)
+
+                def call(*ts: torch.Tensor) -> Any:
+                    leaves = list(rest)
+                    for i, t in zip(at, ts):
+                        leaves[i] = t
+                    a, k = tree_unflatten(leaves, spec)
+                    return _forward(*a, **k)
+
                 return torch.utils.checkpoint.checkpoint(
-                    _forward, *args, use_reentrant=False, preserve_rng_state=False, **kwargs)
+                    call, *tensors, use_reentrant=False, preserve_rng_state=False)
 
             m.forward = run  # (an instance attribute: hooks still run around it)
         yield
+        if changed is not None:
+            changed.extend(dict.fromkeys(name for name, ts in given
+                                         if any(t._version != v for t, v in ts)))
     finally:
+        given.clear()
         for m, own in reversed(had):
             if own is None:
                 m.__dict__.pop("forward", None)

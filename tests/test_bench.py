@@ -334,7 +334,9 @@ def test_isolated_rounds_gather_what_each_process_reported(backend, monkeypatch)
     across the processes."""
     steps = {"eager": iter([30.0, 10.0, 20.0]), "graph": iter([5.0, 7.0, 6.0]),
              "graph_auto": iter([8.0, 9.0, 1.0]), "graph_remap": iter([99.0])}
-    plans = iter([["offload", "keep"], ["keep", "keep"], ["offload", "keep"]])
+    # (round 2 plans round one's choices but recomputes by parts: another plan)
+    plans = iter([(["recompute", "keep"], ()), (["recompute", "keep"], ("parts", None)),
+                  (["recompute", "keep"], ())])
     runs: list[str] = []
 
     def fake(b, argv):
@@ -348,7 +350,8 @@ def test_isolated_rounds_gather_what_each_process_reported(backend, monkeypatch)
         rep = {"fwd_ms": 2.0 if name == "graph" else 3.0, "bwd_ms": 4.0 if name == "graph" else 5.0,
                "step_ms": next(steps[name]), "offloaded_bytes": 10**6 if name == "graph_auto" else 0}
         if name == "graph_auto":
-            rep["plan"] = _fake_plan(next(plans))
+            choices, ops = next(plans)
+            rep["plan"] = _fake_plan(choices, recompute_ops=list(ops))
         return {"configs": {name: rep}, "saved_activation_bytes": 123,
                 "copy": {"d2h_gbps": 1.0, "h2d_gbps": 2.0, "both_total_gbps": 2.5}}
 
@@ -362,7 +365,7 @@ def test_isolated_rounds_gather_what_each_process_reported(backend, monkeypatch)
     assert cf["graph"]["rounds_not_counted"] == ["round 3: its process failed: a later round"]
     auto = cf["graph_auto"]
     assert auto["step_ms_rounds"] == [8.0, 1.0] and auto["step_ms"] == 4.5
-    assert auto["rounds_not_counted"][0].startswith("round 2: planned ['keep', 'keep'], not round one's")
+    assert auto["rounds_not_counted"] == ["round 2: planned PK (resident), not round one's RK (resident)"]
     assert r["copy_ceiling_gbps"] == 1.0 and r["saved_activation_bytes"] == 123
     copy = 10**6 / 1e6  # bytes over 1 GB/s, in ms
     assert auto["ideal_ms"] == pytest.approx(max(2.0, copy) + max(4.0, copy))

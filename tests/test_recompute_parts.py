@@ -243,3 +243,84 @@ def test_the_least_plan_recomputes_by_parts_where_that_holds_least(clean, monkey
         assert stack.plan.recompute_ops and "parts" in stack.plan.recompute_ops
         assert stack.parts_layers == set(stack.plan.layers(gb.RECOMPUTE_PARTS))
         assert_bitwise(run(model, b, 2, 1, True), want)
+
+
+def test_the_bench_runs_every_layer_recomputed_by_parts_beside_whole(backend):
+    from graphslot.cli.bench import run_bench
+    from graphslot.cli.bench_models import BenchShape
+
+    r = run_bench(backend, BenchShape.preset("tiny"), steps=1, warmup=1, progress=False,
+                  configs=("graph_recompute", "graph_recompute_parts"), layers_per_graph=1)
+    whole, parts = r["configs"]["graph_recompute"], r["configs"]["graph_recompute_parts"]
+    assert "reason" not in parts, parts.get("reason")
+    # what goes to the host is what each part is given: more than the layers' inputs
+    assert parts["offloaded_bytes"] > 0 and whole["offloaded_bytes"] == 0
+
+
+class Gated(nn.Module):
+    """A block whose parts get tensors by keyword and inside a tuple (as a decoder layer's
+    attention gets its rotary ``position_embeddings``)."""
+
+    def __init__(self, n: int = 16) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(n)
+        self.mix = Mixer(n)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.norm(x)
+        return x + self.mix(h, gate=torch.sigmoid(x), pair=(x * 2, h))[0]
+
+
+class Mixer(nn.Module):
+    def __init__(self, n: int) -> None:
+        super().__init__()
+        self.lin = nn.Linear(n, n)
+
+    def forward(self, h: torch.Tensor, gate: torch.Tensor, pair: tuple) -> tuple:
+        return self.lin(h) * gate + pair[0] * pair[1], None
+
+
+@pytest.mark.parametrize("mode", ["off", "remap"])
+def test_tensors_a_part_gets_by_keyword_or_in_a_tuple_are_saved_with_each_microbatch(clean, mode):
+    """With microbatches in flight the next forward writes the graphs' memory again: every
+    tensor a part is given must be saved (parked, or sent to the host) with its own."""
+    b = clean
+    torch.manual_seed(0)
+    base = [Gated().to(b.device) for _ in range(3)]
+    xs = [torch.randn(4, 16, device=b.device) for _ in range(3)]
+    eager, mine = copy.deepcopy(base), copy.deepcopy(base)
+    stack = GraphedLayers(mine, xs[0].clone().requires_grad_(), backend=b, mode=mode,
+                          recompute_layers=[0, 1, 2], recompute_ops="parts", layers_per_graph=1,
+                          offload_layers=[0, 1] if mode != "off" else None)
+    with stack:
+        for f in (nn.Sequential(*eager), stack):
+            outs = [f(x.clone().requires_grad_()) for x in xs]
+            for o in reversed(outs):
+                o.square().sum().backward()
+        assert_bitwise([p.grad for m in mine for p in m.parameters()],
+                       [p.grad for m in eager for p in m.parameters()])
+
+
+def test_a_part_that_changes_its_input_in_place_is_refused_and_not_offered(clean):
+    b = clean
+    layers = [Decoder(16, extra=nn.ReLU(inplace=True)).to(b.device) for _ in range(2)]
+    x = torch.randn(4, 16, device=b.device, requires_grad=True)
+    with pytest.raises(UsageError, match="changes what its part ReLU is given in place"):
+        GraphedLayers(layers, x, backend=b, mode="off", recompute_layers=[1], recompute_ops="parts")
+    assert not profile_units(b, layers[:1], x)[0].parts
+    with GraphedLayers(layers, x, backend=b, memory_budget="auto") as stack:  # (still plans)
+        assert stack.plan is not None
+
+
+def test_the_build_counts_what_parts_layers_keep_when_it_gives_gradients_homes(clean):
+    """Where layers recomputed by parts keep their parts' inputs in the graphs' pool, the
+    build judges gradient homes by those bytes, as the planner's model does."""
+    b = clean
+    torch.manual_seed(0)
+    layers = [Decoder(256).to(b.device) for _ in range(3)]
+    x = torch.randn(20, 256, device=b.device, requires_grad=True)
+    with GraphedLayers(layers, x, backend=b, mode="off", recompute_layers=[0, 1, 2],
+                       recompute_ops="parts", layers_per_graph=1) as stack:
+        kept = sum(g.kept_bytes for g in stack.engine.groups)
+        grads = sum(p.numel() * p.element_size() for m in layers for p in m.parameters())
+        assert stack._grad_homes == gb.gradient_homes(kept, grads)

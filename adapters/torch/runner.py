@@ -303,7 +303,7 @@ class GraphRunner:
         own = [(i, *o) for i in self.layers for o in own_generators(stack.layers[i])]
         with b.stream(side), naming_refusals(self.label):
             if self.parts:
-                self._check_parts(run, static_in)
+                self._check_parts(static_in)
             if self.recompute:
                 # What the forward changes in place: a cheap recompute makes those expensive
                 # outputs again instead of keeping them (torch's selective policy refuses
@@ -423,16 +423,21 @@ class GraphRunner:
         self.static_out = out.detach()
         return self.static_out
 
-    def _check_parts(self, run: Callable[[torch.Tensor], Any], static_in: torch.Tensor) -> None:
-        """Refuse a layer recomputed part by part whose forward draws random numbers or
-        changes its buffers: a part's recompute would draw other numbers, or change them
-        a second time (recomputing the whole layer restores both)."""
-        with noting_changed_buffers(self.module) as changed, noting_draws() as drawn:
-            out = run(static_in)
+    def _check_parts(self, static_in: torch.Tensor) -> None:
+        """Refuse a layer recomputed part by part whose forward draws random numbers,
+        changes its buffers or changes a part's input in place: a part's recompute would
+        draw other numbers or change them a second time (recomputing the whole layer
+        restores both), or find its saved input changed."""
+        inplace: list[str] = []
+        with noting_changed_buffers(self.module) as changed, noting_draws() as drawn, \
+                checkpointing_parts(self.parts, inplace):
+            out = self.module(static_in)
         del out
         why = (f"draws random numbers ({drawn[0]})" if drawn else
                f"changes its buffers ({len(changed)}: batch norm's running statistics, say)"
-               if changed else None)
+               if changed else f"changes what its part {inplace[0]} is given in place (an "
+               "in-place activation as a part, say), which that part's checkpoint saved"
+               if inplace else None)
         if why:
             raise UsageError(f"{self.label} is recomputed part by part (recompute_ops='parts'), "
                              f"and its forward {why}: a part run again would not do the same. "

@@ -67,7 +67,7 @@ import time
 import warnings
 import weakref
 from dataclasses import replace
-from typing import Any, Callable, Iterable, Iterator, Sequence
+from typing import Any, Callable, ContextManager, Iterable, Iterator, Sequence
 
 import torch
 from torch import nn
@@ -83,7 +83,7 @@ from graphslot.offload import SECTION_BYTES, Mode, OffloadEngine, ping_pong_bank
 from graphslot.optimizer_state import StateWatch, state_to_come
 from graphslot.precision import autocast_dtype
 from graphslot.profile import copy_bandwidth, held_bytes, profile_units
-from graphslot.recompute import recompute_parts
+from graphslot.recompute import checkpointing_parts, recompute_parts
 from graphslot.selection import get_backend
 from graphslot.sizes import format_bytes, whole_count
 
@@ -495,9 +495,16 @@ class GraphedLayers(nn.Module):
         kept = [i for i in range(len(self.layers)) if i not in gone]
         if not kept or self.keep_grads:
             return True
-        if saved is None:  # (layers_per_graph given: not measured for joining layers)
+        parts = self.parts_layers & set(kept)
+        if saved is None or parts:
+            # (layers_per_graph given: not measured for joining layers; a layer recomputed
+            # by parts keeps what its parts are given: counted so)
+            def around(i: int) -> ContextManager[Any]:
+                return checkpointing_parts(recompute_parts(self.layers[i]) if i in parts else [])
+
             saved = saved_bytes_per_layer(list(self.layers),
-                                          sample.detach().requires_grad_(sample.requires_grad))
+                                          sample.detach().requires_grad_(sample.requires_grad),
+                                          around)
         params = {id(p): p for m in self.layers for p in m.parameters() if p.requires_grad}
         grads = sum(p.numel() * p.element_size() for p in params.values())
         return gradient_homes(sum(saved[i] for i in kept), grads)

@@ -288,10 +288,7 @@ class BudgetPlan:
     def detailed(self) -> tuple[str, ...]:
         """``choices`` with :data:`RECOMPUTE_CHEAP` and :data:`RECOMPUTE_PARTS` for the
         layers recomputed cheaply or part by part (what the model's functions take)."""
-        ops = tuple(self.recompute_ops) + (None,) * (len(self.choices) - len(self.recompute_ops))
-        kind = {v: k for k, v in _OPS.items()}
-        return tuple(kind.get(op or "all", c) if c == RECOMPUTE else c
-                     for c, op in zip(self.choices, ops))
+        return _detailed(self.choices, self.recompute_ops)
 
     def as_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -315,7 +312,22 @@ def reported(choices: Sequence[str]) -> tuple[tuple[str, ...], tuple[str | None,
 
 
 def short(choices: Sequence[str]) -> str:
+    """A letter per layer of detailed ``choices``: K keeps, O offloads, R recomputes, C
+    recomputes only the cheap ops, P recomputes part by part."""
     return "".join(_LETTERS[c] for c in choices)
+
+
+def plan_letters(choices: Sequence[str], recompute_ops: Sequence[str | None] = ()) -> str:
+    """:func:`short` of a plan as reported (``choices`` and ``recompute_ops``, as in
+    :meth:`BudgetPlan.as_dict`)."""
+    return short(_detailed(choices, recompute_ops))
+
+
+def _detailed(choices: Sequence[str], recompute_ops: Sequence[str | None]) -> tuple[str, ...]:
+    """Reported ``choices`` and ``recompute_ops`` as the model's detailed choices."""
+    ops = tuple(recompute_ops) + (None,) * (len(choices) - len(recompute_ops))
+    kind = {v: k for k, v in _OPS.items()}
+    return tuple(kind.get(op or "all", c) if c == RECOMPUTE else c for c, op in zip(choices, ops))
 
 
 

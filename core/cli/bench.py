@@ -3,8 +3,8 @@
 In one process (or one per configuration, ``--isolate``), on the same layers and data, it
 runs the configurations of :mod:`graphslot.cli.bench_configs` (the peers eager,
 save_on_cpu, checkpoint, torch_graphed, torch_graphed_checkpoint; graphslot's graph,
-graph_resident, graph_remap, graph_recompute, graph_auto; and one planned configuration
-per ``--budgets`` size). Every step is a training step: ``--accumulate`` microbatches'
+graph_resident, graph_remap, graph_recompute, graph_recompute_parts, graph_auto; and one
+planned configuration per ``--budgets`` size). Every step is a training step: ``--accumulate`` microbatches'
 forward and backward, an optimizer step over the layers' parameters (SGD, or AdamW with
 ``--optimizer adamw``) and ``zero_grad()`` (``--zero-grad``); every time is per optimizer
 step.
@@ -37,6 +37,7 @@ from typing import Any, Callable, Iterator, Sequence
 import torch
 
 from ..backend import Backend
+from ..budget import plan_letters
 from ..errors import GraphslotError, UsageError
 from ..trace import Timeline
 from . import positive_int
@@ -263,7 +264,12 @@ def _run_one(r: Inputs, name: str, results: dict[str, Any], timings: dict[str, d
 def _count_round(first: dict[str, Any], c: dict[str, Any], rnd: int) -> None:
     """Record round ``rnd``'s result ``c`` in the round-one entry ``first``: its step, or
     why the round does not count (it failed, or its plan differs from round one's)."""
-    mine, then = (c.get("plan") or {}).get("choices"), (first.get("plan") or {}).get("choices")
+    def planned(r: dict[str, Any]) -> str | None:
+        p = r.get("plan")
+        return None if p is None else (f"{plan_letters(p['choices'], p.get('recompute_ops') or ())} "
+                                       f"({p.get('mode')})")
+
+    mine, then = planned(c), planned(first)
     if "reason" not in c and mine != then:
         c = {"reason": f"planned {mine}, not round one's {then}"}
     if "reason" in c:

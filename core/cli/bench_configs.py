@@ -10,6 +10,8 @@ graph                        ``GraphedLayers(mode="off")``: graphs, no offload
 graph_resident               graphed, every layer offloaded, two resident banks
 graph_remap                  graphed, every layer offloaded, pages released between phases
 graph_recompute              ``GraphedLayers(mode="off", recompute_layers=every layer)``
+graph_recompute_parts        every layer recomputed part by part (``recompute_ops="parts"``),
+                             its parts' inputs to the host (remap)
 graph_auto                   ``GraphedLayers(memory_budget="auto")``
 ``budget:<size>``            ``GraphedLayers(memory_budget=<size>)``, e.g. ``budget:10GiB``
 ============================ ================================================================
@@ -43,7 +45,8 @@ __all__ = ["CONFIGS", "PEERS", "BUDGET_PREFIX", "SWEEP_BUDGETS", "parse_size", "
            "plan_report", "forward"]
 
 CONFIGS = ("eager", "save_on_cpu", "checkpoint", "torch_graphed", "torch_graphed_checkpoint",
-           "graph", "graph_resident", "graph_remap", "graph_recompute", "graph_auto")
+           "graph", "graph_resident", "graph_remap", "graph_recompute", "graph_recompute_parts",
+           "graph_auto")
 
 #: what users would pick instead, in the order the table compares with the first that ran:
 #: each configuration's report says its step and peak as a ratio to each of them (``vs``)
@@ -260,6 +263,9 @@ def build(r: Inputs, name: str) -> Built | str:
         kw["mode"] = {"graph": "off", "graph_resident": "resident", "graph_remap": "remap"}[name]
     elif name == "graph_recompute":
         kw.update(mode="off", recompute_layers=range(len(layers)))
+    elif name == "graph_recompute_parts":
+        every = range(len(layers))
+        kw.update(mode="remap", recompute_layers=every, recompute_ops="parts", offload_layers=every)
     elif name == "graph_auto":
         kw["memory_budget"] = "auto"
     else:
@@ -271,6 +277,8 @@ def build(r: Inputs, name: str) -> Built | str:
                               layers_per_graph=r.layers_per_graph,
                               keep_grads=not r.set_to_none or r.accumulate > 1, **kw)
     except UsageError as e:
+        if name == "graph_recompute_parts":
+            return str(e)  # (layers without parts, or that draw random numbers)
         if "memory_budget" not in kw:
             raise
         return f"the planner refused the budget: {e}"  # below the smallest reachable

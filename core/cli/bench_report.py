@@ -10,7 +10,7 @@ import os
 import statistics
 from typing import Any
 
-from ..budget import bound_ms
+from ..budget import bound_ms, plan_letters
 from ..errors import UsageError
 from ..sizes import format_bytes
 from .bench_configs import PEERS, base_config, budget_bytes, is_planned
@@ -241,12 +241,9 @@ def _f(v: float | None, fmt: str = ".1f") -> str:
 
 
 def _plan_text(plan: dict[str, Any]) -> str:
-    """``KKORCP (resident)``: a letter per layer (keep, offload, recompute, recompute
-    cheaply, recompute part by part) and the mode."""
-    ops = plan.get("recompute_ops") or ()
-    kinds = {"cheap": "C", "parts": "P"}
-    letters = "".join(kinds.get(ops[k], "R") if k < len(ops) and ch == "recompute" and ops[k]
-                      else str(ch)[:1].upper() for k, ch in enumerate(plan.get("choices", ())))
+    """``KKORCP (resident)``: a letter per layer (:func:`graphslot.budget.plan_letters`)
+    and the mode."""
+    letters = plan_letters(plan.get("choices", ()), plan.get("recompute_ops") or ())
     return f"{letters} ({plan.get('mode', '?')})"
 
 
