@@ -193,15 +193,22 @@ def recompute_parts(module: torch.nn.Module) -> list[torch.nn.Module]:
     """The parts a layer is recomputed by, one at a time (``recompute_ops="parts"``): the
     children of the first module with two or more, going down from ``module`` through
     modules with one child (a wrapper around a decoder layer, say: its attention, MLP and
-    norms). Empty where no module has two children (nothing to take apart)."""
+    norms). A list or dict of modules, which is never called itself, stands for the
+    modules in it. Empty where no module has two children (nothing to take apart)."""
+    def children(m: torch.nn.Module) -> list[torch.nn.Module]:
+        out: list[torch.nn.Module] = []
+        for c in m.children():
+            out += children(c) if isinstance(c, (torch.nn.ModuleList, torch.nn.ModuleDict)) else [c]
+        return out
+
     m = module
     while True:
-        children = list(m.children())
-        if len(children) >= 2:
-            return children
-        if not children:
+        found = children(m)
+        if len(found) >= 2:
+            return found
+        if not found:
             return []
-        m = children[0]
+        m = found[0]
 
 
 @contextlib.contextmanager

@@ -58,6 +58,13 @@ def test_a_layers_parts_are_the_children_of_its_first_module_with_several():
     assert recompute_parts(Wrapper(Wrapper(d))) == [d.n1, d.n2, d.mix, d.mlp]  # (wrappers gone through)
     assert recompute_parts(nn.Linear(2, 2)) == []
     assert recompute_parts(Wrapper(nn.Linear(2, 2))) == []
+    # a list of modules is never called: the modules in it are the parts
+    held = nn.Module()
+    held.norm, held.blocks = nn.LayerNorm(2), nn.ModuleList([nn.Linear(2, 2), nn.Linear(2, 2)])
+    assert recompute_parts(held) == [held.norm, *held.blocks]
+    only = nn.Module()
+    only.blocks = nn.ModuleDict({"a": nn.Linear(2, 2), "b": nn.Tanh()})
+    assert recompute_parts(Wrapper(only)) == list(only.blocks.values())
 
 
 def test_parts_run_under_checkpoints_only_within_and_save_their_inputs():
@@ -305,7 +312,8 @@ def test_a_part_that_changes_its_input_in_place_is_refused_and_not_offered(clean
     b = clean
     layers = [Decoder(16, extra=nn.ReLU(inplace=True)).to(b.device) for _ in range(2)]
     x = torch.randn(4, 16, device=b.device, requires_grad=True)
-    with pytest.raises(UsageError, match="changes what its part ReLU is given in place"):
+    with pytest.raises(UsageError, match=r"layer 1, recomputed part by part .* changes what its part "
+                                         r"ReLU is given in place"):
         GraphedLayers(layers, x, backend=b, mode="off", recompute_layers=[1], recompute_ops="parts")
     assert not profile_units(b, layers[:1], x)[0].parts
     with GraphedLayers(layers, x, backend=b, memory_budget="auto") as stack:  # (still plans)

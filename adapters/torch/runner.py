@@ -433,15 +433,16 @@ class GraphRunner:
                 checkpointing_parts(self.parts, inplace):
             out = self.module(static_in)
         del out
-        why = (f"draws random numbers ({drawn[0]})" if drawn else
-               f"changes its buffers ({len(changed)}: batch norm's running statistics, say)"
-               if changed else f"changes what its part {inplace[0]} is given in place (an "
-               "in-place activation as a part, say), which that part's checkpoint saved"
-               if inplace else None)
+        why = (f"draws random numbers ({drawn[0]}), which a part run again would draw anew"
+               if drawn else
+               f"changes its buffers ({len(changed)}: batch norm's running statistics, say), "
+               "which a part run again would change a second time" if changed else
+               f"changes what its part {inplace[0]} is given in place (an in-place activation "
+               "as a part, say), after that part's checkpoint saved it" if inplace else None)
         if why:
-            raise UsageError(f"{self.label} is recomputed part by part (recompute_ops='parts'), "
-                             f"and its forward {why}: a part run again would not do the same. "
-                             "Recompute it whole (recompute_ops='all'), which restores both")
+            raise UsageError(f"{self.label}, recomputed part by part (recompute_ops='parts'): "
+                             f"its forward {why}. Recompute it whole (recompute_ops='all'), "
+                             "which runs the forward again as it ran, or keep its activations")
 
     def _refuse_filled_after_saving(self, late: list[int], why: str) -> None:
         """Refuse the build where :func:`watching_saved_values` found saved tensors
