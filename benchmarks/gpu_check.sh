@@ -138,13 +138,13 @@ PY
   llama)  # the memory budget sweep beside every peer (about seven minutes; needs transformers)
     run llama python3 -m graphslot.cli bench --preset llama --budgets sweep --isolate --json \
       --steps 5 --warmup 2 \
-      --configs eager,save_on_cpu,checkpoint,torch_graphed,torch_graphed_checkpoint,graph,graph_recompute,graph_auto \
+      --configs eager,save_on_cpu,checkpoint,torch_graphed,torch_graphed_checkpoint,graph,graph_recompute,graph_recompute_parts,graph_auto \
       --plot "$out/llama.png" ;;
   peers)
     preset=${2:?"peers: which preset"}
     run "peers_$preset" python3 -m graphslot.cli bench --preset "$preset" --isolate --json \
       --steps 5 --warmup 2 \
-      --configs eager,save_on_cpu,checkpoint,torch_graphed,torch_graphed_checkpoint,graph,graph_recompute,graph_auto ;;
+      --configs eager,save_on_cpu,checkpoint,torch_graphed,torch_graphed_checkpoint,graph,graph_recompute,graph_recompute_parts,graph_auto ;;
   sweep)
     preset=${2:?"sweep: which preset"}
     run "sweep_$preset${OPTIMIZER:+_$OPTIMIZER}" python3 -m graphslot.cli bench --preset "$preset" \
