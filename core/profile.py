@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from typing import Sequence
+from typing import Any, Sequence
 
 import torch
 import torch.utils.checkpoint
@@ -170,31 +170,8 @@ def profile_units(b: Backend, units: Sequence[torch.nn.Module], sample: torch.Te
             raise UsageError(f"{label} returned {type(y).__name__}; graphed layers must "
                              "return one tensor")
         del y
-        fwd_ms, bwd_ms = [], []
-        work = 0
         with naming_refusals(label):  # (its backward: a reentrant checkpoint)
-            for _ in range(reps):
-                b.synchronize()
-                b.allocator_stats(reset_peak=True)
-                with b.timed(ahead_ms=ahead("forward")) as tf:
-                    y = m(x)
-                gy = torch.ones_like(y)
-                after_fwd = b.allocator_stats()["allocated_bytes"]
-                with b.timed(ahead_ms=ahead("backward")) as tb, without_autocast(x.device.type):
-                    if inputs and y.requires_grad:
-                        grads = torch.autograd.grad(y, inputs, gy, allow_unused=True)
-                        del grads
-                ahead.saw("forward", tf)
-                ahead.saw("backward", tb)
-                fwd_ms.append(tf["device_ms"])
-                bwd_ms.append(tb["device_ms"])
-                peak = b.allocator_stats()["peak_allocated_bytes"]
-                if peak is not None and after_fwd is not None:
-                    # Beyond what the forward left (its saved tensors and output) and the
-                    # parameter gradients: the backward's own working memory.
-                    work = max(work, peak - after_fwd - grad_bytes)
-                out = y.detach()
-                del y, gy
+            fwd_ms, bwd_ms, work, out = _passes(b, m, x, inputs, grad_bytes, ahead, reps)
         if not sees_peak:
             work = 2 * out.numel() * out.element_size()  # an output's gradient and a temporary
         # A forward that fills a tensor after saving it (RReLU's noise) keeps its
@@ -235,20 +212,23 @@ def profile_units(b: Backend, units: Sequence[torch.nn.Module], sample: torch.Te
         these = list(recompute_parts(m) if parts is None else parts[k])
         if not inputs or late or buffers or drawn:
             these = []
-        parts_cost: tuple[int, int, float] | None = None
+        parts_cost: dict[str, Any] = {}  # (LayerCost's parts_* figures, where offered)
         if these:
             inplace: list[str] = []  # (a part's saved input changed in place: not offered)
             with checkpointing_parts(these, inplace), naming_refusals(label):
                 y, parts_saved = run_counting_saved(lambda: m(x), x.device.type, [m])
             del y
             if parts_saved < saved and not inplace:
-                parts_work, parts_ms = _parts_cost(b, m, x, inputs, these, grad_bytes, ahead,
-                                                   reps, sees_peak, label)
+                with checkpointing_parts(these), naming_refusals(label):
+                    pf, pb, parts_work, _ = _passes(b, m, x, inputs, grad_bytes, ahead, reps,
+                                                    ("parts_forward", "parts_backward"))
+                parts_ms = min(f + g for f, g in zip(pf, pb))
                 if not sees_peak:  # (the largest part's activations again, beside the rest)
                     parts_work = work + max(saved_bytes_by_part(
                         lambda: m(x), x.device.type, [m], these))
-                parts_cost = (parts_saved, parts_work,
-                              min(max(0.0, parts_ms - min(fwd_ms) - min(bwd_ms)), min(fwd_ms)))
+                parts_cost = dict(parts_saved_bytes=parts_saved, parts_work_bytes=parts_work,
+                                  parts_recompute_ms=min(max(0.0, parts_ms - min(fwd_ms) - min(bwd_ms)),
+                                                         min(fwd_ms)))
         own = [p for p in params if id(p) not in seen]
         seen.update(id(p) for p in own)
         costs.append(LayerCost(forward_ms=min(fwd_ms), backward_ms=min(bwd_ms),
@@ -256,37 +236,42 @@ def profile_units(b: Backend, units: Sequence[torch.nn.Module], sample: torch.Te
                                input_bytes=x.numel() * x.element_size() + changed_bytes,
                                grad_bytes=sum(p.numel() * p.element_size() for p in own),
                                cheap_saved_bytes=None if cheap_ms is None else cheap_bytes,
-                               cheap_recompute_ms=cheap_ms, keep_only=bool(late),
-                               parts_saved_bytes=None if parts_cost is None else parts_cost[0],
-                               parts_work_bytes=None if parts_cost is None else parts_cost[1],
-                               parts_recompute_ms=None if parts_cost is None else parts_cost[2]))
+                               cheap_recompute_ms=cheap_ms, keep_only=bool(late), **parts_cost))
         x = out.requires_grad_(x.requires_grad or bool(params))
     b.synchronize()
     return costs
 
 
 
-def _parts_cost(b: Backend, m: torch.nn.Module, x: torch.Tensor, inputs: list[torch.Tensor],
-                parts: list[torch.nn.Module], grad_bytes: int, ahead: _Ahead, reps: int,
-                sees_peak: bool, label: str) -> tuple[int, float]:
-    """``m`` recomputed part by part: its backward's working memory beyond what its
-    forward saved and the gradients (0 where the allocator keeps no peak), and its
-    forward and backward time together (the least of ``reps``)."""
-    work, both = 0, []
-    with checkpointing_parts(parts), naming_refusals(label):
-        for _ in range(reps):
-            b.synchronize()
-            b.allocator_stats(reset_peak=True)
-            with b.timed(ahead_ms=ahead("parts_forward")) as tf:
-                y = m(x)
-            after_fwd = b.allocator_stats()["allocated_bytes"]
-            with b.timed(ahead_ms=ahead("parts_backward")) as tb, without_autocast(x.device.type):
-                torch.autograd.grad(y, inputs, torch.ones_like(y), allow_unused=True)
-            ahead.saw("parts_forward", tf)
-            ahead.saw("parts_backward", tb)
-            both.append(tf["device_ms"] + tb["device_ms"])
-            peak = b.allocator_stats()["peak_allocated_bytes"]
-            if sees_peak and peak is not None and after_fwd is not None:
-                work = max(work, peak - after_fwd - grad_bytes)
-            del y
-    return max(0, work), min(both)
+def _passes(b: Backend, m: torch.nn.Module, x: torch.Tensor, inputs: list[torch.Tensor],
+            grad_bytes: int, ahead: _Ahead, reps: int,
+            kinds: tuple[str, str] = ("forward", "backward"),
+            ) -> tuple[list[float], list[float], int, torch.Tensor]:
+    """``reps`` timed forwards and backwards of ``m`` (``kinds``: their names in ``ahead``):
+    each one's device time, the backward's working memory beyond what the forward left
+    (its saved tensors and output) and the parameter gradients (0 where the allocator
+    keeps no peak), and the last output, detached."""
+    fwd_ms: list[float] = []
+    bwd_ms: list[float] = []
+    work = 0
+    for _ in range(reps):
+        b.synchronize()
+        b.allocator_stats(reset_peak=True)
+        with b.timed(ahead_ms=ahead(kinds[0])) as tf:
+            y = m(x)
+        gy = torch.ones_like(y)
+        after_fwd = b.allocator_stats()["allocated_bytes"]
+        with b.timed(ahead_ms=ahead(kinds[1])) as tb, without_autocast(x.device.type):
+            if inputs and y.requires_grad:
+                grads = torch.autograd.grad(y, inputs, gy, allow_unused=True)
+                del grads
+        ahead.saw(kinds[0], tf)
+        ahead.saw(kinds[1], tb)
+        fwd_ms.append(tf["device_ms"])
+        bwd_ms.append(tb["device_ms"])
+        peak = b.allocator_stats()["peak_allocated_bytes"]
+        if peak is not None and after_fwd is not None:
+            work = max(work, peak - after_fwd - grad_bytes)
+        out = y.detach()
+        del y, gy
+    return fwd_ms, bwd_ms, work, out

@@ -34,6 +34,7 @@ _ALL_CHOICES = CHOICES + (RECOMPUTE_CHEAP, RECOMPUTE_PARTS)
 _LETTERS = {KEEP: "K", OFFLOAD: "O", RECOMPUTE: "R", RECOMPUTE_CHEAP: "C", RECOMPUTE_PARTS: "P"}
 #: a recomputed layer's ``recompute_ops`` entry by detailed choice
 _OPS = {RECOMPUTE: "all", RECOMPUTE_CHEAP: "cheap", RECOMPUTE_PARTS: "parts"}
+_KINDS = {op: choice for choice, op in _OPS.items()}
 #: the offload engine's modes a plan may use (see :class:`BudgetPlan`)
 MODES = ("off", "resident", "remap")
 
@@ -326,8 +327,7 @@ def plan_letters(choices: Sequence[str], recompute_ops: Sequence[str | None] = (
 def _detailed(choices: Sequence[str], recompute_ops: Sequence[str | None]) -> tuple[str, ...]:
     """Reported ``choices`` and ``recompute_ops`` as the model's detailed choices."""
     ops = tuple(recompute_ops) + (None,) * (len(choices) - len(recompute_ops))
-    kind = {v: k for k, v in _OPS.items()}
-    return tuple(kind.get(op or "all", c) if c == RECOMPUTE else c for c, op in zip(choices, ops))
+    return tuple(_KINDS.get(op or "all", c) if c == RECOMPUTE else c for c, op in zip(choices, ops))
 
 
 
