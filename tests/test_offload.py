@@ -1300,6 +1300,41 @@ def test_a_saved_layout_records_forwards_autograd_keeps_and_lays_out_units(engin
     assert layout.specs == specs  # the refused pass replaced nothing
 
 
+def test_watching_a_forward_leaves_no_activations_behind(engine_clean):
+    """The hooks that watch an eager forward's saved tensors (the build's checks, the
+    profile) hand autograd the saved memory without its grad_fn: handed back a node's own
+    output (what tanh and SDPA save), the node would hold itself through C++, out of the
+    garbage collector's sight, and the forward's activations would stay for the life of
+    the process (an eight-layer Llama build kept 5 GB so)."""
+    import gc
+    import weakref
+
+    from graphslot.offload.saved import watching_saved_values
+
+    b = engine_clean
+    w = torch.randn(64, 64, device=b.device, requires_grad=True)
+    leave = graphslot.offload.leaves_on_device([], b.device.type)
+    layout = graphslot.offload.SavedLayout("layer 0")
+    for name, watch in (("watching_saved_values", lambda: watching_saved_values(lambda t: True)),
+                        ("SavedLayout.recording", lambda: layout.recording(leave))):
+        x = torch.randn(8, 64, device=b.device, requires_grad=True)
+        with watch():
+            y = torch.tanh(x @ w)  # tanh saves its own output
+        gone = weakref.ref(y)
+        del y
+        gc.collect()
+        assert gone() is None, f"{name} kept the forward's output alive"
+    # Trained through, the watched saved tensors give eager's gradients
+    x = torch.randn(8, 64, device=b.device, requires_grad=True)
+    with watching_saved_values(lambda t: True) as changed:
+        y = torch.tanh(x @ w)
+    y.sum().backward()
+    assert changed == []
+    x2 = x.detach().requires_grad_()
+    torch.tanh(x2 @ w).sum().backward()
+    assert torch.equal(x.grad, x2.grad)
+
+
 # --------------------------------------------------------------------------- shared storages
 
 

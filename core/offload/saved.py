@@ -120,7 +120,7 @@ class SavedLayout:
         def pack(t: torch.Tensor) -> torch.Tensor:
             if not leave(t):
                 seen.append(SavedTensorSpec.of(t, storages))
-            return t
+            return t.detach()  # (the same memory without its grad_fn: see below)
 
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             yield
@@ -177,7 +177,10 @@ def watching_saved_values(watch: Callable[[torch.Tensor], bool]) -> Iterator[lis
     def pack(t: torch.Tensor) -> torch.Tensor:
         if watch(t):
             seen.append((t, values_fingerprint(t)))
-        return t
+        # The same memory without its grad_fn: a node saving its own output, handed back
+        # the output itself, would hold itself through C++ where no garbage collection
+        # sees it, and the forward's activations would stay for the life of the process.
+        return t.detach()
 
     try:
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
