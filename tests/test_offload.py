@@ -4,12 +4,16 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import gc
 import threading
 import time
+import weakref
+from typing import Any
 
 import pytest
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import graphslot
 from graphslot.adapters.torch import GraphedLayers
@@ -1306,9 +1310,6 @@ def test_watching_a_forward_leaves_no_activations_behind(engine_clean):
     output (what tanh and SDPA save), the node would hold itself through C++, out of the
     garbage collector's sight, and the forward's activations would stay for the life of
     the process (an eight-layer Llama build kept 5 GB so)."""
-    import gc
-    import weakref
-
     from graphslot.offload.saved import watching_saved_values
 
     b = engine_clean
@@ -1333,6 +1334,58 @@ def test_watching_a_forward_leaves_no_activations_behind(engine_clean):
     x2 = x.detach().requires_grad_()
     torch.tanh(x2 @ w).sum().backward()
     assert torch.equal(x.grad, x2.grad)
+
+
+class _Made(TorchDispatchMode):
+    """Notes, by weak reference, every tensor an op makes within."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.made: list[tuple[weakref.ref[torch.Tensor], str]] = []
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        for t in (out if isinstance(out, (tuple, list)) else (out,)):
+            if isinstance(t, torch.Tensor):
+                self.made.append((weakref.ref(t), str(func)))
+        return out
+
+
+class _Tanh(nn.Module):
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.b(torch.tanh(self.a(x)))  # (tanh saves its own output)
+
+
+@pytest.mark.parametrize("kw", [
+    dict(mode="off"), dict(mode="off", recompute_layers=[0, 1, 2]),
+    dict(mode="remap", recompute_layers=[0, 1, 2], recompute_ops="parts"),
+    dict(mode="off", recompute_layers=[0, 1, 2], recompute_ops="cheap"),
+    dict(mode="remap", offload_layers=[1, 2]), dict(memory_budget="auto")],
+    ids=["keep", "recompute", "parts", "cheap", "remap", "auto"])
+def test_a_closed_stack_leaves_only_the_gradients(clean, kw):
+    """Built, trained one step and closed, a stack leaves nothing it made alive but the
+    gradients it handed over: no eager forward's activations from the build's checks or
+    the profile (held through autograd, a leak no garbage collection frees)."""
+    b = clean
+    d = 64
+    layers = nn.ModuleList([_Tanh(d) for _ in range(3)]).to(b.device)
+    x = torch.randn(8, d, device=b.device, requires_grad=True)
+    made = _Made()
+    with made:
+        stack = GraphedLayers(layers, x, backend=b, **kw)
+        stack(x).sum().backward()
+    stack.close()
+    del stack
+    gc.collect()
+    handed = {t.untyped_storage().data_ptr()
+              for t in [x.grad, *(p.grad for p in layers.parameters())] if t is not None}
+    alive = [(func, tuple(t.shape)) for r, func in made.made
+             if (t := r()) is not None and t.untyped_storage().data_ptr() not in handed]
+    assert alive == []
 
 
 # --------------------------------------------------------------------------- shared storages
