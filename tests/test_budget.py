@@ -459,7 +459,7 @@ def test_before_refusing_the_least_plan_that_stores_gradients_the_other_way_is_b
     layer = LayerCost(8.25, 16.5, int(1.5 * GiB), recompute_ms=6.25, work_bytes=400 * MiB,
                       input_bytes=64 * MiB, grad_bytes=416 * MiB)
     p = StackProfile((layer,) * 8, 55.0, 55.0, fixed_bytes=7 * GiB)
-    homes = budget.model._has_homes
+    homes = budget.model.has_gradient_homes
     least = plan_budget(p, smallest_peak(p))
     assert homes(p, least.choices, least.mode)
     pool_least = min(predict_peak_bytes(p, ch, m)
@@ -495,7 +495,7 @@ def test_the_model_is_corrected_by_kind_of_plan_and_every_kind_is_built_before_a
                       input_bytes=64 * MiB, grad_bytes=416 * MiB)
     p = StackProfile((layer,) * 8, 55.0, 55.0, fixed_bytes=7 * GiB)
     def kind_of(ch, m):
-        return (OFFLOAD in ch, budget.model._has_homes(p, ch, m))
+        return (OFFLOAD in ch, budget.model.has_gradient_homes(p, ch, m))
 
     def error(plan: BudgetPlan) -> int:
         copies, homes = kind_of(plan.choices, plan.mode)
@@ -649,7 +649,7 @@ def test_where_the_model_errs_by_kind_a_plan_that_fits_built_is_found(seed):
     errors = {k: rnd.randint(-400, 700) * MiB for k in itertools.product((False, True), repeat=2)}
 
     def kind(ch, m):
-        return (OFFLOAD in ch, budget.model._has_homes(p, ch, m))
+        return (OFFLOAD in ch, budget.model.has_gradient_homes(p, ch, m))
 
     build = Builds(p, lambda plan: errors[kind(plan.choices, plan.mode)])
     held = {(ch, m): predict_peak_bytes(p, ch, m) + errors[kind(ch, m)]

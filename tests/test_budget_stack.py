@@ -612,6 +612,39 @@ def test_a_kept_grad_that_takes_a_budgets_step_over_it_is_named_unless_planned_f
         assert f"the gradients ({format_bytes(grads)})" in said[0]
 
 
+def test_a_planned_build_gives_gradient_homes_as_the_model_counted(clean, monkeypatch):
+    """A plan's build decides gradient homes as the model did (has_gradient_homes): here
+    the model knows that layers recomputed cheaply keep little and gives homes, which a
+    build judging by the layers' whole saved bytes did not; the plan then trains as eager."""
+    b = clean
+    cost = gb.LayerCost(1.0, 2.0, 4 * MiB, recompute_ms=4.0, grad_bytes=64 * MiB,
+                        cheap_saved_bytes=1024, cheap_recompute_ms=0.1)
+    fake_profile(monkeypatch, [cost] * 3)
+    torch.manual_seed(0)
+    layers = [torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(),
+                                  torch.nn.Linear(256, 64)).to(b.device) for _ in range(3)]
+    x = torch.randn(256, 64, device=b.device, requires_grad=True)
+    ref = copy.deepcopy(layers)
+    with gt.GraphedLayers(layers, x, mode="off", memory_budget="auto", layers_per_graph=1,
+                          backend=b) as probe:
+        profile = probe.plan.profile
+    cheap = (gb.RECOMPUTE_CHEAP,) * 3
+    budget = gb.predict_peak_bytes(profile, cheap, "off") + 1024
+    with gt.GraphedLayers(layers, x, mode="off", memory_budget=budget, layers_per_graph=1,
+                          backend=b) as stack:
+        # (the top layer is kept: its backward comes first, at no cost to the peak)
+        assert stack.plan.detailed == cheap[:2] + (gb.KEEP,)
+        assert gb.has_gradient_homes(profile, stack.plan.detailed, "off") and stack._grad_homes
+        stack(x).sum().backward()
+    xr = x.detach().clone().requires_grad_()
+    h = xr
+    for m in ref:
+        h = m(h)
+    h.sum().backward()
+    assert_bitwise([x.grad, *(p.grad for m in layers for p in m.parameters())],
+                   [xr.grad, *(p.grad for m in ref for p in m.parameters())])
+
+
 def test_with_main_grad_the_plan_counts_no_gradient_buffers(clean, monkeypatch):
     """With main_grad=True the backward graphs add into main_grad, which the process holds
     before the build: the plan counts no gradient buffers of the stack's (before, every

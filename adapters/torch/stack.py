@@ -74,8 +74,8 @@ from torch import nn
 
 from graphslot.backend import Backend, DeviceGraph, align_up
 from graphslot.budget import (OFFLOAD, RECOMPUTE, RECOMPUTE_CHEAP, RECOMPUTE_PARTS, BudgetPlan,
-                              StackProfile, banks_bytes, fit_budget, gradient_homes, parse_budget,
-                              refusal_message)
+                              StackProfile, banks_bytes, fit_budget, gradient_homes,
+                              has_gradient_homes, parse_budget, refusal_message)
 from graphslot.errors import BudgetError, CaptureMismatchError, StateError, UsageError
 from graphslot.layer_calls import check_passes_gradient
 from graphslot.memory import release_unused, saved_bytes_per_layer
@@ -467,14 +467,16 @@ class GraphedLayers(nn.Module):
     def _make(self, mode: Mode, offload: set[int], recompute: set[int],
               layers_per_graph: int | None, saved: list[int] | None, sample: torch.Tensor,
               cheap: frozenset[int] | set[int] = frozenset(),
-              parts: frozenset[int] | set[int] = frozenset()) -> None:
-        """Build the engine, the graphs' plan and every graph."""
+              parts: frozenset[int] | set[int] = frozenset(), homes: bool | None = None) -> None:
+        """Build the engine, the graphs' plan and every graph (``homes``: whether the
+        gradients get homes of their own, as a plan's model said; measured where None)."""
         self.offload_layers, self.recompute_layers = set(offload), set(recompute)
         #: the recomputed layers that run only their cheap ops again (``recompute_ops``)
         self.cheap_layers = set(cheap)
         #: the recomputed layers that run their forward again part by part (``recompute_ops``)
         self.parts_layers = set(parts)
-        self._grad_homes = not self.main_grad and self._homes_pay(mode, saved, sample)
+        self._grad_homes = not self.main_grad and (
+            self._homes_pay(mode, saved, sample) if homes is None else homes)
         self.engine = OffloadEngine(self.backend, mode, **self._engine_args)
         self.graph_layers = plan_graphs(len(self.layers), self.offload_layers, layers_per_graph,
                                         saved, recomputed=self.recompute_layers,
@@ -489,7 +491,8 @@ class GraphedLayers(nn.Module):
         :func:`graphslot.budget.gradient_homes` says, from what the layers keep in the
         graphs' pool (``saved``, measured) against the gradients' bytes."""
         # (a layer recomputed cheaply, or by parts with their inputs on the device, keeps
-        # part of what it saves: counted as kept)
+        # part of what it saves: counted as kept, a cheap one in full, as an unplanned
+        # build does not measure what its expensive ops keep)
         gone = ((self.recompute_layers - self.cheap_layers - self.parts_layers)
                 | (self.offload_layers if mode is not Mode.OFF else set()))
         kept = [i for i in range(len(self.layers)) if i not in gone]
@@ -552,8 +555,10 @@ class GraphedLayers(nn.Module):
             # unless it is recomputed cheaply; by parts, what its parts are given)
             offloaded = set(self.plan.layers(OFFLOAD)) | (recomputed - cheap if plan.mode != "off"
                                                           else set())
+            # (gradient homes as the model counted them: it knows what a cheaply recomputed
+            # layer keeps, which the build would have to measure again)
             self._make(Mode(plan.mode), offloaded, recomputed, layers_per_graph, saved, sample,
-                       cheap, parts)
+                       cheap, parts, has_gradient_homes(profile, plan.detailed, plan.mode))
             release_unused(b)
             held = _build_holds(b)
             if held is None:

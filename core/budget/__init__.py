@@ -42,12 +42,12 @@ from .costs import (AUTO_MIN_SAVING, AUTO_SLACK, CHOICES, EXHAUSTIVE_LAYERS, FIT
                     MODES, OFFLOAD, RECOMPUTE, RECOMPUTE_CHEAP, RECOMPUTE_PARTS, SEARCH_STARTS,
                     BudgetPlan, LayerCost,
                     StackProfile, parse_budget, plan_letters)
-from .model import (banks_bytes, banks_for, bound_ms, gradient_homes, lower_bound_ms,
-                    predict_peak_bytes, predict_step_ms, slot_bytes)
+from .model import (banks_bytes, banks_for, bound_ms, gradient_homes, has_gradient_homes,
+                    lower_bound_ms, predict_peak_bytes, predict_step_ms, slot_bytes)
 from .search import fit_budget, plan_budget, refusal_message, smallest_peak
 
 __all__ = ["KEEP", "OFFLOAD", "RECOMPUTE", "CHOICES", "RECOMPUTE_CHEAP", "RECOMPUTE_PARTS",
            "LayerCost", "StackProfile",
            "BudgetPlan", "predict_step_ms", "predict_peak_bytes", "banks_bytes", "slot_bytes",
            "bound_ms", "lower_bound_ms", "plan_budget", "smallest_peak", "parse_budget",
-           "fit_budget", "gradient_homes", "refusal_message", "plan_letters"]
+           "fit_budget", "gradient_homes", "has_gradient_homes", "refusal_message", "plan_letters"]

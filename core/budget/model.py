@@ -182,8 +182,10 @@ def _peak(profile: StackProfile, choices: Sequence[str], mode: str, slots: Seque
             + banks_for(choices, mode) * sum(classes) + _boundaries_held(profile, slots))
 
 
-def _has_homes(profile: StackProfile, choices: Sequence[str], mode: str) -> bool:
-    """Does the stack give gradients homes under ``choices`` (see :func:`gradient_homes`)?"""
+def has_gradient_homes(profile: StackProfile, choices: Sequence[str], mode: str) -> bool:
+    """Does the stack give its gradients homes under ``choices`` in ``mode``
+    (:func:`gradient_homes`, from what the model says the layers keep in the graphs' pool)?
+    A planned build decides by this, so that it holds what the model counted."""
     t = _table(profile)
     return gradient_homes(sum(_kept(t, choices, mode)), t.grads, profile.keep_grads)
 

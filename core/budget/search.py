@@ -15,7 +15,7 @@ from .costs import (AUTO_MIN_SAVING, AUTO_SLACK, CHOICES, EXHAUSTIVE_LAYERS,
                     FIT_BUILDS, KEEP, MODES, OFFLOAD, RECOMPUTE, RECOMPUTE_CHEAP, RECOMPUTE_PARTS,
                     SEARCH_STARTS,
                     BudgetPlan, StackProfile, parse_budget, reported, short)
-from .model import _has_homes, recompute_ms, score, slot_bytes
+from .model import has_gradient_homes, recompute_ms, score, slot_bytes
 
 #: A kind of plan, as the model errs by it: (whether it offloads a layer, whether the
 #: stack gives the gradients homes of their own). Staging and the forward's copies are
@@ -80,7 +80,7 @@ def _scored_unfixed(profile: StackProfile, choices: tuple[str, ...]) -> tuple[_S
 def _kind(profile: StackProfile, choices: Sequence[str], mode: str) -> Kind:
     """The :data:`Kind` of ``choices`` (each layer's, as the model's functions take them)
     in ``mode``."""
-    return (OFFLOAD in choices, _has_homes(profile, choices, mode))
+    return (OFFLOAD in choices, has_gradient_homes(profile, choices, mode))
 
 
 def _check_modes(modes: Sequence[str]) -> None:
