@@ -43,6 +43,9 @@
 #   parts [PRESET]  benchmarks/recompute_parts.py: one layer's backward working memory and
 #           graph pool when its attention and MLP are recomputed one at a time, against
 #           whole-layer recompute (default preset: llama; about a minute)
+#   memory PLANS...  benchmarks/build_memory.py on the llama preset (PLANS: keep, recompute,
+#           parts, budget:GIB): what a build holds, by allocating frame, and the graphs'
+#           pool's segments against the most of it ever live at once (under a minute each)
 #   grads [PRESET]  eager and the three modes with zero_grad(), each beside its variant
 #           with .grad kept (zero_grad(set_to_none=False)) over four accumulated
 #           microbatches, in one run: what a kept gradient costs (default preset: default,
@@ -53,7 +56,7 @@
 # A bench's log says, a line each, which configuration it started and when, then ends with
 # its JSON.
 set -uo pipefail
-part=${1:?"which part: abc, a, b, c, te, megatron_te, weakrefs, bench, launch, llama, peers, sweep, budgets, probe, held, pools, parts or grads"}
+part=${1:?"which part: abc, a, b, c, te, megatron_te, weakrefs, bench, launch, llama, peers, sweep, budgets, probe, held, pools, parts, memory or grads"}
 out=${OUT:-/tmp/graphslot-gpu-check}
 mkdir -p "$out"
 cd "$(dirname "$0")/.."
@@ -171,11 +174,15 @@ PY
     done ;;
   parts)
     run "parts_${2:-llama}" python3 benchmarks/recompute_parts.py --preset "${2:-llama}" --json ;;
+  memory)
+    shift
+    if (($#)); then plans=("$@"); else plans=(recompute parts); fi
+    run memory python3 benchmarks/build_memory.py "${plans[@]}" ;;
   grads)  # a kept .grad over four microbatches beside zero_grad(), per mode, in one run
     preset=${2:-default}
     configs=""
     for c in eager graph graph_resident graph_remap; do configs+="$c,$c@keep@acc4,"; done
     run "grads_$preset" python3 -m graphslot.cli bench --preset "$preset" --isolate --json \
       --steps 3 --warmup 1 --configs "${configs%,}" ;;
-  *) echo "unknown part '$part': choose abc, a, b, c, te, megatron_te, weakrefs, bench, launch, llama, peers, sweep, budgets, probe, held, pools, parts or grads" >&2; exit 2 ;;
+  *) echo "unknown part '$part': choose abc, a, b, c, te, megatron_te, weakrefs, bench, launch, llama, peers, sweep, budgets, probe, held, pools, parts, memory or grads" >&2; exit 2 ;;
 esac

@@ -1,0 +1,144 @@
+"""What a built GraphedLayers stack holds, and how much of its graphs' pool was ever live
+at once (cuda only; asserts nothing).
+
+    GRAPHSLOT_BACKEND=cuda python benchmarks/build_memory.py PLAN [PLAN ...] [--preset llama]
+
+``PLAN`` is one of ``keep`` (mode off), ``recompute`` (every layer recomputed, mode off),
+``parts`` (every layer recomputed part by part, inputs to the host, remap: the bench's
+``graph_recompute_parts``) or ``budget:GIB`` (``memory_budget`` of that many GiB; ``auto``
+for "auto"). Each runs in a process of its own, with the allocator's history on from
+before the build. After the build and two SGD steps it prints:
+
+- allocated and reserved bytes before the build, after it and after the steps;
+- the blocks live then, grouped by size and allocating frames, outside the graphs' pool
+  and in it (an eager forward's activations outside the pool, once the build is over,
+  are a leak);
+- the pool's segments against the most of it that was ever live at once over the build
+  (its segments less that peak is what the captures' order of allocations left unusable).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import gc
+import os
+import subprocess
+import sys
+from typing import Any
+
+from alloc_trace import pool_of
+
+MiB = 1 << 20
+
+
+def _frames(frames: list[dict[str, Any]] | None) -> tuple[str, ...]:
+    """The model's, graphslot's and autograd's frames, innermost first (up to seven)."""
+    keep = ("graphslot", "bench", "transformers", "torch/utils", "autograd")
+    return tuple(f"{os.path.basename(f['filename'])}:{f['line']}:{f['name']}"
+                 for f in frames or [] if any(k in f["filename"] for k in keep))[:7]
+
+
+def _kwargs(plan: str, n: int) -> dict[str, Any]:
+    if plan == "keep":
+        return dict(mode="off")
+    if plan == "recompute":
+        return dict(mode="off", recompute_layers=range(n))
+    if plan == "parts":
+        return dict(mode="remap", recompute_layers=range(n), recompute_ops="parts",
+                    offload_layers=range(n))
+    if plan.startswith("budget:"):
+        size = plan.split(":", 1)[1]
+        return dict(memory_budget="auto" if size == "auto" else int(float(size) * (1 << 30)))
+    raise SystemExit(f"unknown plan {plan!r}: keep, recompute, parts or budget:GIB")
+
+
+def _child(plan: str, preset: str) -> None:
+    import torch
+
+    from graphslot.adapters.torch import GraphedLayers
+    from graphslot.budget import plan_letters
+    from graphslot.cli.bench_models import BenchShape, training_data
+
+    layers, x, gy = training_data(BenchShape.preset(preset), torch.device("cuda"))
+    kw = _kwargs(plan, len(layers))
+    torch.cuda.memory._record_memory_history(max_entries=200000)
+
+    def report(tag: str) -> None:
+        gc.collect()
+        print(f"[{tag}] allocated {torch.cuda.memory_allocated() / MiB:.0f} MiB, reserved "
+              f"{torch.cuda.memory_reserved() / MiB:.0f} MiB", flush=True)
+
+    report("before the build")
+    stack = GraphedLayers(layers, x, warmup_iters=2, **kw)
+    report("built")
+    plan_ = getattr(stack, "plan", None)
+    if plan_ is not None:
+        print("plan", plan_letters(plan_.choices, plan_.recompute_ops), plan_.mode)
+    opt = torch.optim.SGD([p for m in layers for p in m.parameters()], lr=1e-4)
+    for _ in range(2):
+        y = stack(x)
+        y.backward(gy)
+        opt.step()
+        opt.zero_grad()
+        del y
+    torch.cuda.synchronize()
+    report("after two steps")
+    snap = torch.cuda.memory._snapshot()
+
+    live: collections.Counter[tuple[bool, int, tuple[str, ...]]] = collections.Counter()
+    for seg in snap["segments"]:
+        in_pool = pool_of(seg) == "graph"
+        for blk in seg["blocks"]:
+            if blk["state"] == "active_allocated":
+                live[(in_pool, blk["size"], _frames(blk.get("frames")))] += 1
+    total: collections.Counter[bool] = collections.Counter()
+    for (in_pool, size, _), count in live.items():
+        total[in_pool] += size * count
+    print(f"live outside the graphs' pool {total[False] / MiB:.0f} MiB, in it {total[True] / MiB:.0f} MiB")
+    for (in_pool, size, frames), count in sorted(live.items(), key=lambda kv: -kv[0][1] * kv[1])[:14]:
+        print(f"{'pool' if in_pool else 'main'} {size / MiB:8.1f} MiB x{count}")
+        for f in frames:
+            print("       ", f)
+
+    # The pool over the build: bytes live in its segments at each event, at their highest.
+    segs = [(s["address"], s["address"] + s["total_size"]) for s in snap["segments"]
+            if pool_of(s) == "graph"]
+
+    def in_pool_at(a: int) -> bool:
+        return any(lo <= a < hi for lo, hi in segs)
+
+    print(f"pool segments {sum(hi - lo for lo, hi in segs) / MiB:.0f} MiB in {len(segs)}: "
+          f"{sorted(round((hi - lo) / MiB) for lo, hi in segs)} MiB")
+    open_: dict[int, int] = {}
+    now = peak = 0
+    for ev in snap["device_traces"][0]:
+        a = ev.get("addr", 0)
+        if ev["action"] == "alloc" and in_pool_at(a):
+            open_[a] = ev["size"]
+            now += ev["size"]
+            peak = max(peak, now)
+        elif ev["action"] == "free_requested" and a in open_:
+            now -= open_.pop(a)
+    print(f"pool live at its highest over the build {peak / MiB:.0f} MiB")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("plans", nargs="+")
+    ap.add_argument("--preset", default="llama")
+    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.child:
+        _child(args.plans[0], args.preset)
+        return
+    for plan in args.plans:
+        _kwargs(plan, 1)  # (a bad name fails before any work)
+    for plan in args.plans:
+        print(f"=== {plan}", flush=True)
+        subprocess.run([sys.executable, __file__, plan, "--preset", args.preset, "--child"],
+                       check=False)
+
+
+if __name__ == "__main__":
+    main()
