@@ -22,7 +22,7 @@ process of its own:
 - ``kept``: each part checkpointed with no checkpoint around the layer: the forward keeps
   the parts' inputs (what a plan would send to the host), and the backward runs each part
   once more;
-- ``children``: as ``kept``, with every direct child of the layer checkpointed (norms
+- ``children``: as ``kept``, with each of graphslot's parts of the layer checkpointed (norms
   too), which a library could do to any layer without being told its parts;
 - ``none``: no checkpoint (the layer keeps all it saves), for reference.
 
@@ -84,7 +84,11 @@ def _layer(variant: str, args: argparse.Namespace) -> tuple[Any, Any, Any, Any]:
         for m in parts:
             _checkpointed(m)
     if variant == "children":
-        for m in layer.children():
+        from graphslot.recompute import recompute_parts
+
+        # (graphslot's parts: down through single-child wrappers, as the bench preset's
+        # Llama layer is one; its direct children were the whole layer)
+        for m in recompute_parts(layer):
             _checkpointed(m)
     run = layer
     if variant in ("whole", "parts"):
