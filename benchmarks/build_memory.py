@@ -30,6 +30,7 @@ from typing import Any
 from alloc_trace import pool_of
 
 MiB = 1 << 20
+MAX_ENTRIES = 1_000_000  # (the history is a ring: past this the build's start is lost)
 
 
 def _frames(frames: list[dict[str, Any]] | None) -> tuple[str, ...]:
@@ -62,7 +63,7 @@ def _child(plan: str, preset: str) -> None:
 
     layers, x, gy = training_data(BenchShape.preset(preset), torch.device("cuda"))
     kw = _kwargs(plan, len(layers))
-    torch.cuda.memory._record_memory_history(max_entries=200000)
+    torch.cuda.memory._record_memory_history(max_entries=MAX_ENTRIES)
 
     def report(tag: str) -> None:
         gc.collect()
@@ -102,19 +103,26 @@ def _child(plan: str, preset: str) -> None:
             print("       ", f)
 
     # The pool over the build: bytes live in its segments at each event, at their highest.
+    # An address counts for a segment only from that segment's own allocation on (the
+    # build's probes and eager passes used addresses that later segments took again).
+    events = snap["device_traces"][0]
+    if len(events) >= MAX_ENTRIES:
+        print(f"warning: the history holds its last {MAX_ENTRIES} events only; the pool's "
+              "highest below may miss the build's start")
     segs = [(s["address"], s["address"] + s["total_size"]) for s in snap["segments"]
             if pool_of(s) == "graph"]
+    made = {ev["addr"]: i for i, ev in enumerate(events) if ev["action"] == "segment_alloc"}
 
-    def in_pool_at(a: int) -> bool:
-        return any(lo <= a < hi for lo, hi in segs)
+    def in_pool_at(a: int, i: int) -> bool:
+        return any(lo <= a < hi and made.get(lo, -1) < i for lo, hi in segs)
 
     print(f"pool segments {sum(hi - lo for lo, hi in segs) / MiB:.0f} MiB in {len(segs)}: "
           f"{sorted(round((hi - lo) / MiB) for lo, hi in segs)} MiB")
     open_: dict[int, int] = {}
     now = peak = 0
-    for ev in snap["device_traces"][0]:
+    for i, ev in enumerate(events):
         a = ev.get("addr", 0)
-        if ev["action"] == "alloc" and in_pool_at(a):
+        if ev["action"] == "alloc" and in_pool_at(a, i):
             open_[a] = ev["size"]
             now += ev["size"]
             peak = max(peak, now)
@@ -134,10 +142,15 @@ def main() -> None:
         return
     for plan in args.plans:
         _kwargs(plan, 1)  # (a bad name fails before any work)
+    failed = []
     for plan in args.plans:
         print(f"=== {plan}", flush=True)
-        subprocess.run([sys.executable, __file__, plan, "--preset", args.preset, "--child"],
-                       check=False)
+        rc = subprocess.run([sys.executable, __file__, plan, "--preset", args.preset,
+                             "--child"], check=False).returncode
+        if rc:
+            failed.append(plan)
+    if failed:
+        sys.exit(f"failed: {', '.join(failed)}")
 
 
 if __name__ == "__main__":

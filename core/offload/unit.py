@@ -177,7 +177,9 @@ class OffloadUnit:
         g.begin_capture()
         if g.wants_offload:
             def pack(t: torch.Tensor) -> torch.Tensor:
-                return t if leave(t) else g.save_tensor(t)
+                # (what stays put goes back detached: a node's own output, an empty one say,
+                # would otherwise hold the node, as in note below)
+                return t.detach() if leave(t) else g.save_tensor(t)
 
             try:
                 with torch.autograd.graph.saved_tensors_hooks(pack, g.load_tensor):
