@@ -14,7 +14,9 @@ before the build. After the build and two SGD steps it prints:
   and in it (an eager forward's activations outside the pool, once the build is over,
   are a leak);
 - the pool's segments against the most of it that was ever live at once over the build
-  (its segments less that peak is what the captures' order of allocations left unusable).
+  (its segments less that peak is what the captures' order of allocations left unusable),
+  and against the same allocations laid out by lifetime with graphslot's slot planner
+  (what a pool placed by graphslot instead of the caching allocator would need).
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ import gc
 import os
 import subprocess
 import sys
-from typing import Any
+from typing import Any, Callable
 
 from alloc_trace import pool_of
 
@@ -118,17 +120,33 @@ def _child(plan: str, preset: str) -> None:
 
     print(f"pool segments {sum(hi - lo for lo, hi in segs) / MiB:.0f} MiB in {len(segs)}: "
           f"{sorted(round((hi - lo) / MiB) for lo, hi in segs)} MiB")
-    open_: dict[int, int] = {}
-    now = peak = 0
+    arena, peak = lifetime_layout(events, in_pool_at)
+    print(f"pool live at its highest over the build {peak / MiB:.0f} MiB")
+    print(f"the same allocations laid out by lifetime (graphslot.planner) {arena / MiB:.0f} MiB")
+
+
+def lifetime_layout(events: list[dict[str, Any]], counts: Callable[[int, int], bool]
+                    ) -> tuple[int, int]:
+    """The arena graphslot's slot planner gives the allocations ``counts(address, index)``
+    accepts, each live from its ``alloc`` event to its ``free_requested`` (or the end),
+    and the most of them live at once (the planner's lower bound)."""
+    from graphslot.planner import TensorSpec, plan
+
+    opened: dict[int, tuple[int, int]] = {}  # address -> (event index, bytes)
+    specs: list[TensorSpec] = []
     for i, ev in enumerate(events):
         a = ev.get("addr", 0)
-        if ev["action"] == "alloc" and in_pool_at(a, i):
-            open_[a] = ev["size"]
-            now += ev["size"]
-            peak = max(peak, now)
-        elif ev["action"] == "free_requested" and a in open_:
-            now -= open_.pop(a)
-    print(f"pool live at its highest over the build {peak / MiB:.0f} MiB")
+        if ev["action"] == "alloc" and counts(a, i):
+            opened[a] = (i, ev["size"])
+        elif ev["action"] == "free_requested" and a in opened:
+            start, size = opened.pop(a)
+            specs.append(TensorSpec(f"b{len(specs)}", size, start, i + 1))
+    specs += [TensorSpec(f"b{len(specs) + k}", size, start, len(events) + 1)
+              for k, (start, size) in enumerate(opened.values())]
+    if not specs:
+        return 0, 0
+    laid = plan(specs)
+    return laid.arena_bytes, laid.lower_bound_bytes
 
 
 def main() -> None:
