@@ -168,10 +168,8 @@ def _peak(profile: StackProfile, choices: Sequence[str], mode: str, slots: Seque
             v = kept_below + saved[i]
             if v > pool:
                 pool = v
-        if ch == RECOMPUTE_PARTS:  # (its parts' activations again, one part at a time)
-            v = kept_below + grads_above + t.parts_work[i]
-        else:
-            v = kept_below + grads_above + work[i]
+        # (by parts, the backward holds one part's activations again at a time)
+        v = kept_below + grads_above + (t.parts_work if ch == RECOMPUTE_PARTS else work)[i]
         if ch == RECOMPUTE or ch == RECOMPUTE_CHEAP:
             v += saved[i] - k
         if v > pool:

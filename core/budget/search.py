@@ -37,10 +37,15 @@ class _Scored:
     kind: Kind = (False, False)
 
 
+#: the recompute kinds a layer's profile may offer beyond the three choices, each with
+#: whether a layer's cost offers it
+_OFFERED = ((RECOMPUTE_CHEAP, lambda c: c.cheap), (RECOMPUTE_PARTS, lambda c: c.parts))
+
+
 def _options(profile: StackProfile) -> list[tuple[str, ...]]:
     """The choices the search may give each layer."""
-    return [(KEEP,) if c.keep_only else CHOICES + ((RECOMPUTE_CHEAP,) if c.cheap else ())
-             + ((RECOMPUTE_PARTS,) if c.parts else ()) for c in profile.layers]
+    return [(KEEP,) if c.keep_only else CHOICES + tuple(k for k, offered in _OFFERED if offered(c))
+            for c in profile.layers]
 
 
 def _modes(choices: Sequence[str]) -> tuple[str, ...]:
@@ -130,10 +135,10 @@ def _smallest_within(limit: float) -> Objective:
     return key
 
 
-def _seeds(n: int, cheap: bool = False, parts: bool = False) -> list[tuple[str, ...]]:
+def _seeds(n: int, recomputes: tuple[str, ...] = ()) -> list[tuple[str, ...]]:
     """Starting points by position: no offload; the first k layers offloaded; every other
     layer from the first; k layers spread evenly; each with the rest kept or recomputed
-    (or, with ``cheap``, recomputed cheaply, or with ``parts``, by parts)."""
+    (whole, or by each of ``recomputes``, other recompute kinds)."""
     seeds: set[tuple[str, ...]] = set()
     for k in range(n + 1):
         sets = {tuple(range(k)),
@@ -141,8 +146,7 @@ def _seeds(n: int, cheap: bool = False, parts: bool = False) -> list[tuple[str, 
                 tuple(sorted({round(j * (n - 1) / (k - 1)) for j in range(k)})) if k > 1
                 else tuple(range(k))}
         for s in sets:
-            for rest in ((KEEP, RECOMPUTE) + ((RECOMPUTE_CHEAP,) if cheap else ())
-                         + ((RECOMPUTE_PARTS,) if parts else ())):
+            for rest in (KEEP, RECOMPUTE) + recomputes:
                 seeds.add(tuple(OFFLOAD if i in s else rest for i in range(n)))
     return sorted(seeds)
 
@@ -191,9 +195,8 @@ def _search(profile: StackProfile, key: Objective, exhaustive: bool | None = Non
     if exhaustive:
         return min((s for ch in itertools.product(*options) for s in _scored(profile, ch)),
                    key=key)
-    seeds = [ch for ch in _seeds(n, any(c.cheap for c in profile.layers),
-                                 any(c.parts for c in profile.layers))
-             if all(c in o for c, o in zip(ch, options))]
+    offered = tuple(k for k, _ in _OFFERED if any(k in o for o in options))
+    seeds = [ch for ch in _seeds(n, offered) if all(c in o for c, o in zip(ch, options))]
     firsts = sorted((s for ch in seeds for s in _scored(profile, ch)), key=key)[:starts]
     firsts += [s for ch in also if all(c in o for c, o in zip(ch, options))
                for s in _scored(profile, tuple(ch))]
