@@ -123,6 +123,63 @@ def _child(plan: str, preset: str) -> None:
     arena, peak = lifetime_layout(events, in_pool_at)
     print(f"pool live at its highest over the build {peak / MiB:.0f} MiB")
     print(f"the same allocations laid out by lifetime (graphslot.planner) {arena / MiB:.0f} MiB")
+    shared, least = shared_pages(events, [(lo, hi, made.get(lo, -1)) for lo, hi in segs])
+    print(f"the pool's own segments with 2 MiB pages live at different times sharing physical "
+          f"pages {shared / MiB:.0f} MiB (pages live at once at most {least / MiB:.0f} MiB)")
+
+
+def shared_pages(events: list[dict[str, Any]], segs: list[tuple[int, int, int]],
+                 page: int = 2 * MiB) -> tuple[int, int]:
+    """What the pool would map if its segments stayed where the caching allocator put them
+    but pages that are never live at the same time shared one physical page (graphslot's
+    own remapping, outside replay): the pages a greedy assignment uses, and the most pages
+    live at once (no assignment uses fewer). ``segs``: ``(start, end, index of the
+    segment's allocation event)``. A page is live while any block touching it is, from its
+    ``alloc`` event to its ``free_requested`` (or the end)."""
+    def seg_of(a: int, i: int) -> int | None:
+        for lo, hi, made in segs:
+            if lo <= a < hi and made < i:
+                return lo
+        return None
+
+    live: dict[int, int] = collections.defaultdict(int)  # page address -> bitmask over time
+    opened: dict[int, tuple[int, int]] = {}
+    n = len(events)
+    for i, ev in enumerate(events):
+        a = ev.get("addr", 0)
+        if ev["action"] == "alloc" and seg_of(a, i) is not None:
+            opened[a] = (i, ev["size"])
+        elif ev["action"] == "free_requested" and a in opened:
+            start, size = opened.pop(a)
+            for p in range(a // page * page, a + size, page):
+                live[p] |= (1 << (i + 1)) - (1 << start)
+    for a, (start, size) in opened.items():
+        for p in range(a // page * page, a + size, page):
+            live[p] |= (1 << (n + 1)) - (1 << start)
+    physical: list[int] = []  # each physical page's liveness, the union of its VA pages'
+    for mask in sorted(live.values(), key=lambda m: (m & -m).bit_length()):
+        for k, held in enumerate(physical):
+            if not held & mask:
+                physical[k] = held | mask
+                break
+        else:
+            physical.append(mask)
+    most = 0
+    if live:
+        counts = [0] * (n + 2)
+        for mask in live.values():
+            m = mask
+            while m:
+                low = (m & -m).bit_length() - 1
+                run = (~(m >> low) & ((m >> low) + 1)).bit_length() - 1  # length of the run
+                counts[low] += 1
+                counts[low + run] -= 1
+                m &= ~(((1 << run) - 1) << low)
+        acc = 0
+        for c in counts:
+            acc += c
+            most = max(most, acc)
+    return len(physical) * page, most * page
 
 
 def lifetime_layout(events: list[dict[str, Any]], counts: Callable[[int, int], bool]

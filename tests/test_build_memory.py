@@ -1,0 +1,89 @@
+"""benchmarks/build_memory.py's figures for a graphs' pool, on synthetic allocator events:
+the lifetime layout and the pages that could share physical memory."""
+
+from __future__ import annotations
+
+import importlib.util
+import pathlib
+import sys
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+MiB = 1 << 20
+S1, S2 = 0x10000000, 0x20000000
+
+
+def _load():
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    try:
+        spec = importlib.util.spec_from_file_location("build_memory", REPO / "benchmarks" / "build_memory.py")
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+    finally:
+        sys.path.pop(0)
+    return mod
+
+
+bm = _load()
+
+
+class Events(list):
+    def segment(self, addr):
+        self.append(dict(action="segment_alloc", addr=addr))
+        return len(self) - 1
+
+    def alloc(self, addr, size):
+        self.append(dict(action="alloc", addr=addr, size=size))
+
+    def free(self, addr):
+        self.append(dict(action="free_requested", addr=addr))
+
+
+def test_segments_used_at_different_times_share_their_pages():
+    ev = Events()
+    m1, m2 = ev.segment(S1), ev.segment(S2)
+    ev.alloc(S1, 8 * MiB), ev.free(S1), ev.alloc(S2 + 2 * MiB, 6 * MiB), ev.free(S2 + 2 * MiB)
+    segs = [(S1, S1 + 8 * MiB, m1), (S2, S2 + 8 * MiB, m2)]
+    assert bm.shared_pages(ev, segs) == (8 * MiB, 8 * MiB)
+
+
+def test_pages_live_at_once_or_never_freed_do_not_share():
+    ev = Events()
+    m1, m2 = ev.segment(S1), ev.segment(S2)
+    ev.alloc(S1, 8 * MiB), ev.alloc(S2, 3 * MiB), ev.free(S1)  # S2's block is never freed
+    ev.alloc(S1, 2 * MiB), ev.free(S1)
+    segs = [(S1, S1 + 8 * MiB, m1), (S2, S2 + 8 * MiB, m2)]
+    # the 3 MiB block touches two pages; they overlap the first block and the last one
+    assert bm.shared_pages(ev, segs) == (12 * MiB, 12 * MiB)
+    arena, peak = bm.lifetime_layout(ev, lambda a, i: True)
+    assert (arena, peak) == (11 * MiB, 11 * MiB)
+
+
+def test_blocks_outside_the_pool_or_before_its_segment_do_not_count():
+    ev = Events()
+    ev.alloc(S1, 8 * MiB), ev.free(S1)  # an eager block at an address a segment takes later
+    m1 = ev.segment(S1)
+    ev.alloc(S2, 64 * MiB), ev.free(S2)  # outside every pool segment
+    ev.alloc(S1, 4 * MiB), ev.free(S1)
+    assert bm.shared_pages(ev, [(S1, S1 + 8 * MiB, m1)]) == (4 * MiB, 4 * MiB)
+
+
+def test_the_greedy_assignment_never_beats_the_bound_and_keeps_live_pages_apart():
+    import random
+
+    rng = random.Random(3)
+    ev = Events()
+    made = ev.segment(S1)
+    live = {}
+    for _ in range(600):
+        if live and rng.random() < 0.5:
+            a = rng.choice(sorted(live))
+            ev.free(a)
+            del live[a]
+            continue
+        a, size = S1 + rng.randrange(32) * 2 * MiB, rng.randint(1, 6) * MiB
+        if a + size <= S1 + 64 * MiB and all(a + size <= b or b + s <= a for b, s in live.items()):
+            live[a] = size
+            ev.alloc(a, size)
+    shared, least = bm.shared_pages(ev, [(S1, S1 + 64 * MiB, made)])
+    assert least <= shared <= 64 * MiB
+    assert shared % (2 * MiB) == 0 and least > 0
