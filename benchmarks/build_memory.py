@@ -15,8 +15,10 @@ before the build. After the build and two SGD steps it prints:
   are a leak);
 - the pool's segments against the most of it that was ever live at once over the build
   (its segments less that peak is what the captures' order of allocations left unusable),
-  and against the same allocations laid out by lifetime with graphslot's slot planner
-  (what a pool placed by graphslot instead of the caching allocator would need).
+  against the same allocations laid out by lifetime with graphslot's slot planner (what a
+  pool placed by graphslot instead of the caching allocator would need), and against the
+  segments as placed with pages never live at once sharing physical memory (what
+  graphslot mapping the pool itself would need).
 """
 
 from __future__ import annotations
@@ -124,62 +126,47 @@ def _child(plan: str, preset: str) -> None:
     print(f"pool live at its highest over the build {peak / MiB:.0f} MiB")
     print(f"the same allocations laid out by lifetime (graphslot.planner) {arena / MiB:.0f} MiB")
     shared, least = shared_pages(events, [(lo, hi, made.get(lo, -1)) for lo, hi in segs])
-    print(f"the pool's own segments with 2 MiB pages live at different times sharing physical "
-          f"pages {shared / MiB:.0f} MiB (pages live at once at most {least / MiB:.0f} MiB)")
+    print(f"the pool's segments, 2 MiB pages never live at once sharing physical pages "
+          f"(graphslot.planner.share_pages) {shared / MiB:.0f} MiB; pages live at once at "
+          f"most {least / MiB:.0f} MiB")
 
 
 def shared_pages(events: list[dict[str, Any]], segs: list[tuple[int, int, int]],
                  page: int = 2 * MiB) -> tuple[int, int]:
-    """What the pool would map if its segments stayed where the caching allocator put them
-    but pages that are never live at the same time shared one physical page (graphslot's
-    own remapping, outside replay): the pages a greedy assignment uses, and the most pages
-    live at once (no assignment uses fewer). ``segs``: ``(start, end, index of the
-    segment's allocation event)``. A page is live while any block touching it is, from its
-    ``alloc`` event to its ``free_requested`` (or the end)."""
-    def seg_of(a: int, i: int) -> int | None:
-        for lo, hi, made in segs:
+    """What the pool would map if its blocks stayed where the caching allocator put them
+    but pages never live at the same time shared one physical page
+    (:func:`graphslot.planner.share_pages`, over the segments laid end to end): the
+    bytes it maps, and the most pages live at once (no sharing maps fewer). ``segs``:
+    ``(start, end, index of the segment's allocation event)``. A block is live from its
+    ``alloc`` to its ``free_completed`` (a free the captures deferred ends later than it
+    was asked for), for good where that never came."""
+    from graphslot.planner import share_pages
+
+    base, at = 0, []
+    for lo, hi, made in sorted(segs):
+        at.append((lo, hi, made, base))
+        base += -(-(hi - lo) // page) * page
+
+    def offset(a: int, i: int) -> int | None:
+        for lo, hi, made, b in at:
             if lo <= a < hi and made < i:
-                return lo
+                return b + a - lo
         return None
 
-    live: dict[int, int] = collections.defaultdict(int)  # page address -> bitmask over time
-    opened: dict[int, tuple[int, int]] = {}
-    n = len(events)
+    blocks: list[tuple[int, int, int, int | None]] = []
+    opened: dict[int, tuple[int, int, int]] = {}
     for i, ev in enumerate(events):
         a = ev.get("addr", 0)
-        if ev["action"] == "alloc" and seg_of(a, i) is not None:
-            opened[a] = (i, ev["size"])
-        elif ev["action"] == "free_requested" and a in opened:
-            start, size = opened.pop(a)
-            for p in range(a // page * page, a + size, page):
-                live[p] |= (1 << (i + 1)) - (1 << start)
-    for a, (start, size) in opened.items():
-        for p in range(a // page * page, a + size, page):
-            live[p] |= (1 << (n + 1)) - (1 << start)
-    physical: list[int] = []  # each physical page's liveness, the union of its VA pages'
-    for mask in sorted(live.values(), key=lambda m: (m & -m).bit_length()):
-        for k, held in enumerate(physical):
-            if not held & mask:
-                physical[k] = held | mask
-                break
-        else:
-            physical.append(mask)
-    most = 0
-    if live:
-        counts = [0] * (n + 2)
-        for mask in live.values():
-            m = mask
-            while m:
-                low = (m & -m).bit_length() - 1
-                run = (~(m >> low) & ((m >> low) + 1)).bit_length() - 1  # length of the run
-                counts[low] += 1
-                counts[low + run] -= 1
-                m &= ~(((1 << run) - 1) << low)
-        acc = 0
-        for c in counts:
-            acc += c
-            most = max(most, acc)
-    return len(physical) * page, most * page
+        if ev["action"] == "alloc":
+            off = offset(a, i)
+            if off is not None:
+                opened[a] = (off, ev["size"], i)
+        elif ev["action"] == "free_completed" and a in opened:
+            off, size, start = opened.pop(a)
+            blocks.append((off, size, start, i + 1))
+    blocks += [(off, size, start, None) for off, size, start in opened.values()]
+    got = share_pages(blocks, base, page)
+    return got.physical_bytes, got.least_bytes
 
 
 def lifetime_layout(events: list[dict[str, Any]], counts: Callable[[int, int], bool]

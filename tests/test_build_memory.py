@@ -34,8 +34,13 @@ class Events(list):
     def alloc(self, addr, size):
         self.append(dict(action="alloc", addr=addr, size=size))
 
-    def free(self, addr):
+    def free(self, addr, completed=True):
         self.append(dict(action="free_requested", addr=addr))
+        if completed:
+            self.append(dict(action="free_completed", addr=addr))
+
+    def completed(self, addr):
+        self.append(dict(action="free_completed", addr=addr))
 
 
 def test_segments_used_at_different_times_share_their_pages():
@@ -87,3 +92,13 @@ def test_the_greedy_assignment_never_beats_the_bound_and_keeps_live_pages_apart(
     shared, least = bm.shared_pages(ev, [(S1, S1 + 64 * MiB, made)])
     assert least <= shared <= 64 * MiB
     assert shared % (2 * MiB) == 0 and least > 0
+
+
+def test_a_deferred_free_keeps_its_pages_live_until_it_completes():
+    ev = Events()
+    m1, m2 = ev.segment(S1), ev.segment(S2)
+    ev.alloc(S1, 8 * MiB), ev.free(S1, completed=False)
+    ev.alloc(S2, 8 * MiB), ev.free(S2)
+    ev.completed(S1)  # (the captures deferred it past S2's whole life)
+    segs = [(S1, S1 + 8 * MiB, m1), (S2, S2 + 8 * MiB, m2)]
+    assert bm.shared_pages(ev, segs) == (16 * MiB, 16 * MiB)

@@ -24,6 +24,10 @@ reports :func:`lower_bound`: the most bytes live at any step in any branch, whic
 valid plan can beat. :func:`verify` checks any plan, from
 :func:`plan` or elsewhere.
 
+Where graphslot maps a pool's physical memory itself, :func:`share_pages` backs pages of
+one address range that are never live at once with one physical page each
+(:class:`PageSharing`): the blocks stay where they were handed out.
+
 The seven-field slot plan of the dynamic context-parallel capture interface
 (:class:`SlotPlanEntry`) is produced by :func:`export_slot_plan` and read back by
 :func:`import_slot_plan`.
@@ -31,7 +35,8 @@ The seven-field slot plan of the dynamic context-parallel capture interface
 The package, one concept a module. A module imports only modules on rows below its own,
 and two on one row do not import each other (pyproject's contract "planner-layers"):
 
-    slot_plans | planning     the seven-field table | plan(), baselines()
+    slot_plans | planning | pages  the seven-field table | plan(), baselines() |
+                              share_pages()
     verification | heuristics verify() | candidate orders, work budget, refinement
     placement                 the packers and fit rules
     blocks                    the checks across tensors, the units the packers place
@@ -46,6 +51,7 @@ from __future__ import annotations
 
 from .heuristics import BASELINES
 from .lifetimes import lower_bound
+from .pages import PageSharing, share_pages
 from .lifetimes import merge_intervals as merge_intervals  # graphslot.paged's
 from .planning import baselines, plan
 from .slot_plans import SlotPlanEntry, branch_table, export_slot_plan, import_slot_plan
@@ -66,4 +72,6 @@ __all__ = [
     "branch_table",
     "export_slot_plan",
     "import_slot_plan",
+    "PageSharing",
+    "share_pages",
 ]
