@@ -5,8 +5,8 @@ what it can see and blind to the rest:
 
 (a) **graphslot's ledger** (``mapped_bytes``, ``allocated_bytes``, ``reserved_va_bytes``):
     exact, from graphslot's own books. Sees every page graphslot created and mapped,
-    and nothing else. A physical allocation mapped at two addresses counts twice in
-    ``mapped_bytes`` and once in ``allocated_bytes``.
+    and nothing else. A physical allocation mapped at two addresses (pages a
+    :class:`~graphslot.paged.PagedPool` shares) counts once in both.
 (b) **the framework allocator** (``allocator_allocated_bytes``,
     ``allocator_reserved_bytes``, ``graph_pool_reserved_bytes``,
     ``graph_pool_allocated_bytes``): from the allocator's statistics and memory

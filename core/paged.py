@@ -19,6 +19,13 @@ The pool's bytes are kept in *chunks*, each one physical allocation mapped at on
   :meth:`acquire` maps them again before the next replay. An acquire that comes while a
   release still waits for its events calls the release off: no driver call at all.
 
+After captures, :meth:`share` goes further for a pool whose graphs replay in a known
+order: given when each block it handed out is live over one step, pages that are never
+live at the same time are backed by one physical page (:func:`graphslot.planner.share_pages`),
+which recovers what the allocator's order of allocations left unusable. A shared pool
+only replays: :meth:`unshare` gives every page its own memory again before anything
+allocates into it.
+
 Live chunks are never unmapped: tensors the framework still hands out keep their bytes.
 The contract is the framework's own between steps: no graph of the pool runs and nothing
 reads bytes the pool considers free from the release until the next :meth:`acquire`.
@@ -36,9 +43,11 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, Iterator, Sequence
 
+import torch
+
 from .backend import Allocation, Backend, align_up
 from .errors import StateError, UsageError
-from .planner import merge_intervals
+from .planner import PageSharing, merge_intervals, share_pages
 from .regions import RegionGraph
 
 __all__ = ["PagedPool", "PoolState"]
@@ -52,11 +61,13 @@ class PoolState(enum.Enum):
     MAPPED = "mapped"  #: every chunk mapped: graphs may replay and captures allocate
     RELEASING = "releasing"  #: a release waits for its events; an acquire calls it off
     RELEASED = "released"  #: the free chunks are unmapped; live chunks stay
+    SHARED = "shared"  #: pages never live at once share memory: graphs replay, nothing allocates
     CLOSED = "closed"
 
 
 _TRANSITIONS: dict[PoolState, frozenset[PoolState]] = {
-    PoolState.MAPPED: frozenset({PoolState.RELEASING, PoolState.CLOSED}),
+    PoolState.MAPPED: frozenset({PoolState.RELEASING, PoolState.SHARED, PoolState.CLOSED}),
+    PoolState.SHARED: frozenset({PoolState.MAPPED, PoolState.CLOSED}),
     PoolState.RELEASING: frozenset({PoolState.MAPPED, PoolState.RELEASED, PoolState.CLOSED}),
     PoolState.RELEASED: frozenset({PoolState.MAPPED, PoolState.CLOSED}),
     PoolState.CLOSED: frozenset(),
@@ -76,10 +87,33 @@ class _Chunk:
 
 
 @dataclass(eq=False)
+class _Shared:
+    """A shared pool's mapping: each page of ``[0, size)`` and the physical page behind it."""
+
+    size: int
+    sharing: PageSharing
+    allocs: list[Allocation]  #: the physical pages, by index
+    kept: list[int]  #: pages holding a block live for good (their bytes are kept)
+
+
+@dataclass(eq=False)
 class _Release:
     """One queued release; an acquire sets ``called_off`` before it unmaps anything."""
 
     called_off: bool = False
+
+
+def _page_runs(physical: Sequence[int]) -> list[tuple[int, int]]:
+    """The ``[start, end)`` runs of pages that have a physical page (index >= 0)."""
+    runs: list[tuple[int, int]] = []
+    for page, k in enumerate(physical):
+        if k < 0:
+            continue
+        if runs and runs[-1][1] == page:
+            runs[-1] = (runs[-1][0], page + 1)
+        else:
+            runs.append((page, page + 1))
+    return runs
 
 
 def _runs(ranges: Sequence[tuple[int, int]], granule: int, limit: int) -> list[tuple[int, int]]:
@@ -133,8 +167,9 @@ class PagedPool:
         self._job: _Release | None = None
         self._pending: Future[Any] | None = None
         self._lending = False
+        self._shared: _Shared | None = None
         self.counters = {"releases": 0, "called_off": 0, "acquires": 0, "split_chunks": 0,
-                         "released_bytes_last": 0}
+                         "released_bytes_last": 0, "shares": 0}
 
     # -- state ----------------------------------------------------------------------------
 
@@ -153,6 +188,9 @@ class PagedPool:
 
     def _check_mapped(self, what: str) -> None:
         self._check_open(what)
+        if self._state is PoolState.SHARED:
+            raise StateError(f"paged pool: {what} while shared (pages never live at once "
+                             "share memory, so nothing may allocate into it); unshare() first")
         if self._state is not PoolState.MAPPED:
             raise StateError(f"paged pool: {what} while {self._state.value}; acquire() first")
 
@@ -168,6 +206,9 @@ class PagedPool:
 
     @property
     def mapped_bytes(self) -> int:
+        """Physical bytes behind the pool now (shared pages once)."""
+        if self._shared is not None:
+            return sum(a.size for a in self._shared.allocs)
         return sum(c.size for c in self._chunks if c.alloc is not None)
 
     @property
@@ -291,6 +332,140 @@ class PagedPool:
         self.counters["split_chunks"] += 1
         return out
 
+    # -- sharing pages ----------------------------------------------------------------------
+
+    def share(self, blocks: Sequence[tuple[int, int, int, int | None]]) -> PageSharing:
+        """Back pages of the pool that are never live at the same time with one physical
+        page each (after captures; waits for the device).
+
+        Safe where the graphs replay in the order the lifetimes were taken: two pages then
+        share memory only as two blocks would that the allocator placed one after the
+        other. Bytes of blocks live for good are kept; the rest are rewritten by the
+        replays before they are read. Until :meth:`unshare`, nothing may capture or
+        allocate into the pool (its free blocks may lie on shared pages); replays,
+        :meth:`release` and :meth:`acquire` are fine (the last two do nothing).
+
+        Args:
+            blocks: ``(offset, nbytes, start, end)`` per block the pool handed out: its
+                offset in the pool, live over the steps ``[start, end)`` of one round of
+                replays; ``end`` None: live for good.
+
+        Returns:
+            The :class:`~graphslot.planner.PageSharing` now mapped.
+
+        Raises:
+            PlanError: a block outside what the pool used, or a lifetime that is not one
+                (the pool is left as it was).
+            StateError: the pool is not mapped, or the driver failed part way (the pool
+                is mapped page for page again, its kept bytes restored).
+        """
+        self._check_mapped("share()")
+        if self._lending:
+            raise StateError("paged pool: share() while its allocations are routed (inside "
+                             "lend() or allocating())")
+        self.grow()
+        blocks = list(blocks)
+        size = self._chunks[-1].end if self._chunks else 0
+        sharing = share_pages(blocks, size, self._granule)
+        g = self._granule
+        kept = sorted({p for off, n, _, end in blocks if end is None
+                       for p in range(off // g, (off + n - 1) // g + 1)})
+        saved = self._save_pages(kept)
+        allocs: list[Allocation] = []
+
+        def remap() -> None:
+            # (the old chunks go first: the pool never holds both at once)
+            b, res = self._backend, self.reservation
+            self._unmap(self._chunks)
+            for _ in range(sharing.physical_pages):
+                allocs.append(b.create(g))
+            for page, k in enumerate(sharing.physical):
+                if k >= 0:
+                    b.map(res, page * g, allocs[k])
+            for start, end in _page_runs(sharing.physical):
+                b.set_access(res, start * g, (end - start) * g)
+
+        try:
+            self._worker.submit(remap).result()
+        except BaseException as e:
+            self._recover(allocs, size, saved)
+            raise StateError(f"paged pool: sharing its pages failed part way ({e}); every "
+                             "page has its own memory again and the kept bytes are back") from e
+        self._restore_pages(saved)
+        self._shared = _Shared(size, sharing, allocs, kept)
+        self._chunks = []
+        self.counters["shares"] += 1
+        self._move(PoolState.SHARED)
+        return sharing
+
+    def unshare(self) -> None:
+        """Give every page of the pool its own memory again, keeping the bytes of the
+        blocks live for good (waits for the device); a pool that is not shared is left
+        as it is."""
+        self._check_open("unshare()")
+        shared = self._shared
+        if shared is None:
+            return
+        saved = self._save_pages(shared.kept)
+
+        def remap() -> None:
+            self._unmap_shared(shared)
+            # (live until split_free() says which bytes are free: a release keeps it)
+            self._chunks = [_Chunk(0, shared.size, self._backend.map_new(self.reservation, 0, shared.size),
+                                   live=True)]
+
+        try:
+            self._worker.submit(remap).result()
+        except BaseException as e:
+            self._recover(shared.allocs, shared.size, saved)
+            raise StateError(f"paged pool: unsharing failed part way ({e}); every page has "
+                             "its own memory again and the kept bytes are back") from e
+        finally:
+            self._shared = None
+        self._restore_pages(saved)
+        self._move(PoolState.MAPPED)
+
+    def _save_pages(self, pages: Sequence[int]) -> list[tuple[int, torch.Tensor]]:
+        """Host copies of ``pages`` (runs of them), once the device is done with them."""
+        b, g, va = self._backend, self._granule, self.reservation.va
+        b.synchronize()
+        these = set(pages)
+        marks = [0 if p in these else -1 for p in range(max(these, default=-1) + 1)]
+        return [(start, b.alias_bytes(va + start * g, (end - start) * g).to("cpu", copy=True))
+                for start, end in _page_runs(marks)]
+
+    def _restore_pages(self, saved: list[tuple[int, torch.Tensor]]) -> None:
+        b, g, va = self._backend, self._granule, self.reservation.va
+        for start, data in saved:
+            b.alias_bytes(va + start * g, data.numel()).copy_(data)
+        b.synchronize()
+
+    def _recover(self, allocs: list[Allocation], size: int, saved: list[tuple[int, torch.Tensor]]) -> None:
+        """After a failed remap: every page its own memory again, the kept bytes back."""
+        def remap() -> None:
+            b, res = self._backend, self.reservation
+            for off in sorted(res.mappings):
+                b.unmap(res, off, res.mappings[off].size)
+            for a in allocs + [c.alloc for c in self._chunks if c.alloc is not None]:
+                if not a.released and not a.mapped_at:
+                    b.release(a)
+            self._chunks = [_Chunk(0, size, b.map_new(res, 0, size), live=True)] if size else []
+
+        self._worker.submit(remap).result()
+        self._shared = None
+        self._restore_pages(saved)
+        if self._state is PoolState.SHARED:
+            self._move(PoolState.MAPPED)
+
+    def _unmap_shared(self, shared: _Shared) -> None:
+        """Unmap every shared page and release the physical pages (driver worker)."""
+        b, res = self._backend, self.reservation
+        for start, end in _page_runs(shared.sharing.physical):
+            for page in range(start, end):
+                b.unmap(res, page * self._granule, self._granule)
+        for a in shared.allocs:
+            b.release(a)
+
     # -- releasing and acquiring ------------------------------------------------------------
 
     def release(self, after: Sequence[Any] = ()) -> None:
@@ -324,8 +499,8 @@ class PagedPool:
         """Make every chunk mapped again (calling off a release still waiting); returns
         once the pool may be used. Cheap when the pool is mapped."""
         self._check_open("acquire()")
-        if self._state is PoolState.MAPPED:
-            return
+        if self._state in (PoolState.MAPPED, PoolState.SHARED):
+            return  # (a shared pool gives nothing back between steps: it is replay-ready)
         with self._lock:
             if self._state is PoolState.RELEASING and self._job is not None:
                 self._job.called_off = True  # nothing was unmapped yet: nothing to map
@@ -391,7 +566,11 @@ class PagedPool:
             return still
         self._backend.synchronize()
 
+        shared, self._shared = self._shared, None
+
         def unmap_all() -> None:
+            if shared is not None:
+                self._unmap_shared(shared)
             self._unmap(self._chunks)
             self._backend.free(self.reservation)
 

@@ -152,7 +152,7 @@ def test_regions_have_distinct_addresses_and_share_pages(clean):
     try:
         regs = [arena.add_region(n) for n in "abc"]
         assert len({r.va for r in regs}) == 3
-        assert b.ledger.allocated_bytes == 2 * g and b.ledger.mapped_bytes == 6 * g
+        assert b.ledger.allocated_bytes == 2 * g and b.ledger.mapped_bytes == 2 * g  # (once)
         views = [b.tensor_at(r.va, (2 * g,), torch.uint8) for r in regs]
         views[0].copy_(torch.arange(2 * g, dtype=torch.int64).remainder(251).to(torch.uint8).to(b.device))
         b.synchronize()
@@ -161,11 +161,11 @@ def test_regions_have_distinct_addresses_and_share_pages(clean):
         arena.resize(3 * g)  # contents survive a resize
         views = [b.tensor_at(r.va, (2 * g,), torch.uint8) for r in regs]
         assert all(torch.equal(v.cpu(), want) for v in views)
-        assert b.ledger.allocated_bytes == 3 * g and b.ledger.mapped_bytes == 9 * g
+        assert b.ledger.allocated_bytes == 3 * g and b.ledger.mapped_bytes == 3 * g
         with pytest.raises(UsageError, match="capacity"):
             arena.resize(9 * g)
         arena.remove_region("b")
-        assert b.ledger.mapped_bytes == 6 * g
+        assert b.ledger.mapped_bytes == 3 * g and len(arena.regions) == 2
     finally:
         del views
         arena.close()
@@ -183,7 +183,7 @@ def test_resize_rolls_back_when_a_map_fails(clean):
         b.faults.fail("map", after=2)  # the copy's temporary map and region 0 pass, region 1 fails
         with pytest.raises(InjectedFault):
             arena.resize(4 * g)
-        assert b.ledger.allocated_bytes == g and b.ledger.mapped_bytes == 3 * g
+        assert b.ledger.allocated_bytes == g and b.ledger.mapped_bytes == g
         for r in regs:
             v = b.tensor_at(r.va, (g,), torch.uint8)
             assert int(v.min()) == 7 and int(v.max()) == 7
@@ -234,7 +234,7 @@ def test_shared_variants_cost_the_largest_not_the_sum(regions):
     pools = list(vg.pool_bytes().values())
     largest, total = max(pools), sum(pools)
     assert b.ledger.allocated_bytes == st["shared_bytes"] == align_up(largest, b.granularity)
-    assert b.ledger.mapped_bytes == 3 * st["shared_bytes"]
+    assert b.ledger.mapped_bytes == st["shared_bytes"]  # (three regions, one memory)
     vg.close()
     del vg
 

@@ -83,6 +83,33 @@ def test_va_identical_across_many_remap_cycles(clean):
         b.free(res)
 
 
+def test_one_allocation_at_two_addresses_is_one_memory_and_counts_once(clean):
+    """A page mapped at two addresses of a reservation: a write through one reads through
+    the other, and the ledger counts its bytes once while any mapping remains."""
+    b = clean
+    g = b.granularity
+    res = b.reserve(2 * g)
+    alloc = b.create(g)
+    mapped = b.ledger.mapped_bytes
+    try:
+        b.map(res, 0, alloc)
+        b.map(res, g, alloc)
+        b.set_access(res, 0, 2 * g)
+        assert b.ledger.mapped_bytes == mapped + g
+        b.tensor_at(res.va, (g // 4,), torch.int32).fill_(7)
+        b.synchronize()
+        assert int(b.tensor_at(res.va + g, (g // 4,), torch.int32)[-1]) == 7
+        b.unmap(res, 0, g)
+        assert b.ledger.mapped_bytes == mapped + g
+        b.unmap(res, g, g)
+        assert b.ledger.mapped_bytes == mapped
+    finally:
+        for off in list(res.mappings):
+            b.unmap(res, off, g)
+        b.release(alloc)
+        b.free(res)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.uint8])
 def test_tensor_at_is_zero_copy_for_dtypes_and_strides(clean, dtype):
     b = clean

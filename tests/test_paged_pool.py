@@ -15,6 +15,7 @@ import graphslot
 from graphslot.errors import StateError, UsageError
 from graphslot.offload import DriverWorker
 from graphslot.paged import PagedPool, PoolState
+from graphslot.planner import PlanError
 
 from devices import spin
 
@@ -260,3 +261,139 @@ def test_a_capture_under_headroom_keeps_only_what_it_used(pooled):
     pool.acquire()
     g.release_pool()
     del g, out, t, y
+
+
+def _fill_pages(b, pool: PagedPool, pages: int) -> None:
+    g = b.granularity
+    for k in range(pages):
+        b.alias_bytes(pool.reservation.va + k * g, g).fill_(k + 1)
+    b.synchronize()
+
+
+def _page(b, pool: PagedPool, k: int) -> torch.Tensor:
+    g = b.granularity
+    return b.alias_bytes(pool.reservation.va + k * g, g)
+
+
+def test_pages_never_live_at_once_share_memory_and_lasting_bytes_stay(pooled):
+    b, make = pooled
+    g = b.granularity
+    pool = make(16 * g)
+    with pool.allocating(extra=8 * g):
+        pass
+    _fill_pages(b, pool, 8)
+    mapped_before, ledger_before = pool.mapped_bytes, b.ledger.mapped_bytes
+    blocks = [(0, 2 * g, 0, 1),              # pages 0-1 in the first step
+              (2 * g + 64, 2 * g - 64, 1, 2),  # pages 2-3 in the second: may take 0-1's
+              (4 * g, 100, 0, None),          # page 4 for good: its bytes stay
+              (5 * g, g, 0, 2)]               # page 5 over both; pages 6-7 untouched
+    sharing = pool.share(blocks)
+    assert pool.state is PoolState.SHARED and pool.report()["state"] == "shared"
+    assert sharing.physical_pages == 4 and sharing.physical[6:8] == (-1, -1)
+    assert {sharing.physical[2], sharing.physical[3]} == {sharing.physical[0], sharing.physical[1]}
+    assert pool.mapped_bytes == 4 * g == mapped_before - 4 * g
+    assert b.ledger.mapped_bytes == ledger_before - 4 * g  # (a page behind two addresses once)
+    assert torch.all(_page(b, pool, 4) == 5)
+    # pages that share are one memory
+    other = sharing.physical.index(sharing.physical[0], 1)
+    _page(b, pool, 0).fill_(77)
+    b.synchronize()
+    assert torch.all(_page(b, pool, other) == 77)
+    # nothing allocates into a shared pool; releasing and acquiring do nothing
+    for call in (pool.grow, pool.split_free, lambda: pool.share(blocks)):
+        with pytest.raises(StateError, match="unshare"):
+            call()
+    with pytest.raises(StateError, match="unshare"):
+        with pool.allocating():
+            pass
+    pool.release()
+    pool.acquire()
+    assert pool.state is PoolState.SHARED and pool.mapped_bytes == 4 * g
+    # unshared, every page has its own memory again; the lasting bytes stay
+    pool.unshare()
+    assert pool.state is PoolState.MAPPED and pool.mapped_bytes == mapped_before
+    assert b.ledger.mapped_bytes == ledger_before
+    assert torch.all(_page(b, pool, 4) == 5)
+    _page(b, pool, 0).fill_(1)
+    _page(b, pool, other).fill_(2)
+    b.synchronize()
+    assert torch.all(_page(b, pool, 0) == 1)
+    pool.unshare()  # not shared: nothing to do
+    assert pool.close() == 0 and b.ledger.mapped_bytes == ledger_before - mapped_before
+
+
+def test_graphs_replay_right_on_shared_pages(pooled):
+    """Two graphs whose temporaries are never live at once: shared, they replay as before
+    on less memory."""
+    b, make = pooled
+    pool = make()
+    xs = [_input(b, 1024, 2048), _input(b, 1024, 2048) + 1.0]
+    graphs, held = [], []
+    for x in xs:
+        gr = b.new_graph(share_pool_with=pool.graph)
+        pool.grow(extra=64 * MiB)
+        with pool.lend(), gr.capture():
+            t = x * 2.0
+            u = t + 1.0
+            v = u * t
+            out = v.sum(dim=1)
+        pool.grow()
+        graphs.append((gr, out))
+        held.append((t, u, v, out))
+    va, g = pool.reservation.va, b.granularity
+    blocks = []
+    for step, ts in enumerate(held):
+        for k, t in enumerate(ts):
+            off = t.data_ptr() - va
+            assert 0 <= off < pool.capacity, "the capture allocated outside the pool"
+            n = t.untyped_storage().nbytes()
+            blocks.append((off, n, step, None if k == 3 else step + 1))  # outputs for good
+    before = pool.mapped_bytes
+    sharing = pool.share(blocks)
+    assert pool.mapped_bytes < before and sharing.physical_pages >= sharing.least_pages
+    for _ in range(2):
+        for x, (gr, out) in zip(xs, graphs):
+            gr.replay()
+        for x, (gr, out) in zip(xs, graphs):
+            torch.testing.assert_close(out, _expected(x), rtol=1e-5, atol=1e-3)
+    pool.unshare()
+    del held, t, u, v, out
+    for gr, _ in graphs:
+        gr.release_pool()
+    del graphs
+
+
+def test_blocks_that_are_no_blocks_leave_the_pool_as_it_was(pooled):
+    b, make = pooled
+    g = b.granularity
+    pool = make(8 * g)
+    with pool.allocating(extra=2 * g):
+        pass
+    _fill_pages(b, pool, 2)
+    mapped = pool.mapped_bytes
+    for bad in ([(0, 3 * g, 0, 1)], [(0, g, 2, 1)], [(0, 0, 0, 1)]):
+        with pytest.raises(PlanError, match="block #0"):
+            pool.share(bad)
+    assert pool.state is PoolState.MAPPED and pool.mapped_bytes == mapped
+    assert torch.all(_page(b, pool, 1) == 2)
+
+
+@pytest.mark.parametrize("op, after", [("create", 1), ("map", 1), ("set_access", 0)])
+def test_a_share_that_fails_part_way_maps_every_page_again_and_says_so(pooled, op, after):
+    b, make = pooled
+    g = b.granularity
+    pool = make(8 * g)
+    with pool.allocating(extra=4 * g):
+        pass
+    _fill_pages(b, pool, 4)
+    mapped, allocations = pool.mapped_bytes, len(b.ledger.allocations)
+    blocks = [(0, g, 0, 1), (g, g, 1, 2), (2 * g, 2 * g, 0, None)]
+    b.faults.fail(op, after=after)  # (the pages are one run: one set_access)
+    with pytest.raises(StateError, match="failed part way"):
+        pool.share(blocks)
+    b.faults.clear()
+    assert pool.state is PoolState.MAPPED and pool.mapped_bytes == mapped
+    assert len(b.ledger.allocations) == allocations  # (one chunk for the old ones: no leak)
+    assert torch.all(_page(b, pool, 2) == 3) and torch.all(_page(b, pool, 3) == 4)
+    assert pool.share(blocks).physical_pages == 3
+    pool.unshare()

@@ -183,7 +183,8 @@ class Backend(DeviceVendor):
                        self.driver.map, va, alloc.size, alloc.handle)
             res.mappings[offset] = Mapping(offset, alloc.size, alloc)
             alloc.mapped_at.add((res.va, offset))
-            self.ledger._on_map(alloc.size)
+            if len(alloc.mapped_at) == 1:  # (mapped at a second address, it holds no more)
+                self.ledger._on_map(alloc.size)
 
     def set_access(self, res: Reservation, offset: int, size: int) -> None:
         """Grant the device read/write access to mapped ``[offset, offset + size)``."""
@@ -214,7 +215,8 @@ class Backend(DeviceVendor):
             for m in covered:
                 del res.mappings[m.offset]
                 m.allocation.mapped_at.discard((res.va, m.offset))
-                self.ledger._on_unmap(m.size)
+                if not m.allocation.mapped_at:
+                    self.ledger._on_unmap(m.size)
 
     def _mappings_in(self, res: Reservation, offset: int, size: int, what: str) -> list[Mapping]:
         """The mappings that exactly tile ``[offset, offset + size)``, or a UsageError."""

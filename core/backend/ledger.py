@@ -102,7 +102,8 @@ class Ledger:
         self.allocations: set[Allocation] = set()
         self._mapped = 0
         self._allocated = 0
-        #: the most bytes mapped at once since the last :meth:`reset_peak`.
+        #: the most bytes mapped at once since the last :meth:`reset_peak` (each
+        #: allocation once, however many addresses it is mapped at).
         self.peak_mapped_bytes = 0
         #: the most physical bytes created and not released at once since then: what the
         #: device really held (pages kept unmapped for reuse count here, not as mapped).
@@ -139,7 +140,8 @@ class Ledger:
 
     @property
     def mapped_bytes(self) -> int:
-        """Bytes mapped through graphslot now (an allocation mapped twice counts twice)."""
+        """Physical bytes mapped through graphslot now: an allocation mapped at several
+        addresses counts once (the device holds it once)."""
         return self._mapped
 
     def find(self, va: int, nbytes: int) -> Reservation | None:
