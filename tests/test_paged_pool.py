@@ -263,11 +263,16 @@ def test_a_capture_under_headroom_keeps_only_what_it_used(pooled):
     del g, out, t, y
 
 
-def _fill_pages(b, pool: PagedPool, pages: int) -> None:
+def _filled_pool(b, make, pages: int) -> PagedPool:
+    """A pool of twice ``pages`` pages with ``pages`` mapped, page k filled with k + 1."""
     g = b.granularity
+    pool = make(2 * pages * g)
+    with pool.allocating(extra=pages * g):
+        pass
     for k in range(pages):
         b.alias_bytes(pool.reservation.va + k * g, g).fill_(k + 1)
     b.synchronize()
+    return pool
 
 
 def _page(b, pool: PagedPool, k: int) -> torch.Tensor:
@@ -278,10 +283,7 @@ def _page(b, pool: PagedPool, k: int) -> torch.Tensor:
 def test_pages_never_live_at_once_share_memory_and_lasting_bytes_stay(pooled):
     b, make = pooled
     g = b.granularity
-    pool = make(16 * g)
-    with pool.allocating(extra=8 * g):
-        pass
-    _fill_pages(b, pool, 8)
+    pool = _filled_pool(b, make, 8)
     mapped_before, ledger_before = pool.mapped_bytes, b.ledger.mapped_bytes
     blocks = [(0, 2 * g, 0, 1),              # pages 0-1 in the first step
               (2 * g + 64, 2 * g - 64, 1, 2),  # pages 2-3 in the second: may take 0-1's
@@ -366,10 +368,7 @@ def test_graphs_replay_right_on_shared_pages(pooled):
 def test_blocks_that_are_no_blocks_leave_the_pool_as_it_was(pooled):
     b, make = pooled
     g = b.granularity
-    pool = make(8 * g)
-    with pool.allocating(extra=2 * g):
-        pass
-    _fill_pages(b, pool, 2)
+    pool = _filled_pool(b, make, 2)
     mapped = pool.mapped_bytes
     for bad in ([(0, 3 * g, 0, 1)], [(0, g, 2, 1)], [(0, 0, 0, 1)]):
         with pytest.raises(PlanError, match="block #0"):
@@ -382,10 +381,7 @@ def test_blocks_that_are_no_blocks_leave_the_pool_as_it_was(pooled):
 def test_a_share_that_fails_part_way_maps_every_page_again_and_says_so(pooled, op, after):
     b, make = pooled
     g = b.granularity
-    pool = make(8 * g)
-    with pool.allocating(extra=4 * g):
-        pass
-    _fill_pages(b, pool, 4)
+    pool = _filled_pool(b, make, 4)
     mapped, allocations = pool.mapped_bytes, len(b.ledger.allocations)
     blocks = [(0, g, 0, 1), (g, g, 1, 2), (2 * g, 2 * g, 0, None)]
     b.faults.fail(op, after=after)  # (the pages are one run: one set_access)
