@@ -131,17 +131,14 @@ def _child(plan: str, preset: str) -> None:
           f"most {least / MiB:.0f} MiB")
 
 
-def shared_pages(events: list[dict[str, Any]], segs: list[tuple[int, int, int]],
-                 page: int = 2 * MiB) -> tuple[int, int]:
-    """What the pool would map if its blocks stayed where the caching allocator put them
-    but pages never live at the same time shared one physical page
-    (:func:`graphslot.planner.share_pages`, over the segments laid end to end): the
-    bytes it maps, and the most pages live at once (no sharing maps fewer). ``segs``:
-    ``(start, end, index of the segment's allocation event)``. A block is live from its
-    ``alloc`` to its ``free_completed`` (a free the captures deferred ends later than it
-    was asked for), for good where that never came."""
-    from graphslot.planner import share_pages
-
+def pool_blocks(events: list[dict[str, Any]], segs: list[tuple[int, int, int]],
+                page: int = 2 * MiB) -> tuple[list[tuple[int, int, int, int | None]], int]:
+    """The pool's blocks as :func:`graphslot.planner.share_pages` takes them, over its
+    segments laid end to end (each from a page boundary), and that range's size.
+    ``segs``: ``(start, end, index of the segment's allocation event)``. A block counts
+    from its ``alloc`` within a segment made before it, and is live until its
+    ``free_completed`` (a free the captures deferred ends later than it was asked for),
+    for good where that never came."""
     base, at = 0, []
     for lo, hi, made in sorted(segs):
         at.append((lo, hi, made, base))
@@ -165,14 +162,26 @@ def shared_pages(events: list[dict[str, Any]], segs: list[tuple[int, int, int]],
             off, size, start = opened.pop(a)
             blocks.append((off, size, start, i + 1))
     blocks += [(off, size, start, None) for off, size, start in opened.values()]
-    got = share_pages(blocks, base, page)
+    return blocks, base
+
+
+def shared_pages(events: list[dict[str, Any]], segs: list[tuple[int, int, int]],
+                 page: int = 2 * MiB) -> tuple[int, int]:
+    """What the pool would map if its blocks stayed where the caching allocator put them
+    but pages never live at the same time shared one physical page
+    (:func:`graphslot.planner.share_pages` over :func:`pool_blocks`): the bytes it maps,
+    and the most pages live at once (no sharing maps fewer)."""
+    from graphslot.planner import share_pages
+
+    blocks, size = pool_blocks(events, segs, page)
+    got = share_pages(blocks, size, page)
     return got.physical_bytes, got.least_bytes
 
 
 def lifetime_layout(events: list[dict[str, Any]], counts: Callable[[int, int], bool]
                     ) -> tuple[int, int]:
     """The arena graphslot's slot planner gives the allocations ``counts(address, index)``
-    accepts, each live from its ``alloc`` event to its ``free_requested`` (or the end),
+    accepts, each live from its ``alloc`` event to its ``free_completed`` (or the end),
     and the most of them live at once (the planner's lower bound)."""
     from graphslot.planner import TensorSpec, plan
 
@@ -182,7 +191,7 @@ def lifetime_layout(events: list[dict[str, Any]], counts: Callable[[int, int], b
         a = ev.get("addr", 0)
         if ev["action"] == "alloc" and counts(a, i):
             opened[a] = (i, ev["size"])
-        elif ev["action"] == "free_requested" and a in opened:
+        elif ev["action"] == "free_completed" and a in opened:
             start, size = opened.pop(a)
             specs.append(TensorSpec(f"b{len(specs)}", size, start, i + 1))
     specs += [TensorSpec(f"b{len(specs) + k}", size, start, len(events) + 1)

@@ -26,7 +26,8 @@ which recovers what the allocator's order of allocations left unusable. A shared
 only replays: :meth:`unshare` gives every page its own memory again before anything
 allocates into it.
 
-Live chunks are never unmapped: tensors the framework still hands out keep their bytes.
+Live chunks are never unmapped: tensors the framework still hands out keep their bytes
+(:meth:`share` refuses blocks that leave any of them out).
 The contract is the framework's own between steps: no graph of the pool runs and nothing
 reads bytes the pool considers free from the release until the next :meth:`acquire`.
 
@@ -47,7 +48,7 @@ import torch
 
 from .backend import Allocation, Backend, align_up
 from .errors import StateError, UsageError
-from .planner import PageSharing, merge_intervals, share_pages
+from .planner import PageSharing, PlanError, merge_intervals, share_pages
 from .regions import RegionGraph
 
 __all__ = ["PagedPool", "PoolState"]
@@ -354,8 +355,8 @@ class PagedPool:
             The :class:`~graphslot.planner.PageSharing` now mapped.
 
         Raises:
-            PlanError: a block outside what the pool used, or a lifetime that is not one
-                (the pool is left as it was).
+            PlanError: a block outside what the pool used, a lifetime that is not one, or
+                bytes the pool still hands out in no block (the pool is left as it was).
             StateError: the pool is not mapped, or the driver failed part way (the pool
                 is mapped page for page again, its kept bytes restored).
         """
@@ -368,6 +369,14 @@ class PagedPool:
         size = self._chunks[-1].end if self._chunks else 0
         sharing = share_pages(blocks, size, self._granule)
         g = self._granule
+        # Bytes the pool still hands out must be in a block (whose end says whether they
+        # matter between steps): a page under none would lose its memory.
+        for off, n in self.graph.live_ranges():
+            bare = [p for p in range(off // g, (off + n - 1) // g + 1) if sharing.physical[p] < 0]
+            if n > 0 and bare:
+                raise PlanError(f"paged pool: share(): bytes [{off}, {off + n}) of the pool are "
+                                f"still handed out, and no block covers page {bare[0]} of them; "
+                                "list every block still held (end None keeps its bytes)")
         kept = sorted({p for off, n, _, end in blocks if end is None
                        for p in range(off // g, (off + n - 1) // g + 1)})
         saved = self._save_pages(kept)
@@ -391,11 +400,12 @@ class PagedPool:
             self._recover(allocs, size, saved)
             raise StateError(f"paged pool: sharing its pages failed part way ({e}); every "
                              "page has its own memory again and the kept bytes are back") from e
-        self._restore_pages(saved)
+        # (the books first: whatever the copy back does, they say what is mapped)
         self._shared = _Shared(size, sharing, allocs, kept)
         self._chunks = []
         self.counters["shares"] += 1
         self._move(PoolState.SHARED)
+        self._restore_pages(saved)
         return sharing
 
     def unshare(self) -> None:
@@ -411,8 +421,8 @@ class PagedPool:
         def remap() -> None:
             self._unmap_shared(shared)
             # (live until split_free() says which bytes are free: a release keeps it)
-            self._chunks = [_Chunk(0, shared.size, self._backend.map_new(self.reservation, 0, shared.size),
-                                   live=True)]
+            self._chunks = ([_Chunk(0, shared.size, self._backend.map_new(self.reservation, 0, shared.size),
+                                    live=True)] if shared.size else [])
 
         try:
             self._worker.submit(remap).result()
@@ -420,10 +430,9 @@ class PagedPool:
             self._recover(shared.allocs, shared.size, saved)
             raise StateError(f"paged pool: unsharing failed part way ({e}); every page has "
                              "its own memory again and the kept bytes are back") from e
-        finally:
-            self._shared = None
-        self._restore_pages(saved)
+        self._shared = None
         self._move(PoolState.MAPPED)
+        self._restore_pages(saved)
 
     def _save_pages(self, pages: Sequence[int]) -> list[tuple[int, torch.Tensor]]:
         """Host copies of ``pages`` (runs of them), once the device is done with them."""
@@ -453,18 +462,20 @@ class PagedPool:
 
         self._worker.submit(remap).result()
         self._shared = None
-        self._restore_pages(saved)
         if self._state is PoolState.SHARED:
             self._move(PoolState.MAPPED)
+        self._restore_pages(saved)
 
     def _unmap_shared(self, shared: _Shared) -> None:
         """Unmap every shared page and release the physical pages (driver worker)."""
         b, res = self._backend, self.reservation
         for start, end in _page_runs(shared.sharing.physical):
             for page in range(start, end):
-                b.unmap(res, page * self._granule, self._granule)
+                if page * self._granule in res.mappings:  # (a retry after a failure)
+                    b.unmap(res, page * self._granule, self._granule)
         for a in shared.allocs:
-            b.release(a)
+            if not a.released:
+                b.release(a)
 
     # -- releasing and acquiring ------------------------------------------------------------
 
@@ -566,7 +577,7 @@ class PagedPool:
             return still
         self._backend.synchronize()
 
-        shared, self._shared = self._shared, None
+        shared = self._shared
 
         def unmap_all() -> None:
             if shared is not None:
@@ -575,6 +586,7 @@ class PagedPool:
             self._backend.free(self.reservation)
 
         self._worker.submit(unmap_all).result()
+        self._shared = None
         if self._own_worker:
             self._worker.close()
         self._chunks = []

@@ -72,8 +72,10 @@ def test_blocks_outside_the_pool_or_before_its_segment_do_not_count():
     assert bm.shared_pages(ev, [(S1, S1 + 8 * MiB, m1)]) == (4 * MiB, 4 * MiB)
 
 
-def test_the_greedy_assignment_never_beats_the_bound_and_keeps_live_pages_apart():
+def test_the_sharing_of_a_real_looking_history_is_safe_and_within_its_bounds():
     import random
+
+    from graphslot.planner import share_pages
 
     rng = random.Random(3)
     ev = Events()
@@ -82,16 +84,23 @@ def test_the_greedy_assignment_never_beats_the_bound_and_keeps_live_pages_apart(
     for _ in range(600):
         if live and rng.random() < 0.5:
             a = rng.choice(sorted(live))
-            ev.free(a)
+            ev.free(a, completed=rng.random() < 0.9)  # (some frees never complete)
             del live[a]
             continue
         a, size = S1 + rng.randrange(32) * 2 * MiB, rng.randint(1, 6) * MiB
         if a + size <= S1 + 64 * MiB and all(a + size <= b or b + s <= a for b, s in live.items()):
             live[a] = size
             ev.alloc(a, size)
-    shared, least = bm.shared_pages(ev, [(S1, S1 + 64 * MiB, made)])
-    assert least <= shared <= 64 * MiB
-    assert shared % (2 * MiB) == 0 and least > 0
+    blocks, size = bm.pool_blocks(ev, [(S1, S1 + 64 * MiB, made)])
+    assert size == 64 * MiB and any(end is None for *_, end in blocks)
+    got = share_pages(blocks, size, 2 * MiB)
+    for pages in got.sharing().values():  # no two pages of one physical page live at once
+        for t in range(len(ev) + 2):
+            on = [p for p in pages for off, n, s, e in blocks
+                  if off // (2 * MiB) <= p <= (off + n - 1) // (2 * MiB) and s <= t and (e is None or t < e)]
+            assert len(set(on)) <= 1, (pages, t)
+    assert bm.shared_pages(ev, [(S1, S1 + 64 * MiB, made)]) == (got.physical_bytes, got.least_bytes)
+    assert got.least_bytes <= got.physical_bytes <= size
 
 
 def test_a_deferred_free_keeps_its_pages_live_until_it_completes():
@@ -102,3 +111,4 @@ def test_a_deferred_free_keeps_its_pages_live_until_it_completes():
     ev.completed(S1)  # (the captures deferred it past S2's whole life)
     segs = [(S1, S1 + 8 * MiB, m1), (S2, S2 + 8 * MiB, m2)]
     assert bm.shared_pages(ev, segs) == (16 * MiB, 16 * MiB)
+    assert bm.lifetime_layout(ev, lambda a, i: True) == (16 * MiB, 16 * MiB)

@@ -393,3 +393,75 @@ def test_a_share_that_fails_part_way_maps_every_page_again_and_says_so(pooled, o
     assert torch.all(_page(b, pool, 2) == 3) and torch.all(_page(b, pool, 3) == 4)
     assert pool.share(blocks).physical_pages == 3
     pool.unshare()
+
+
+def test_bytes_still_handed_out_must_be_in_a_block(pooled):
+    """A tensor the pool still hands out, left out of the blocks: refused, nothing moved."""
+    b, make = pooled
+    pool = make()
+    kept = _kept_output(b, pool, _input(b))
+    want = kept.clone()
+    mapped = pool.mapped_bytes
+    with pytest.raises(PlanError, match="still handed out"):
+        pool.share([])
+    assert pool.state is PoolState.MAPPED and pool.mapped_bytes == mapped
+    off = kept.data_ptr() - pool.reservation.va
+    pool.share([(off, kept.untyped_storage().nbytes(), 0, None)])  # listed: kept for good
+    assert torch.equal(kept, want)
+    pool.unshare()
+    assert torch.equal(kept, want)
+    del kept
+
+
+def test_an_empty_pool_shares_and_unshares(pooled):
+    b, make = pooled
+    pool = make()
+    assert pool.share([]).physical_pages == 0 and pool.mapped_bytes == 0
+    pool.unshare()
+    assert pool.state is PoolState.MAPPED and pool.mapped_bytes == 0
+
+
+@pytest.mark.parametrize("op", ["unmap", "release", "create"])
+def test_an_unshare_that_fails_part_way_maps_every_page_again_and_says_so(pooled, op):
+    b, make = pooled
+    g = b.granularity
+    pool = _filled_pool(b, make, 4)
+    pool.share([(0, g, 0, 1), (g, g, 1, 2), (2 * g, 2 * g, 0, None)])
+    b.faults.fail(op)
+    with pytest.raises(StateError, match="unsharing failed part way"):
+        pool.unshare()
+    b.faults.clear()
+    assert pool.state is PoolState.MAPPED and pool.mapped_bytes == 4 * g
+    assert torch.all(_page(b, pool, 2) == 3) and torch.all(_page(b, pool, 3) == 4)
+
+
+def test_a_close_that_fails_while_shared_can_be_tried_again(pooled):
+    b, make = pooled
+    g = b.granularity
+    pool = _filled_pool(b, make, 4)
+    pool.share([(0, g, 0, 1), (g, g, 1, 2), (2 * g, 2 * g, 0, None)])
+    b.faults.fail("unmap", after=1)
+    with pytest.raises(Exception):
+        pool.close()
+    b.faults.clear()
+    assert pool.state is PoolState.SHARED
+    assert pool.close() == 0 and pool.state is PoolState.CLOSED  # (the fixture checks the ledger)
+
+
+def test_a_copy_back_that_fails_leaves_the_books_right(pooled, monkeypatch):
+    b, make = pooled
+    g = b.granularity
+    pool = _filled_pool(b, make, 4)
+
+    def fails(saved):
+        raise RuntimeError("copy back failed")
+
+    monkeypatch.setattr(pool, "_restore_pages", fails)
+    with pytest.raises(RuntimeError, match="copy back"):
+        pool.share([(0, g, 0, 1), (g, g, 1, 2), (2 * g, 2 * g, 0, None)])
+    assert pool.state is PoolState.SHARED and pool.mapped_bytes == 3 * g
+    with pytest.raises(RuntimeError, match="copy back"):
+        pool.unshare()
+    assert pool.state is PoolState.MAPPED and pool.mapped_bytes == 4 * g
+    monkeypatch.undo()
+    assert pool.close() == 0
