@@ -12,6 +12,11 @@
 #   abc     a, b and c at once, each in a process of its own on the one device (the
 #           memory figures those tests check are per process), without -x; then the
 #           Megatron tests alone (they check device-wide memory)
+#   suite   the cuda suite in seven processes at once (test_offload alone, the rest of a,
+#           b, and c in four groups of about equal size), each limited to SUITE_LIMIT
+#           seconds (default 500), then the Megatron tests alone; $OUT gets summary.txt and
+#           the logs in suite_logs.tar.gz (a device call brings back eight files at most).
+#           About six minutes on an H100, nine on an H200 beside another job
 #   te      test_adapter_te against real TransformerEngine (.te/base/install.sh installs
 #           the TE wheels you brought; see docs/gpu.md)
 #   megatron_te  with TE importable (carry .te/base and .wheels): the four Megatron training
@@ -56,7 +61,7 @@
 # A bench's log says, a line each, which configuration it started and when, then ends with
 # its JSON.
 set -uo pipefail
-part=${1:?"which part: abc, a, b, c, te, megatron_te, weakrefs, bench, launch, llama, peers, sweep, budgets, probe, held, pools, parts, memory or grads"}
+part=${1:?"which part: abc, suite, a, b, c, te, megatron_te, weakrefs, bench, launch, llama, peers, sweep, budgets, probe, held, pools, parts, memory or grads"}
 out=${OUT:-/tmp/graphslot-gpu-check}
 mkdir -p "$out"
 cd "$(dirname "$0")/.."
@@ -99,6 +104,34 @@ case $part in
     for p in $pa $pb $pc; do wait "$p" || rc=1; done
     run megatron python3 -m pytest -q -rs tests/test_adapter_megatron.py > "$out/m.tail" 2>&1 || rc=1
     cat "$out/a.tail" "$out/b.tail" "$out/c.tail" "$out/m.tail"
+    exit $rc ;;
+  suite)  # seven groups at once, then Megatron alone; logs in one archive
+    a1=(tests/test_offload.py); a2=("${a[@]:1}")
+    mapfile -t by_size < <(for f in "${c[@]}"; do echo "$(stat -c %s "$f") $f"; done | sort -rn | awk '{print $2}')
+    groups=("" "" "" ""); sizes=(0 0 0 0)
+    for f in "${by_size[@]}"; do  # (the largest file first, to the least filled group)
+      m=0; for i in 1 2 3; do (( sizes[i] < sizes[m] )) && m=$i; done
+      groups[m]+=" $f"; sizes[m]=$(( sizes[m] + $(stat -c %s "$f") ))
+    done
+    mkdir -p "$out/suite"
+    limit=${SUITE_LIMIT:-500}
+    GRAPHSLOT_STATEFUL_EXAMPLES=${GRAPHSLOT_STATEFUL_EXAMPLES:-25}; export GRAPHSLOT_STATEFUL_EXAMPLES
+    pids=()
+    timeout "$limit" python3 -m pytest -q -rs "${a1[@]}" > "$out/suite/a1.log" 2>&1 & pids+=($!)
+    timeout "$limit" python3 -m pytest -q -rs "${a2[@]}" > "$out/suite/a2.log" 2>&1 & pids+=($!)
+    timeout "$limit" python3 -m pytest -q -rs "${b_device[@]}" > "$out/suite/b.log" 2>&1 & pids+=($!)
+    for i in 0 1 2 3; do
+      # shellcheck disable=SC2086
+      timeout "$limit" python3 -m pytest -q -rs ${groups[i]} > "$out/suite/c$i.log" 2>&1 & pids+=($!)
+    done
+    rc=0
+    for p in "${pids[@]}"; do wait "$p" || rc=1; done
+    timeout "$limit" python3 -m pytest -q -rs tests/test_adapter_megatron.py > "$out/suite/m.log" 2>&1 || rc=1
+    for f in a1 a2 b c0 c1 c2 c3 m; do
+      echo "=== $f"; tail -n 1 "$out/suite/$f.log"; grep -E "^(FAILED|ERROR) " "$out/suite/$f.log" | head -n 20
+    done > "$out/summary.txt"
+    tar -czf "$out/suite_logs.tar.gz" -C "$out" suite && rm -rf "$out/suite"
+    cat "$out/summary.txt"
     exit $rc ;;
   a) run a python3 -m pytest -x -q -rs "${a[@]}" ;;
   b) run b python3 -m pytest -x -q -rs "${b[@]}" ;;
@@ -184,5 +217,5 @@ PY
     for c in eager graph graph_resident graph_remap; do configs+="$c,$c@keep@acc4,"; done
     run "grads_$preset" python3 -m graphslot.cli bench --preset "$preset" --isolate --json \
       --steps 3 --warmup 1 --configs "${configs%,}" ;;
-  *) echo "unknown part '$part': choose abc, a, b, c, te, megatron_te, weakrefs, bench, launch, llama, peers, sweep, budgets, probe, held, pools, parts, memory or grads" >&2; exit 2 ;;
+  *) echo "unknown part '$part': choose abc, suite, a, b, c, te, megatron_te, weakrefs, bench, launch, llama, peers, sweep, budgets, probe, held, pools, parts, memory or grads" >&2; exit 2 ;;
 esac
