@@ -556,9 +556,14 @@ def test_a_budget_configuration_runs_and_reports_its_plan(backend):
                   configs=("checkpoint",), budgets=["1GiB", "1000"])
     cf = r["configs"]
     assert list(cf) == ["checkpoint", "graph", "budget:1GiB", "budget:1000"]
-    assert re.search(r"below (the smallest peak|what the plans built)", cf["budget:1000"]["reason"])
+    refused = cf["budget:1000"]["reason"]
+    assert re.search(r"below (the smallest peak|what the plans built)", refused)
+    # (where plans were built before the refusal, it says which, and what each held)
+    assert ("built on the way: " in refused) == ("what the plans built" in refused), refused
     c = cf["budget:1GiB"]
     plan = c["plan"]
+    # what the planner built on the way, the plan itself last (built last: the one kept)
+    assert plan["builds"] and plan["builds"][-1][1] == plan["mode"] and plan["builds"][-1][2] > 0
     assert len(plan["choices"]) == 3 and set(plan["choices"]) <= {"keep", "offload", "recompute"}
     assert plan["budget_bytes"] == c["budget_bytes"] == GiB
     for k in ("predicted_peak_bytes", "predicted_step_ms", "lower_bound_ms", "offloaded_bytes",

@@ -407,6 +407,26 @@ def test_when_a_faster_plan_does_not_fit_built_the_one_that_did_is_built_again()
     assert plan.predicted_peak_bytes <= budget
 
 
+def test_a_plan_and_a_refusal_say_what_was_built_on_the_way():
+    """``builds``: every build, in order, with what it held (the refusal's least plan
+    too), and in the plan's dict."""
+    p = llama_like()
+    least_plan = plan_budget(p, smallest_peak(p))
+    build = Builds(p, lambda plan: -300 * MiB if plan.choices == least_plan.choices else 500 * MiB)
+    seen: list[tuple[BudgetPlan, int]] = []
+    plan = fit_budget(p, smallest_peak(p) - 100 * MiB,
+                      lambda plan: seen.append((plan, build(plan))) or seen[-1][1])
+    assert len(plan.builds) == len(seen) > 2
+    assert list(plan.builds) == [(budget.plan_letters(b.choices, b.recompute_ops), b.mode, h)
+                                 for b, h in seen]
+    assert plan.as_dict()["builds"] == [list(b) for b in plan.builds]
+    with pytest.raises(BudgetError) as e:
+        fit_budget(p, smallest_peak(p) - 100 * MiB, Builds(p, lambda plan: -50 * MiB))
+    tried = e.value.least_plan.builds
+    assert tried and min(h for *_, h in tried) == e.value.least_bytes
+    assert fit_budget(p, smallest_peak(p), lambda plan: None).builds == ()  # (nothing measured)
+
+
 def test_a_correction_that_makes_the_model_refuse_still_builds_its_least_plan():
     # The model is far low for plans that offload (staging it missed) and right for the
     # rest: counted for all, the first plan's error makes the model refuse the budget,

@@ -262,6 +262,9 @@ class BudgetPlan:
             offloads, where the gradients live) showed the model's peak to be off by
             (counted in ``predicted_peak_bytes`` as planned; the newest build's, where
             none of its kind was built).
+        builds: the plans built on the way to this one, in order, each as ``(short
+            form, mode, bytes its build held)`` (:func:`~graphslot.budget.fit_budget`;
+            empty where nothing was built).
     """
 
     choices: tuple[str, ...]
@@ -277,6 +280,7 @@ class BudgetPlan:
     model_peak_bytes: int | None = None
     fixed_correction_bytes: int = 0
     recompute_ops: tuple[str | None, ...] = ()
+    builds: tuple[tuple[str, str, int], ...] = ()
 
     def layers(self, choice: str) -> list[int]:
         """The indices of the layers with ``choice`` (``"recompute"``: every kind;
@@ -295,6 +299,7 @@ class BudgetPlan:
         d = asdict(self)
         d["choices"] = list(self.choices)
         d["recompute_ops"] = list(self.recompute_ops)
+        d["builds"] = [list(b) for b in self.builds]
         d.pop("profile")
         return d
 

@@ -36,6 +36,7 @@ import torch
 from ..backend import Backend
 from ..budget import parse_budget
 from ..errors import UsageError
+from ..sizes import format_bytes
 from .bench_measure import VARIANT_SEP, GiB, Built, Inputs, MiB, base_config
 from .bench_models import CheckpointedLayer
 
@@ -281,7 +282,10 @@ def build(r: Inputs, name: str) -> Built | str:
             return str(e)  # (layers without parts, or that draw random numbers)
         if "memory_budget" not in kw:
             raise
-        return f"the planner refused the budget: {e}"  # below the smallest reachable
+        least = getattr(e, "least_plan", None)  # (what it built on the way, and held)
+        tried = "; ".join(f"{s} {m} {format_bytes(h)}" for s, m, h in getattr(least, "builds", ()))
+        return (f"the planner refused the budget: {e}"  # below the smallest reachable
+                + (f" (built on the way: {tried})" if tried else ""))
     return Built(stack, functools.partial(stack, x), layers, stack.close)
 
 
