@@ -94,7 +94,7 @@ class _Shared:
     size: int
     sharing: PageSharing
     allocs: list[Allocation]  #: the physical pages, by index
-    kept: list[int]  #: pages holding a block live for good (their bytes are kept)
+    kept: list[tuple[int, int]]  #: the byte runs of pages under blocks live for good
 
 
 @dataclass(eq=False)
@@ -102,19 +102,6 @@ class _Release:
     """One queued release; an acquire sets ``called_off`` before it unmaps anything."""
 
     called_off: bool = False
-
-
-def _page_runs(physical: Sequence[int]) -> list[tuple[int, int]]:
-    """The ``[start, end)`` runs of pages that have a physical page (index >= 0)."""
-    runs: list[tuple[int, int]] = []
-    for page, k in enumerate(physical):
-        if k < 0:
-            continue
-        if runs and runs[-1][1] == page:
-            runs[-1] = (runs[-1][0], page + 1)
-        else:
-            runs.append((page, page + 1))
-    return runs
 
 
 def _runs(ranges: Sequence[tuple[int, int]], granule: int, limit: int) -> list[tuple[int, int]]:
@@ -371,14 +358,13 @@ class PagedPool:
         g = self._granule
         # Bytes the pool still hands out must be in a block (whose end says whether they
         # matter between steps): a page under none would lose its memory.
-        for off, n in self.graph.live_ranges():
-            bare = [p for p in range(off // g, (off + n - 1) // g + 1) if sharing.physical[p] < 0]
-            if n > 0 and bare:
-                raise PlanError(f"paged pool: share(): bytes [{off}, {off + n}) of the pool are "
+        for start, end in _runs(self.graph.live_ranges(), g, size):
+            bare = [p for p in range(start // g, end // g) if sharing.physical[p] < 0]
+            if bare:
+                raise PlanError(f"paged pool: share(): bytes [{start}, {end}) of the pool are "
                                 f"still handed out, and no block covers page {bare[0]} of them; "
                                 "list every block still held (end None keeps its bytes)")
-        kept = sorted({p for off, n, _, end in blocks if end is None
-                       for p in range(off // g, (off + n - 1) // g + 1)})
+        kept = _runs([(off, n) for off, n, _, end in blocks if end is None], g, size)
         saved = self._save_pages(kept)
         allocs: list[Allocation] = []
 
@@ -391,8 +377,9 @@ class PagedPool:
             for page, k in enumerate(sharing.physical):
                 if k >= 0:
                     b.map(res, page * g, allocs[k])
-            for start, end in _page_runs(sharing.physical):
-                b.set_access(res, start * g, (end - start) * g)
+            for start, end in _runs([(p * g, g) for p, k in enumerate(sharing.physical) if k >= 0],
+                                    g, size):
+                b.set_access(res, start, end - start)
 
         try:
             self._worker.submit(remap).result()
@@ -434,19 +421,17 @@ class PagedPool:
         self._move(PoolState.MAPPED)
         self._restore_pages(saved)
 
-    def _save_pages(self, pages: Sequence[int]) -> list[tuple[int, torch.Tensor]]:
-        """Host copies of ``pages`` (runs of them), once the device is done with them."""
-        b, g, va = self._backend, self._granule, self.reservation.va
+    def _save_pages(self, runs: Sequence[tuple[int, int]]) -> list[tuple[int, torch.Tensor]]:
+        """Host copies of the pool's byte ``runs``, once the device is done with them."""
+        b, va = self._backend, self.reservation.va
         b.synchronize()
-        these = set(pages)
-        marks = [0 if p in these else -1 for p in range(max(these, default=-1) + 1)]
-        return [(start, b.alias_bytes(va + start * g, (end - start) * g).to("cpu", copy=True))
-                for start, end in _page_runs(marks)]
+        return [(start, b.alias_bytes(va + start, end - start).to("cpu", copy=True))
+                for start, end in runs]
 
     def _restore_pages(self, saved: list[tuple[int, torch.Tensor]]) -> None:
-        b, g, va = self._backend, self._granule, self.reservation.va
+        b, va = self._backend, self.reservation.va
         for start, data in saved:
-            b.alias_bytes(va + start * g, data.numel()).copy_(data)
+            b.alias_bytes(va + start, data.numel()).copy_(data)
         b.synchronize()
 
     def _recover(self, allocs: list[Allocation], size: int, saved: list[tuple[int, torch.Tensor]]) -> None:
@@ -468,11 +453,10 @@ class PagedPool:
 
     def _unmap_shared(self, shared: _Shared) -> None:
         """Unmap every shared page and release the physical pages (driver worker)."""
-        b, res = self._backend, self.reservation
-        for start, end in _page_runs(shared.sharing.physical):
-            for page in range(start, end):
-                if page * self._granule in res.mappings:  # (a retry after a failure)
-                    b.unmap(res, page * self._granule, self._granule)
+        b, res, g = self._backend, self.reservation, self._granule
+        for page, k in enumerate(shared.sharing.physical):
+            if k >= 0 and page * g in res.mappings:  # (a retry after a failure: some are gone)
+                b.unmap(res, page * g, g)
         for a in shared.allocs:
             if not a.released:
                 b.release(a)
