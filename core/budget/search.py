@@ -350,19 +350,26 @@ def fit_budget(profile: StackProfile, budget: int | str | None,
             names the least that a built plan held).
     """
     history: list[tuple[str, str, int]] = []  # (short form, mode, held) per build
-    given_build = build
 
-    def recorded(plan: BudgetPlan) -> int | None:  # (every build, in order)
-        got = given_build(plan)
+    def recorded(plan: BudgetPlan) -> int | None:
+        got = build(plan)
         if got is not None:
             history.append((short(plan.detailed), plan.mode, got))
         return got
 
-    build = recorded
+    try:
+        plan = _fit_budget(profile, budget, recorded, measured, exhaustive, modes)
+    except BudgetError as e:
+        if isinstance(e.least_plan, BudgetPlan):
+            e.least_plan = replace(e.least_plan, builds=tuple(history))
+        raise
+    return replace(plan, builds=tuple(history))
 
-    def told(plan: BudgetPlan) -> BudgetPlan:
-        return replace(plan, builds=tuple(history))
 
+def _fit_budget(profile: StackProfile, budget: int | str | None,
+                build: Callable[[BudgetPlan], int | None], measured: bool,
+                exhaustive: bool | None, modes: Sequence[str]) -> BudgetPlan:
+    """:func:`fit_budget`, its builds recorded by ``build``."""
     auto = isinstance(budget, str) and budget.strip().lower() == "auto"
     if not measured or budget is None or auto:
         plan = plan_budget(profile, budget, exhaustive=exhaustive, modes=modes)
@@ -371,8 +378,8 @@ def fit_budget(profile: StackProfile, budget: int | str | None,
             return plan
         done = replace(plan, predicted_peak_bytes=got, model_peak_bytes=plan.predicted_peak_bytes)
         if auto and measured and any(c != KEEP for c in plan.choices):
-            return told(_auto_checked(profile, done, build, exhaustive, modes))
-        return told(done)
+            return _auto_checked(profile, done, build, exhaustive, modes)
+        return done
     limit = parse_budget(budget)
     _check_modes(modes)  # (before the loop, which reads a UsageError as a refusal)
     corrections = _Corrections()
@@ -422,7 +429,7 @@ def fit_budget(profile: StackProfile, budget: int | str | None,
         if got is None:  # (a build that could not measure after all: the model decides)
             if refusal is not None:
                 raise refusal
-            return told(plan)
+            return plan
         over = got - plan.predicted_peak_bytes
         if over == 0 or (over > 0 and got <= limit):
             break  # the model was right, or low where the plan fits: no faster plan fits
@@ -472,9 +479,9 @@ def fit_budget(profile: StackProfile, budget: int | str | None,
         assert least is not None
         raise BudgetError(refusal_message(limit, least), budget_bytes=limit,
                           least_bytes=least.predicted_peak_bytes,
-                          least_plan=told(replace(least, reason=_OVER)))
+                          least_plan=replace(least, reason=_OVER))
     if last is fitted:
-        return told(fitted)
+        return fitted
     # The last one built is not the fastest that fitted (it did not fit, or was slower):
     # back to that one. Built again, the layers' memory may have moved; then the next
     # that fitted, the most room first.
@@ -484,10 +491,10 @@ def fit_budget(profile: StackProfile, budget: int | str | None,
     for f in again:
         got = build(f)
         if got is None or got <= limit:
-            return told(f if got is None else replace(f, predicted_peak_bytes=got))
+            return f if got is None else replace(f, predicted_peak_bytes=got)
         held.append((got, f))
     got, f = min(held, key=lambda h: h[0])
-    least = told(replace(f, predicted_peak_bytes=got, reason=_MOVED))
+    least = replace(f, predicted_peak_bytes=got, reason=_MOVED)
     raise BudgetError(refusal_message(limit, least), budget_bytes=limit, least_bytes=got,
                       least_plan=least)
 
