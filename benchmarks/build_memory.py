@@ -29,7 +29,7 @@ import gc
 import os
 import subprocess
 import sys
-from typing import Any, Callable
+from typing import Any
 
 from alloc_trace import pool_of
 
@@ -116,23 +116,23 @@ def _child(plan: str, preset: str) -> None:
     segs = [(s["address"], s["address"] + s["total_size"]) for s in snap["segments"]
             if pool_of(s) == "graph"]
     made = {ev["addr"]: i for i, ev in enumerate(events) if ev["action"] == "segment_alloc"}
-
-    def in_pool_at(a: int, i: int) -> bool:
-        return any(lo <= a < hi and made.get(lo, -1) < i for lo, hi in segs)
-
     print(f"pool segments {sum(hi - lo for lo, hi in segs) / MiB:.0f} MiB in {len(segs)}: "
           f"{sorted(round((hi - lo) / MiB) for lo, hi in segs)} MiB")
-    arena, peak = lifetime_layout(events, in_pool_at)
+    blocks, size = pool_blocks(events, [(lo, hi, made.get(lo, -1)) for lo, hi in segs])
+    arena, peak = lifetime_layout(blocks, len(events) + 1)
     print(f"pool live at its highest over the build {peak / MiB:.0f} MiB")
     print(f"the same allocations laid out by lifetime (graphslot.planner) {arena / MiB:.0f} MiB")
-    shared, least = shared_pages(events, [(lo, hi, made.get(lo, -1)) for lo, hi in segs])
+    shared, least = shared_pages(blocks, size)
     print(f"the pool's segments, 2 MiB pages never live at once sharing physical pages "
           f"(graphslot.planner.share_pages) {shared / MiB:.0f} MiB; pages live at once at "
           f"most {least / MiB:.0f} MiB")
 
 
+Block = tuple[int, int, int, int | None]  # (offset, bytes, start, end or None: for good)
+
+
 def pool_blocks(events: list[dict[str, Any]], segs: list[tuple[int, int, int]],
-                page: int = 2 * MiB) -> tuple[list[tuple[int, int, int, int | None]], int]:
+                page: int = 2 * MiB) -> tuple[list[Block], int]:
     """The pool's blocks as :func:`graphslot.planner.share_pages` takes them, over its
     segments laid end to end (each from a page boundary), and that range's size.
     ``segs``: ``(start, end, index of the segment's allocation event)``. A block counts
@@ -150,7 +150,7 @@ def pool_blocks(events: list[dict[str, Any]], segs: list[tuple[int, int, int]],
                 return b + a - lo
         return None
 
-    blocks: list[tuple[int, int, int, int | None]] = []
+    blocks: list[Block] = []
     opened: dict[int, tuple[int, int, int]] = {}
     for i, ev in enumerate(events):
         a = ev.get("addr", 0)
@@ -165,40 +165,27 @@ def pool_blocks(events: list[dict[str, Any]], segs: list[tuple[int, int, int]],
     return blocks, base
 
 
-def shared_pages(events: list[dict[str, Any]], segs: list[tuple[int, int, int]],
-                 page: int = 2 * MiB) -> tuple[int, int]:
-    """What the pool would map if its blocks stayed where the caching allocator put them
-    but pages never live at the same time shared one physical page
-    (:func:`graphslot.planner.share_pages` over :func:`pool_blocks`): the bytes it maps,
-    and the most pages live at once (no sharing maps fewer)."""
+def shared_pages(blocks: list[Block], size: int, page: int = 2 * MiB) -> tuple[int, int]:
+    """What the pool would map if its blocks (:func:`pool_blocks`) stayed where the caching
+    allocator put them but pages never live at the same time shared one physical page
+    (:func:`graphslot.planner.share_pages`): the bytes it maps, and the most pages live at
+    once (no sharing maps fewer)."""
     from graphslot.planner import share_pages
 
-    blocks, size = pool_blocks(events, segs, page)
     got = share_pages(blocks, size, page)
     return got.physical_bytes, got.least_bytes
 
 
-def lifetime_layout(events: list[dict[str, Any]], counts: Callable[[int, int], bool]
-                    ) -> tuple[int, int]:
-    """The arena graphslot's slot planner gives the allocations ``counts(address, index)``
-    accepts, each live from its ``alloc`` event to its ``free_completed`` (or the end),
-    and the most of them live at once (the planner's lower bound)."""
+def lifetime_layout(blocks: list[Block], horizon: int) -> tuple[int, int]:
+    """The arena graphslot's slot planner gives the same blocks (:func:`pool_blocks`),
+    those live for good until ``horizon``, and the most of them live at once (the
+    planner's lower bound)."""
     from graphslot.planner import TensorSpec, plan
 
-    opened: dict[int, tuple[int, int]] = {}  # address -> (event index, bytes)
-    specs: list[TensorSpec] = []
-    for i, ev in enumerate(events):
-        a = ev.get("addr", 0)
-        if ev["action"] == "alloc" and counts(a, i):
-            opened[a] = (i, ev["size"])
-        elif ev["action"] == "free_completed" and a in opened:
-            start, size = opened.pop(a)
-            specs.append(TensorSpec(f"b{len(specs)}", size, start, i + 1))
-    specs += [TensorSpec(f"b{len(specs) + k}", size, start, len(events) + 1)
-              for k, (start, size) in enumerate(opened.values())]
-    if not specs:
+    if not blocks:
         return 0, 0
-    laid = plan(specs)
+    laid = plan([TensorSpec(f"b{k}", n, start, horizon if end is None else end)
+                 for k, (_, n, start, end) in enumerate(blocks)])
     return laid.arena_bytes, laid.lower_bound_bytes
 
 

@@ -26,6 +26,16 @@ def _load():
 bm = _load()
 
 
+def shared(events, segs):
+    """build_memory's page-sharing figure, from the history as it reads it."""
+    return bm.shared_pages(*bm.pool_blocks(events, segs))
+
+
+def laid_out(events, segs):
+    """build_memory's lifetime-layout figure, from the history as it reads it."""
+    return bm.lifetime_layout(bm.pool_blocks(events, segs)[0], len(events) + 1)
+
+
 class Events(list):
     def segment(self, addr):
         self.append(dict(action="segment_alloc", addr=addr))
@@ -48,7 +58,7 @@ def test_segments_used_at_different_times_share_their_pages():
     m1, m2 = ev.segment(S1), ev.segment(S2)
     ev.alloc(S1, 8 * MiB), ev.free(S1), ev.alloc(S2 + 2 * MiB, 6 * MiB), ev.free(S2 + 2 * MiB)
     segs = [(S1, S1 + 8 * MiB, m1), (S2, S2 + 8 * MiB, m2)]
-    assert bm.shared_pages(ev, segs) == (8 * MiB, 8 * MiB)
+    assert shared(ev, segs) == (8 * MiB, 8 * MiB)
 
 
 def test_pages_live_at_once_or_never_freed_do_not_share():
@@ -58,8 +68,8 @@ def test_pages_live_at_once_or_never_freed_do_not_share():
     ev.alloc(S1, 2 * MiB), ev.free(S1)
     segs = [(S1, S1 + 8 * MiB, m1), (S2, S2 + 8 * MiB, m2)]
     # the 3 MiB block touches two pages; they overlap the first block and the last one
-    assert bm.shared_pages(ev, segs) == (12 * MiB, 12 * MiB)
-    arena, peak = bm.lifetime_layout(ev, lambda a, i: True)
+    assert shared(ev, segs) == (12 * MiB, 12 * MiB)
+    arena, peak = laid_out(ev, segs)
     assert (arena, peak) == (11 * MiB, 11 * MiB)
 
 
@@ -69,7 +79,7 @@ def test_blocks_outside_the_pool_or_before_its_segment_do_not_count():
     m1 = ev.segment(S1)
     ev.alloc(S2, 64 * MiB), ev.free(S2)  # outside every pool segment
     ev.alloc(S1, 4 * MiB), ev.free(S1)
-    assert bm.shared_pages(ev, [(S1, S1 + 8 * MiB, m1)]) == (4 * MiB, 4 * MiB)
+    assert shared(ev, [(S1, S1 + 8 * MiB, m1)]) == (4 * MiB, 4 * MiB)
 
 
 def test_the_sharing_of_a_real_looking_history_is_safe_and_within_its_bounds():
@@ -99,7 +109,7 @@ def test_the_sharing_of_a_real_looking_history_is_safe_and_within_its_bounds():
             on = [p for p in pages for off, n, s, e in blocks
                   if off // (2 * MiB) <= p <= (off + n - 1) // (2 * MiB) and s <= t and (e is None or t < e)]
             assert len(set(on)) <= 1, (pages, t)
-    assert bm.shared_pages(ev, [(S1, S1 + 64 * MiB, made)]) == (got.physical_bytes, got.least_bytes)
+    assert shared(ev, [(S1, S1 + 64 * MiB, made)]) == (got.physical_bytes, got.least_bytes)
     assert got.least_bytes <= got.physical_bytes <= size
 
 
@@ -110,5 +120,5 @@ def test_a_deferred_free_keeps_its_pages_live_until_it_completes():
     ev.alloc(S2, 8 * MiB), ev.free(S2)
     ev.completed(S1)  # (the captures deferred it past S2's whole life)
     segs = [(S1, S1 + 8 * MiB, m1), (S2, S2 + 8 * MiB, m2)]
-    assert bm.shared_pages(ev, segs) == (16 * MiB, 16 * MiB)
-    assert bm.lifetime_layout(ev, lambda a, i: True) == (16 * MiB, 16 * MiB)
+    assert shared(ev, segs) == (16 * MiB, 16 * MiB)
+    assert laid_out(ev, segs) == (16 * MiB, 16 * MiB)
