@@ -15,9 +15,12 @@ this interface, so neither asks a backend its name:
   captures its own graphs into the pool (TransformerEngine) is given, and the routing of
   the pool's allocations into the region while that code runs;
 * ``Backend.ordinary_capture_kwargs()``: the ``capture()`` arguments under which an
-  ordinary graph captures as region graphs do, for fair comparisons.
+  ordinary graph captures as region graphs do, for fair comparisons;
+* :meth:`RegionGraph.recording`: the blocks the pool hands out and when each is live,
+  for :meth:`graphslot.paged.PagedPool.share`.
 
-This module belongs to the interface layer: it imports only :mod:`graphslot.backend`.
+This module belongs to the interface layer: it imports only :mod:`graphslot.backend` and
+:mod:`graphslot.errors`.
 """
 
 from __future__ import annotations
@@ -27,8 +30,13 @@ import contextlib
 from typing import Any, ContextManager
 
 from .backend import DeviceGraph
+from .errors import UsageError
 
-__all__ = ["RegionGraph"]
+__all__ = ["Block", "RegionGraph"]
+
+#: one block a pool handed out: ``(offset, nbytes, start, end)``, live over the positions
+#: ``[start, end)`` of a sequence of the pool's events (``end`` None: for good)
+Block = tuple[int, int, int, int | None]
 
 
 class RegionGraph(DeviceGraph):
@@ -63,6 +71,22 @@ class RegionGraph(DeviceGraph):
     def live_ranges(self) -> list[tuple[int, int]]:
         """``(offset, size)`` in the region of every block the pool still hands out (a
         tensor holds it, or a stream may still use it); the rest of the pool is free."""
+
+    def recording(self) -> ContextManager[list[Block]]:
+        """Context manager: the blocks the pool hands out while it is open, as
+        :func:`graphslot.planner.share_pages` and :meth:`graphslot.paged.PagedPool.share`
+        take them. It yields a list that is filled when the block ends: ``(offset, nbytes,
+        start, end)`` per block, its offset in the region, and the positions of its
+        allocation and of its free in one sequence of the pool's events (``end`` None:
+        still handed out at the end; a block handed out before recording began starts at
+        0). Graphs that share the pool record into one sequence. A block ends when its
+        bytes are free for another: after the work of every stream that used it.
+
+        Raises:
+            UsageError: the backend cannot record its pools' blocks.
+        """
+        raise UsageError(f"{type(self).__name__}: this backend's graph pools cannot record "
+                         "the blocks they hand out")
 
     @property
     def pool_handle(self) -> Any:

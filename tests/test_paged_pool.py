@@ -365,6 +365,61 @@ def test_graphs_replay_right_on_shared_pages(pooled):
     del graphs
 
 
+def test_a_pool_records_when_its_blocks_are_live_and_shares_by_that(pooled):
+    """The blocks a pool records over two captures (their temporaries let go inside each,
+    their outputs kept) are what share() takes: the outputs live for good, the temporaries
+    ended, every block inside what the pool used; shared by them, both graphs replay right
+    on no more memory."""
+    b, make = pooled
+    pool = make()
+    xs = [_input(b, 1024, 2048), _input(b, 1024, 2048) + 1.0]
+    graphs = []
+    with pool.graph.recording() as blocks:
+        for x in xs:
+            gr = b.new_graph(share_pool_with=pool.graph)
+            pool.grow(extra=64 * MiB)
+            with pool.lend(), gr.capture():
+                t = x * 2.0
+                u = t + 1.0
+                v = u * t
+                out = v.sum(dim=1)
+                del t, u, v
+            pool.grow()
+            graphs.append((gr, out))
+        assert not blocks, "blocks are listed when recording ends"
+    assert blocks
+    va, used = pool.reservation.va, pool.used_bytes
+    assert all(0 <= off and off + n <= used and (end is None or end > start)
+               for off, n, start, end in blocks)
+    ends = {off: end for off, _, _, end in blocks}
+    for _, out in graphs:
+        assert ends[out.untyped_storage().data_ptr() - va] is None, "a kept output ended"
+    # (each capture's temporaries: three of 8 MiB, let go inside it)
+    ended = [n for _, n, _, end in blocks if end is not None]
+    assert len(ended) >= 6 and min(sorted(ended)[-6:]) >= 8 * MiB
+    before = pool.mapped_bytes
+    sharing = pool.share(blocks)
+    assert pool.mapped_bytes == sharing.physical_bytes <= before
+    for _ in range(2):
+        for gr, _ in graphs:
+            gr.replay()
+        for x, (_, out) in zip(xs, graphs):
+            torch.testing.assert_close(out, _expected(x), rtol=1e-5, atol=1e-3)
+    pool.unshare()
+    for gr, _ in graphs:
+        gr.release_pool()
+    del graphs, out
+
+
+def test_one_recording_at_a_time(pooled):
+    b, make = pooled
+    pool = make()
+    with pool.graph.recording():
+        with pytest.raises(UsageError, match="recording"):
+            with pool.graph.recording():
+                pass
+
+
 def test_blocks_that_are_no_blocks_leave_the_pool_as_it_was(pooled):
     b, make = pooled
     g = b.granularity

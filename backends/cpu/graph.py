@@ -24,17 +24,18 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import weakref
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Iterator
+from typing import TYPE_CHECKING, Any, ContextManager, Iterator
 
 import torch
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from graphslot.backend import DeviceGraph
-from graphslot.errors import PoolFullError, StateError
-from graphslot.regions import RegionGraph
+from graphslot.errors import PoolFullError, StateError, UsageError
+from graphslot.regions import Block, RegionGraph
 from graphslot.sizes import view_extent
 
 from .backend import bytes_at
@@ -188,6 +189,40 @@ class RegionPool:
         self.used = 0
         # The buffers behind relocated storages: alive while any tensor uses region bytes.
         self._bufs: list[weakref.ref[Any]] = []
+        # While recording (see recording()): the blocks ended so far, the blocks handed
+        # out by offset as (nbytes, start), and the next position in the sequence.
+        self._ended: list[Block] | None = None
+        self._open: dict[int, tuple[int, int]] = {}
+        self._position = 0
+
+    @contextlib.contextmanager
+    def recording(self) -> Iterator[list[Block]]:
+        """See :meth:`graphslot.regions.RegionGraph.recording`. A block is handed out from
+        its relocation until the storage behind it goes (a recorded op keeps its address
+        only, never the tensor)."""
+        if self._ended is not None:
+            raise UsageError("this graph pool is recording already")
+        out: list[Block] = []
+        ended: list[Block] = []
+        self._open = {off: (n, 0) for off, n in self.live_ranges()}
+        self._position, self._ended = 1, ended
+        try:
+            yield out
+        finally:
+            self._ended = None
+            out.extend(ended)
+            out.extend((off, n, start, None) for off, (n, start) in sorted(self._open.items()))
+            self._open = {}
+
+    def _tick(self) -> int:
+        self._position += 1
+        return self._position - 1
+
+    def _gone(self, offset: int, _ref: Any) -> None:
+        # (a weakref callback: runs on whichever thread let the storage go)
+        if self._ended is not None and offset in self._open:
+            n, start = self._open.pop(offset)
+            self._ended.append((offset, n, start, self._tick()))
 
     @property
     def live_bytes(self) -> int:
@@ -235,7 +270,10 @@ class RegionPool:
             if ptr not in moved:
                 addr = self._alloc(nbytes)
                 buf = (ctypes.c_uint8 * nbytes).from_address(addr)
-                self._bufs.append(weakref.ref(buf))
+                offset = addr - self.va
+                self._bufs.append(weakref.ref(buf, functools.partial(self._gone, offset)))
+                if self._ended is not None:
+                    self._open[offset] = (nbytes, self._tick())
                 dst = torch.frombuffer(buf, dtype=torch.uint8, count=nbytes)
                 dst.copy_(torch.empty(0, dtype=torch.uint8).set_(storage))
                 moved[ptr] = dst.untyped_storage()
@@ -379,3 +417,7 @@ class RegionCpuGraph(CpuGraph, RegionGraph):
     def live_ranges(self) -> list[tuple[int, int]]:
         assert self._region is not None
         return self._region.live_ranges()
+
+    def recording(self) -> ContextManager[list[Block]]:
+        assert self._region is not None
+        return self._region.recording()

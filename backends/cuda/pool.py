@@ -44,7 +44,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from graphslot.errors import BackendUnavailableError, PoolFullError, StateError, UsageError
-from graphslot.regions import RegionGraph
+from graphslot.regions import Block, RegionGraph
 
 # RegionCudaGraph is importable too; it is built on first access (see __getattr__ below).
 __all__ = ["Shim", "shim", "shim_path", "capture_stream", "warm_up"]
@@ -52,6 +52,9 @@ __all__ = ["Shim", "shim", "shim_path", "capture_stream", "warm_up"]
 _SRC = Path(__file__).with_name("arena_alloc.c")
 _ALIGN = 512  # segment alignment inside a region (torch's segments are 2 MiB multiples anyway)
 _build_lock = threading.Lock()
+#: the most allocator events :meth:`_Region.recording` keeps (torch's history is a ring:
+#: past this, the start of what it recorded is lost, and it says so)
+_MAX_EVENTS = 4_000_000
 
 
 def _cache_dir() -> Path:
@@ -269,6 +272,49 @@ class _Region:
             self.id = -1
         return live
 
+    @contextlib.contextmanager
+    def recording(self) -> Iterator[list[Block]]:
+        """See :meth:`graphslot.regions.RegionGraph.recording`: from torch's history of the
+        caching allocator's events, on for the block (positions are event indices; a
+        block ends at its ``free_completed``, after every stream that used it)."""
+        import torch
+
+        mem = torch.cuda.memory
+        dev = self.backend.device
+        index = dev.index if dev.index is not None else torch.cuda.current_device()
+        traces = mem._snapshot(dev).get("device_traces") or []
+        if index < len(traces) and traces[index]:
+            raise UsageError("recording a graph pool's blocks turns torch's allocator history "
+                             "(torch.cuda.memory._record_memory_history) on and off, and it "
+                             "is recording already: stop it before the build")
+        opened = {self.va + off: (n, 0) for off, n in self.live_ranges()}
+        out: list[Block] = []
+        with torch.cuda.device(dev):
+            mem._record_memory_history("all", context=None, stacks="python",
+                                       max_entries=_MAX_EVENTS)
+        try:
+            yield out
+            snap = mem._snapshot(dev)
+        finally:
+            with torch.cuda.device(dev):
+                mem._record_memory_history(None)
+        traces = snap.get("device_traces") or []
+        events = traces[index] if index < len(traces) else []
+        if len(events) >= _MAX_EVENTS:
+            raise StateError(f"recording a graph pool's blocks: the allocator made more than "
+                             f"{_MAX_EVENTS} events, and the first of them are lost")
+        lo, hi = self.va, self.va + self.size
+        for i, ev in enumerate(events):
+            addr = int(ev.get("addr", 0))
+            if not lo <= addr < hi:
+                continue
+            if ev["action"] == "alloc":
+                opened[addr] = (int(ev["size"]), i + 1)
+            elif ev["action"] == "free_completed" and addr in opened:
+                n, start = opened.pop(addr)
+                out.append((addr - lo, n, start, i + 1))
+        out.extend((addr - lo, n, start, None) for addr, (n, start) in sorted(opened.items()))
+
     def live_ranges(self) -> list[tuple[int, int]]:
         """``(offset, size)`` of every block of the region's segments that torch has not
         freed (allocated, or freed but still waiting for a stream), from its snapshot."""
@@ -389,6 +435,11 @@ def _define() -> type:
 
         def live_ranges(self) -> list[tuple[int, int]]:
             return self._region.live_ranges() if self._region.id >= 0 else []
+
+        def recording(self) -> Any:
+            if self._region.id < 0:
+                raise StateError("this graph's pool region was released")
+            return self._region.recording()
 
         @property
         def pool_used_bytes(self) -> int:
