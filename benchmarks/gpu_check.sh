@@ -49,6 +49,9 @@
 #   parts [PRESET]  benchmarks/recompute_parts.py: one layer's backward working memory and
 #           graph pool when its attention and MLP are recomputed one at a time, against
 #           whole-layer recompute (default preset: llama; about a minute)
+#   pages [PRESET] [SIZES]  share_pool_pages beside the plain pool: graph, every layer recomputed
+#           by parts, and each budget in SIZES (e.g. 8.59GiB,10.39GiB), each with and
+#           without @pages, beside eager and checkpoint (default preset: llama), JSON
 #   memory PLANS...  benchmarks/build_memory.py on the llama preset (PLANS: keep, recompute,
 #           parts, budget:GIB): what a build holds, by allocating frame, and the graphs'
 #           pool's segments against the most of it ever live at once (under a minute each)
@@ -62,7 +65,7 @@
 # A bench's log says, a line each, which configuration it started and when, then ends with
 # its JSON.
 set -uo pipefail
-part=${1:?"which part: abc, suite, a, b, c, te, megatron_te, weakrefs, bench, launch, llama, peers, sweep, budgets, probe, held, pools, parts, memory or grads"}
+part=${1:?"which part: abc, suite, a, b, c, te, megatron_te, weakrefs, bench, launch, llama, peers, sweep, budgets, probe, held, pools, parts, pages, memory or grads"}
 out=${OUT:-/tmp/graphslot-gpu-check}
 mkdir -p "$out"
 cd "$(dirname "$0")/.."
@@ -209,6 +212,11 @@ PY
     done ;;
   parts)
     run "parts_${2:-llama}" python3 benchmarks/recompute_parts.py --preset "${2:-llama}" --json ;;
+  pages)  # the graphs' pool on shared pages (@pages) beside the plain pool, JSON
+    preset=${2:-llama}; configs="eager,checkpoint,graph,graph@pages,graph_recompute_parts,graph_recompute_parts@pages"
+    for size in ${3//,/ }; do configs+=",budget:$size,budget:$size@pages"; done
+    run "pages_$preset" python3 -m graphslot.cli bench --preset "$preset" --isolate --json \
+      --steps 5 --warmup 2 --configs "$configs" ;;
   memory)
     shift
     if (($#)); then plans=("$@"); else plans=(recompute parts); fi
@@ -219,5 +227,5 @@ PY
     for c in eager graph graph_resident graph_remap; do configs+="$c,$c@keep@acc4,"; done
     run "grads_$preset" python3 -m graphslot.cli bench --preset "$preset" --isolate --json \
       --steps 3 --warmup 1 --configs "${configs%,}" ;;
-  *) echo "unknown part '$part': choose abc, suite, a, b, c, te, megatron_te, weakrefs, bench, launch, llama, peers, sweep, budgets, probe, held, pools, parts, memory or grads" >&2; exit 2 ;;
+  *) echo "unknown part '$part': choose abc, suite, a, b, c, te, megatron_te, weakrefs, bench, launch, llama, peers, sweep, budgets, probe, held, pools, parts, pages, memory or grads" >&2; exit 2 ;;
 esac

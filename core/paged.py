@@ -395,15 +395,26 @@ class PagedPool:
         self._restore_pages(saved)
         return sharing
 
-    def unshare(self) -> None:
+    def unshare(self, keep_all: bool = False) -> None:
         """Give every page of the pool its own memory again, keeping the bytes of the
         blocks live for good (waits for the device); a pool that is not shared is left
-        as it is."""
+        as it is.
+
+        Args:
+            keep_all: keep every mapped page's bytes, as they read now: for a pool left
+                between two replays of the order its sharing was made for, whatever
+                blocks are live at that point keep their bytes (each page gets a copy of
+                the physical page behind it; a block not live there reads another's
+                bytes, which no replay of that order reads before writing).
+        """
         self._check_open("unshare()")
         shared = self._shared
         if shared is None:
             return
-        saved = self._save_pages(shared.kept)
+        g = self._granule
+        saved = self._save_pages(
+            _runs([(p * g, g) for p, k in enumerate(shared.sharing.physical) if k >= 0], g, shared.size)
+            if keep_all else shared.kept)
 
         def remap() -> None:
             self._unmap_shared(shared)

@@ -68,10 +68,13 @@ def copy_bandwidth(b: Backend, nbytes: int, reps: int = 5) -> dict[str, float]:
 
 def held_bytes(b: Backend) -> int | None:
     """Device memory the process holds now as the budget counts it: the framework
-    allocator's reserved bytes plus graphslot's mapped pages (None where the allocator
-    cannot tell)."""
+    allocator's reserved bytes outside graphslot's regions plus graphslot's mapped pages
+    (None where the allocator cannot tell)."""
     reserved = b.allocator_stats()["reserved_bytes"]
-    return None if reserved is None else reserved + b.ledger.mapped_bytes
+    if reserved is None:
+        return None
+    # (a region pool's segments are graphslot's pages, which the ledger counts as mapped)
+    return reserved - b.region_reserved_bytes() + b.ledger.mapped_bytes
 
 
 class _Ahead:

@@ -522,8 +522,30 @@ def test_an_isolated_variant_reaches_its_process(backend):
     assert r["configs"]["eager@acc2"]["accumulate"] == 2
 
 
+def test_the_pages_variant_builds_on_shared_pages(backend, monkeypatch):
+    """graph@pages builds its stack with share_pool_pages=True, graph beside it without,
+    in one run; the variant's report compares it with graph."""
+    if not backend.capabilities.region_graphs:
+        pytest.skip(f"the {backend.name} backend's graphs draw no pool from a region")
+    from graphslot.adapters.torch import GraphedLayers
+
+    built: list[bool] = []
+    real_init = GraphedLayers.__init__
+
+    def init(self, *a, share_pool_pages=False, **kw):
+        built.append(share_pool_pages)
+        real_init(self, *a, share_pool_pages=share_pool_pages, **kw)
+
+    monkeypatch.setattr(GraphedLayers, "__init__", init)
+    r = run_bench(backend, BenchShape.preset("tiny"), steps=1, warmup=1, progress=False,
+                  configs=("graph", "graph@pages"))
+    assert built == [False, True]
+    var = r["configs"]["graph@pages"]
+    assert var["step_ms"] > 0 and var["vs_base"]["config"] == "graph"
+
+
 @pytest.mark.parametrize("name", ["eager@keeps", "graph@acc0", "graph@", "bogus@keep", "graph@acc2@acc3",
-                                  "graph@keep@none"])
+                                  "graph@keep@none", "eager@pages", "graph@pages@pages"])
 def test_a_bad_variant_is_refused_naming_it(capsys, nothing_runs, name):
     rc = cli.main(["bench", "--preset", "tiny", "--quiet", "--configs", name])
     err = capsys.readouterr().err.strip()

@@ -411,6 +411,44 @@ def test_a_pool_records_when_its_blocks_are_live_and_shares_by_that(pooled):
     del graphs, out
 
 
+def test_unsharing_that_keeps_all_keeps_what_every_page_holds(pooled):
+    """unshare(keep_all=True) copies every page as it reads: an output whose block was not
+    live for good keeps the bytes its last replay wrote."""
+    b, make = pooled
+    pool = make()
+    x = _input(b)
+    with pool.graph.recording() as blocks:
+        g, out = _capture(b, pool, x)
+    # (every block, the kept output too, live over the round's first step only)
+    pool.share([(off, n, 0, 1) for off, n, _, _ in blocks])
+    g.replay()
+    want = out.clone()
+    pool.unshare(keep_all=True)
+    assert pool.state is PoolState.MAPPED
+    torch.testing.assert_close(out, want, rtol=0, atol=0)
+    torch.testing.assert_close(out, _expected(x), rtol=1e-5, atol=1e-3)
+    g.release_pool()
+    del out
+
+
+def test_what_the_process_holds_counts_a_region_pool_once(pooled):
+    """held_bytes (what a budget counts): a region pool's segments are the allocator's
+    reserved bytes and, as pages, graphslot's mapped bytes; counted once."""
+    from graphslot.profile import held_bytes
+
+    b, make = pooled
+    if held_bytes(b) is None:
+        pytest.skip(f"the {b.name} backend's allocator keeps no figures")
+    pool = make()
+    before = held_bytes(b)
+    g, out = _capture(b, pool, _input(b, 4096, 2048))
+    grown = held_bytes(b) - before
+    assert pool.used_bytes >= 64 * MiB
+    assert pool.mapped_bytes <= grown < pool.mapped_bytes + pool.used_bytes // 2
+    g.release_pool()
+    del out
+
+
 def test_one_recording_at_a_time(pooled):
     b, make = pooled
     pool = make()

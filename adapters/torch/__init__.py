@@ -7,7 +7,8 @@
 Modules, each importing only those below it (contract ``adapters-torch-layers``):
 :mod:`.stack` (:class:`GraphedLayers`), :mod:`.runner` (one graph's layers: capture and
 replay, through :class:`graphslot.offload.OffloadUnit`), :mod:`.grads` (gradient buffers
-and homes) and :mod:`.plan` (which layers each graph covers, argument checks). They import
+and homes), :mod:`.plan` (which layers each graph covers, argument checks) and
+:mod:`.pages` (the graphs' pool on shared pages). They import
 graphslot's library and interface modules, never another adapter. The names they share
 with each other carry no underscore; what users import is ``__all__`` below.
 """

@@ -139,6 +139,12 @@ class StackHost(Protocol):
     def new_graph(self) -> DeviceGraph:
         """A graph over the stack's pool."""
 
+    def capture_room(self) -> ContextManager[None]:
+        """Around a capture into the stack's pool (room mapped ahead where it is on pages)."""
+
+    def replaying(self, kind: str, index: int) -> None:
+        """Before graph ``index``'s ``kind`` (``"fwd"``, ``"bwd"``) replay."""
+
     def give_back(self, layer: int | None) -> None:
         """Give the holders of lent buffers (of ``layer`` and below; all for None) their own."""
 
@@ -400,7 +406,7 @@ class GraphRunner:
                 warnings.warn(f"GraphedLayers: the {b.name} backend's graphs have no random stream "
                               "of their own: random ops (dropout) in a recomputed layer draw "
                               "other numbers in its backward than in its forward", stacklevel=2)
-        with self._naming_capture_errors("forward"), fwd.capture(side), \
+        with self._naming_capture_errors("forward"), self.host.capture_room(), fwd.capture(side), \
                 unit.capture_forward(is_state):
             out = call(unit.keep_also if self.cheap else None)
         self.fwd = fwd
@@ -486,7 +492,8 @@ class GraphRunner:
                 before = ([None if t is None else t.clone() for t in targets] if targets is not None
                           and bwd.executes_during_capture else None)
                 drawing = self._attach_rng(bwd)
-                with bwd.capture(self.host.warmup_stream), drawing(), without_autocast(b.device.type):
+                with self.host.capture_room(), bwd.capture(self.host.warmup_stream), drawing(), \
+                        without_autocast(b.device.type):
                     if own:
                         # The stack's last gradient buffer, from the graphs' pool: the caller's
                         # gradient is copied in right before each replay and only this graph
@@ -624,6 +631,7 @@ class GraphRunner:
         # (GraphedLayers.forward checked the stack's input)
         if mb in self.pending:
             raise StateError(f"{self.label}: microbatch {mb} ran forward again before its backward")
+        self.host.replaying("fwd", self.index)
         if self.host.lent:
             self.host.give_back(None)
         unit = self.unit
@@ -725,6 +733,7 @@ class GraphRunner:
     def _replay_backward(self, grad: torch.Tensor, mb: int, input_ref: weakref.ref[torch.Tensor] | None
                          ) -> tuple[torch.Tensor | None, ...]:
         self._check_pending(mb)
+        self.host.replaying("bwd", self.index)
         if self.main_grads is not None:
             self._main_grads_in_place()
         if self.host.lent:  # before anything below writes pool memory a lent buffer may share

@@ -88,6 +88,7 @@ from graphslot.selection import get_backend
 from graphslot.sizes import format_bytes, whole_count
 
 from .grads import ParamGrad, storage_id
+from .pages import PoolPages
 from .plan import (check_layers, check_main_grads, check_sample, HookWatch, hooked_modules, layer_set,
                    param_name, plan_graphs, unit_label)
 from .runner import GraphRunner, LayerFunction, own_generators, restoring_contents
@@ -145,6 +146,12 @@ class _Host:
 
     def new_graph(self) -> DeviceGraph:
         return self._stack._new_graph()
+
+    def capture_room(self) -> ContextManager[None]:
+        return self._stack._capture_room()
+
+    def replaying(self, kind: str, index: int) -> None:
+        self._stack._replaying(kind, index)
 
     def give_back(self, layer: int | None) -> None:
         self._stack._give_back(layer)
@@ -261,6 +268,15 @@ class GraphedLayers(nn.Module):
             forward), and a memory budget's plan counts them as held for the whole step.
             With a budget and without ``keep_grads``, a ``.grad`` kept through a forward
             that takes the step over the budget is named in a warning.
+        share_pool_pages: put the graphs' pool on graphslot's pages and, once the build is
+            done, back pages that are never live at the same time with one physical page
+            each (:mod:`graphslot.adapters.torch.pages`): the pool then holds about what its
+            blocks need at their highest, not every segment its captures made. Safe while
+            the graphs replay in the order they were captured (each microbatch's backward
+            before the next forward); a step that leaves that order gives every page its
+            own memory back first, with a warning. Needs a backend whose graphs draw their
+            pool from a region (cpu, cuda); on cuda it records torch's allocator history
+            during the build (it refuses to start where that history is being recorded).
 
     Raises:
         BudgetError: a budget below the least any plan reaches (the message names that
@@ -285,7 +301,8 @@ class GraphedLayers(nn.Module):
                  memory_budget: int | str | None = None,
                  layers_per_graph: int | None = None, warmup_iters: int = 2,
                  backend: Backend | None = None, debug_checksums: bool = False,
-                 main_grad: bool = False, keep_grads: bool = False) -> None:
+                 main_grad: bool = False, keep_grads: bool = False,
+                 share_pool_pages: bool = False) -> None:
         super().__init__()
         check_layers(layers)
         hooked = hooked_modules(list(layers))
@@ -315,6 +332,15 @@ class GraphedLayers(nn.Module):
             raise UsageError(f"keep_grads must be True or False, got {keep_grads!r}")
         #: the training loop keeps ``.grad`` through the next forward (see ``keep_grads``)
         self.keep_grads = keep_grads
+        if not isinstance(share_pool_pages, bool):
+            raise UsageError(f"share_pool_pages must be True or False, got {share_pool_pages!r}")
+        if share_pool_pages and not self.backend.capabilities.region_graphs:
+            raise UsageError(f"share_pool_pages=True needs graphs whose pool is a graphslot region; "
+                             f"the {self.backend.name} backend's are not")
+        #: the graphs' pool is on graphslot's pages, shared by when they are live (see
+        #: ``share_pool_pages``)
+        self.share_pool_pages = share_pool_pages
+        self._pages: PoolPages | None = None
         n = len(self.layers)
         if memory_budget is not None and (offload_layers is not None or recompute_layers is not None):
             raise UsageError("memory_budget plans which layers to offload and recompute: give "
@@ -484,7 +510,12 @@ class GraphedLayers(nn.Module):
                                         tied=self._tied())
         host = _Host(self)
         self._runners = [GraphRunner(self, host, k, ls) for k, ls in enumerate(self.graph_layers)]
-        self._build(sample)
+        if self.share_pool_pages:
+            self._pages = PoolPages(self.backend, self.engine.worker)
+            with self._pages.building():
+                self._build(sample)
+        else:
+            self._build(sample)
 
     def _homes_pay(self, mode: Mode, saved: list[int] | None, sample: torch.Tensor) -> bool:
         """Does this build give gradients homes outside the pool (:class:`GradHome`)?
@@ -515,13 +546,23 @@ class GraphedLayers(nn.Module):
     def _unmake(self) -> None:
         """Give back what :meth:`_make` built (the graphs, their pool, slots and banks)."""
         engine = getattr(self, "engine", None)
-        if engine is not None:
+        pages, self._pages = self._pages, None
+        if pages is None and engine is not None:
             engine.close()
         self._runners = []
         self._ahead, self._behind = [], []
         self._pool_owner = None
         self._lent.clear()
         self._input_grad = None
+        if pages is not None:
+            # (the runners' buffers are the pool's: gone before it closes, which it does
+            # on the engine's driver worker, before the engine closes that)
+            gc.collect()
+            try:
+                pages.close()
+            finally:
+                if engine is not None:
+                    engine.close()
         release_unused(self.backend)
 
     def _make_planned(self, budget: int | str, modes: tuple[str, ...], layers_per_graph: int | None,
@@ -567,7 +608,9 @@ class GraphedLayers(nn.Module):
             # (remap maps them only while a pass runs), and the copy of the output the
             # caller gets, as far as the allocator needs memory for it.
             banks = banks_bytes(profile, plan.detailed, plan.mode)
-            unmapped = max(0, banks - (b.ledger.mapped_bytes - mapped_before))
+            # (graphslot's pages the build mapped, less the graphs' pool's where it is on them)
+            pool = self._pages.pool.mapped_bytes if self._pages is not None else 0
+            unmapped = max(0, banks - (b.ledger.mapped_bytes - mapped_before - pool))
             return held + unmapped + self._output_copy_bytes(held) + pending
 
         try:
@@ -638,7 +681,8 @@ class GraphedLayers(nn.Module):
                             keep_grads=self.keep_grads)
 
     def _new_graph(self) -> DeviceGraph:
-        g = self.backend.new_graph(share_pool_with=self._pool_owner)
+        g = (self._pages.new_graph() if self._pages is not None
+             else self.backend.new_graph(share_pool_with=self._pool_owner))
         self._pool_owner = self._pool_owner or g
         return g
 
@@ -700,13 +744,27 @@ class GraphedLayers(nn.Module):
         """A copy of ``like`` in memory of the graphs' shared pool (an allocation captured
         into an otherwise empty graph; the first such graph stays the pool's owner)."""
         g = self._new_graph()
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # torch warns that the captured graph is empty
-            with g.capture(self._warmup_stream):
-                buf = torch.empty_like(like)
-        with torch.no_grad():
-            buf.copy_(like.detach())
+        with self._capture_room():
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # torch warns that the captured graph is empty
+                with g.capture(self._warmup_stream):
+                    buf = torch.empty_like(like)
+            with torch.no_grad():
+                buf.copy_(like.detach())
         return buf
+
+    def _capture_room(self) -> ContextManager[None]:
+        """Around a capture into the graphs' pool: room mapped ahead where the pool is on
+        graphslot's pages (see :meth:`PoolPages.room`)."""
+        return contextlib.nullcontext() if self._pages is None else self._pages.room()
+
+    def _replaying(self, kind: str, index: int) -> None:
+        """Before graph ``index``'s ``kind`` (``"fwd"``, ``"bwd"``) replay: on shared
+        pages, out of the order they were shared for, every page gets its memory back."""
+        pages = self._pages
+        if pages is not None and pages.shared:
+            owed = kind == "fwd" and index == 0 and any(r.pending for r in self._runners)
+            pages.replaying(kind, index, len(self._runners) - 1, owed)
 
     def _lend_input_grad(self, buf: torch.Tensor, input_ref: weakref.ref[torch.Tensor] | None
                          ) -> torch.Tensor:
@@ -820,7 +878,10 @@ class GraphedLayers(nn.Module):
 
     @property
     def pool_bytes(self) -> int | None:
-        """Bytes of the graphs' shared private pool, where the backend can tell."""
+        """Bytes of the graphs' shared private pool, where the backend can tell (on
+        graphslot's pages, ``share_pool_pages``: the physical bytes behind it)."""
+        if self._pages is not None:
+            return self._pages.pool.mapped_bytes
         return None if self._pool_owner is None else self._pool_owner.pool_bytes
 
     def _saw_kept_grad(self) -> None:
@@ -1135,13 +1196,18 @@ class GraphedLayers(nn.Module):
         self._finalizer.detach()
         if self._state_watch is not None:
             self._state_watch.close()
-        for r in self._runners:
-            r.forget_draws()
+        self._forget_draws()
         # The graphs go too, not only when the stack is collected: a stack still named
         # after its ``with`` block would otherwise hold their pool (tensors a caller still
         # holds, such as ``.grad`` that is a pool buffer, keep their own bytes).
         self._unmake()
         self._warmup_stream = None
+
+    def _forget_draws(self) -> None:
+        # (a method of its own: a loop in close() would leave its last runner named there,
+        # holding that runner's buffers while the graphs' pool closes)
+        for r in self._runners:
+            r.forget_draws()
 
     def __enter__(self) -> GraphedLayers:
         return self

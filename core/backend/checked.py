@@ -515,6 +515,14 @@ class Backend(DeviceVendor):
         private pools, or ``None`` where this backend cannot tell."""
         return self.vendor_graph_pool_segments() if self.capabilities.pool_segments else None
 
+    def region_reserved_bytes(self) -> int:
+        """Bytes of the allocator's graph-pool segments that lie in graphslot reservations
+        (the pools of region graphs): the allocator counts them as reserved, and the
+        ledger counts the pages behind them, so a total of both counts these once less.
+        0 where this backend cannot list its pools' segments."""
+        segs = self.graph_pool_segments() or []
+        return sum(n for va, n in segs if self.ledger.find(va, n) is not None)
+
     def return_to_pool(self, t: torch.Tensor) -> torch.Tensor | None:
         """Give the bytes of ``t`` (allocated during a capture) back to its graph pool, so
         that graphs captured later may reuse them, and return a non-owning view of the same

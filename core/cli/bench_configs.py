@@ -20,7 +20,8 @@ The last two are *planned*: the library's budget planner picks, per layer, keep,
 recompute, and the stack's ``plan`` says what it chose and expects. In a run whose steps keep
 ``.grad`` through the next forward (``--zero-grad keep``, ``--accumulate`` above one, or
 those variants), every ``GraphedLayers`` is built with ``keep_grads=True``, as a training
-script that does so would build it.
+script that does so would build it. The ``@pages`` variant of a graphslot configuration
+(``graph@pages``, ``budget:10GiB@pages``) builds it with ``share_pool_pages=True``.
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ from .bench_measure import VARIANT_SEP, GiB, Built, Inputs, MiB, base_config
 from .bench_models import CheckpointedLayer
 
 __all__ = ["CONFIGS", "PEERS", "BUDGET_PREFIX", "SWEEP_BUDGETS", "parse_size", "budget_bytes",
-           "budget_config", "split_variant", "base_config", "VARIANT_SEP", "is_planned",
+           "budget_config", "split_variant", "shares_pages", "base_config", "VARIANT_SEP", "is_planned",
            "check_config", "sweep_budgets", "unsupported", "build", "saved_on_device",
            "plan_report", "forward"]
 
@@ -54,6 +55,8 @@ CONFIGS = ("eager", "save_on_cpu", "checkpoint", "torch_graphed", "torch_graphed
 PEERS = ("torch_graphed", "eager", "save_on_cpu", "checkpoint", "torch_graphed_checkpoint")
 
 BUDGET_PREFIX = "budget:"
+#: the variant that builds a GraphedLayers configuration with ``share_pool_pages=True``
+PAGES = "pages"
 #: how many budgets ``--budgets sweep`` runs: the checkpoint peer's peak, then this many
 #: less one evenly spaced up to the graph configuration's peak
 SWEEP_BUDGETS = 6
@@ -101,6 +104,10 @@ def split_variant(name: str) -> tuple[str, bool | None, int | None]:
     set_to_none: bool | None = None
     accumulate: int | None = None
     for part in parts:
+        if part == PAGES:
+            if parts.count(PAGES) > 1:
+                raise ValueError(f"{name!r}: {VARIANT_SEP}{PAGES} twice; give it once")
+            continue  # (read by shares_pages)
         if part in ("keep", "none"):
             if set_to_none is not None:
                 raise ValueError(f"{name!r}: two zero_grad variants; give {VARIANT_SEP}keep or "
@@ -112,9 +119,15 @@ def split_variant(name: str) -> tuple[str, bool | None, int | None]:
             accumulate = int(part[3:])
         else:
             raise ValueError(f"{name!r}: unknown variant {VARIANT_SEP}{part}; variants are "
-                             f"{VARIANT_SEP}keep, {VARIANT_SEP}none and {VARIANT_SEP}accN "
-                             "(N microbatches a step)")
+                             f"{VARIANT_SEP}keep, {VARIANT_SEP}none, {VARIANT_SEP}accN "
+                             f"(N microbatches a step) and {VARIANT_SEP}{PAGES}")
     return base, set_to_none, accumulate
+
+
+def shares_pages(name: str) -> bool:
+    """Whether ``name``'s variant builds its stack with ``share_pool_pages=True``
+    (``@pages``)."""
+    return PAGES in name.split(VARIANT_SEP)[1:]
 
 
 def is_planned(name: str) -> bool:
@@ -125,7 +138,11 @@ def is_planned(name: str) -> bool:
 
 def check_config(name: str) -> None:
     """``ValueError`` naming ``name`` when it is no configuration."""
-    name = split_variant(name)[0]
+    base = split_variant(name)[0]
+    if shares_pages(name) and not (base.startswith("graph") or base.startswith(BUDGET_PREFIX)):
+        raise ValueError(f"{name!r}: {VARIANT_SEP}{PAGES} puts a GraphedLayers stack's graph pool "
+                         f"on shared pages; {base} builds none")
+    name = base
     if name.startswith(BUDGET_PREFIX):
         try:
             budget_bytes(name)
@@ -276,7 +293,8 @@ def build(r: Inputs, name: str) -> Built | str:
         # (a loop that keeps .grad through the next forward says so: see keep_grads)
         stack = GraphedLayers(layers, x, backend=b, warmup_iters=2,
                               layers_per_graph=r.layers_per_graph,
-                              keep_grads=not r.set_to_none or r.accumulate > 1, **kw)
+                              keep_grads=not r.set_to_none or r.accumulate > 1,
+                              share_pool_pages=shares_pages(label), **kw)
     except UsageError as e:
         if name == "graph_recompute_parts":
             return str(e)  # (layers without parts, or that draw random numbers)
