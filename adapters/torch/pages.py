@@ -49,13 +49,15 @@ class PoolPages:
     Args:
         backend: the stack's backend; its graphs must draw pools from regions.
         worker: the driver worker the pool's driver calls run on (the offload engine's).
+        room_bytes: what one capture may take, as far as the caller can tell (what the
+            largest layer's forward saves, say): the room mapped ahead of the first.
 
     Raises:
         UsageError: the backend's graphs cannot draw their pool from a region, or its pools
             cannot record their blocks.
     """
 
-    def __init__(self, backend: Backend, worker: Any) -> None:
+    def __init__(self, backend: Backend, worker: Any, room_bytes: int = 0) -> None:
         if not backend.capabilities.region_graphs:
             raise UsageError(f"share_pool_pages=True needs graphs whose pool is a graphslot "
                              f"region; the {backend.name} backend's are not")
@@ -64,7 +66,7 @@ class PoolPages:
         self.pool = PagedPool(backend, align_up(total, backend.granularity), worker=worker)
         #: every graph made in the pool (each released before the pool closes)
         self.graphs: list[RegionGraph] = []
-        self._grown = 0  # the most one capture took
+        self._grown = max(0, room_bytes) // 2  # the most one capture took (or may take)
         self._last: tuple[str, int] | None = None  # the last replay: ("fwd" | "bwd", graph index)
         #: what the sharing saves, once shared: the pool's pages before, and after
         self.pages_bytes: tuple[int, int] | None = None
@@ -82,10 +84,10 @@ class PoolPages:
     @contextlib.contextmanager
     def room(self) -> Iterator[None]:
         """Around a capture, or an allocation into the pool that is used at once: the
-        pool mapped ahead by twice what a capture took at most (at least
-        :data:`ROOM_BYTES`, leaving :data:`SPARE_BYTES` of the device free), so the
-        capture's nodes find their addresses mapped (on cpu it runs the work in them);
-        what the build maps beyond the pool's blocks goes when it shares them."""
+        pool mapped ahead by twice what a capture took at most (or ``room_bytes`` before
+        the first; at least :data:`ROOM_BYTES`, leaving :data:`SPARE_BYTES` of the device
+        free), so the capture's nodes find their addresses mapped (on cpu it runs the work
+        in them); what the build maps beyond the pool's blocks goes when it shares them."""
         free = self._backend.mem_info()[0]
         extra = min(max(ROOM_BYTES, 2 * self._grown), max(0, free - SPARE_BYTES))
         before = self.pool.used_bytes

@@ -511,7 +511,9 @@ class GraphedLayers(nn.Module):
         host = _Host(self)
         self._runners = [GraphRunner(self, host, k, ls) for k, ls in enumerate(self.graph_layers)]
         if self.share_pool_pages:
-            self._pages = PoolPages(self.backend, self.engine.worker)
+            # (a layer's backward capture takes about twice what its forward saves)
+            self._pages = PoolPages(self.backend, self.engine.worker,
+                                    room_bytes=2 * max(saved or [0]))
             with self._pages.building():
                 self._build(sample)
         else:
