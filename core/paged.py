@@ -104,6 +104,12 @@ class _Release:
     called_off: bool = False
 
 
+def _is_block(b: Any) -> bool:
+    """Whether ``b`` has an integer offset and size (share_pages names what else is wrong)."""
+    return (isinstance(b, tuple) and len(b) == 4 and all(isinstance(v, int) and not isinstance(v, bool)
+                                                         for v in b[:2]))
+
+
 def _runs(ranges: Sequence[tuple[int, int]], granule: int, limit: int) -> list[tuple[int, int]]:
     """The granule-aligned ``(start, end)`` runs covering ``ranges`` (offset, size), merged."""
     return merge_intervals((o // granule * granule, min(limit, align_up(o + n, granule)))
@@ -353,9 +359,12 @@ class PagedPool:
                              "lend() or allocating())")
         self.grow()
         blocks = list(blocks)
-        size = self._chunks[-1].end if self._chunks else 0
-        sharing = share_pages(blocks, size, self._granule)
         g = self._granule
+        # (up to the high-water mark or the last block's end: room mapped beyond them for
+        # a capture goes too, and an unshare() maps no more than that)
+        need = max([self.used_bytes] + [b[0] + b[1] for b in blocks if _is_block(b)])
+        size = min(self._chunks[-1].end, align_up(need, g)) if self._chunks else 0
+        sharing = share_pages(blocks, size, g)
         # Bytes the pool still hands out must be in a block (whose end says whether they
         # matter between steps): a page under none would lose its memory.
         for start, end in _runs(self.graph.live_ranges(), g, size):

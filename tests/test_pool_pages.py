@@ -24,20 +24,21 @@ def _layers(b: graphslot.Backend, n: int = 4, width: int = 64) -> list[nn.Module
                           nn.LayerNorm(width)).to(b.device) for _ in range(n)]
 
 
-def _input(b: graphslot.Backend, width: int = 64, seed: int = 5) -> torch.Tensor:
+def _input(b: graphslot.Backend, width: int = 64, seed: int = 5, rows: int = 16) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
-    return torch.randn(16, width, generator=g).to(b.device)
+    return torch.randn(rows, width, generator=g).to(b.device)
 
 
 def _train(b: graphslot.Backend, layers: list[nn.Module], steps: int, micro: int = 1,
-           in_flight: bool = False, **kw) -> tuple[list[torch.Tensor], GraphedLayers]:
+           in_flight: bool = False, rows: int = 16, **kw) -> tuple[list[torch.Tensor], GraphedLayers]:
     """The parameters after ``steps`` SGD steps of ``micro`` microbatches (all forwards,
-    then all backwards where ``in_flight``), through a stack built with ``kw``."""
-    x0 = _input(b).requires_grad_()
+    then all backwards where ``in_flight``) of ``rows`` rows, through a stack built with
+    ``kw``."""
+    x0 = _input(b, rows=rows).requires_grad_()
     stack = GraphedLayers(layers, x0, backend=b, layers_per_graph=1, **kw)
     opt = torch.optim.SGD([p for m in layers for p in m.parameters()], lr=0.05)
     for s in range(steps):
-        xs = [_input(b, seed=10 * s + k).requires_grad_() for k in range(micro)]
+        xs = [_input(b, seed=10 * s + k, rows=rows).requires_grad_() for k in range(micro)]
         if in_flight:
             losses = [stack(x).square().sum() for x in xs]
             for loss in reversed(losses):
@@ -49,6 +50,11 @@ def _train(b: graphslot.Backend, layers: list[nn.Module], steps: int, micro: int
         opt.step()
         opt.zero_grad()
     return [p.detach().clone() for m in layers for p in m.parameters()], stack
+
+
+def _unshared(seen: list[warnings.WarningMessage]) -> list[str]:
+    """The warnings among ``seen`` that say the pages were given their memory back."""
+    return [str(w.message) for w in seen if "share_pool_pages" in str(w.message)]
 
 
 def _same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
@@ -72,9 +78,10 @@ def test_shared_pages_train_as_the_plain_pool_does_on_no_more_memory(regions, pl
     layers = _layers(b)
     plain, stack = _train(b, copy.deepcopy(layers), 3, micro=2, **PLANS[plan])
     stack.close()
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
         shared, stack = _train(b, layers, 3, micro=2, share_pool_pages=True, **PLANS[plan])
+    assert not _unshared(seen)
     pages = stack._pages
     assert pages is not None and pages.shared and pages.pages_bytes is not None
     before, after = pages.pages_bytes
@@ -84,15 +91,18 @@ def test_shared_pages_train_as_the_plain_pool_does_on_no_more_memory(regions, pl
 
 
 def test_sharing_saves_where_the_pool_never_reuses(regions):
-    """Where captures never reuse a freed block's bytes (cpu), the shared pool holds a
-    fraction of what the captures made."""
+    """Where captures never reuse a freed block's bytes (cpu), the shared pool of a stack
+    whose activations outweigh its gradients holds a fraction of what the captures made:
+    keeping every layer, what the backward graphs free; recomputing every layer, most."""
     b = regions
     if b.name != "cpu":
         pytest.skip("the cpu backend's graph pools never reuse bytes; elsewhere the "
                     "allocator does, and what sharing saves depends on its order")
-    _, stack = _train(b, _layers(b), 1, share_pool_pages=True, mode="off")
-    before, after = stack._pages.pages_bytes
-    assert after * 4 < before
+    for kw, share in ((dict(mode="off"), 0.75), (dict(mode="off", recompute_layers=range(4)), 0.25)):
+        _, stack = _train(b, _layers(b), 1, rows=1024, share_pool_pages=True, **kw)
+        before, after = stack._pages.pages_bytes
+        stack.close()
+        assert after < share * before, kw
     stack.close()
 
 
@@ -107,9 +117,33 @@ def test_microbatches_in_flight_give_every_page_its_memory_and_still_train_right
     with pytest.warns(UserWarning, match="share_pool_pages"):
         shared, stack = _train(b, layers, 2, micro=2, in_flight=True, mode="off",
                                share_pool_pages=True)
-    assert not stack._pages.shared
+    pages = stack._pages
+    assert not pages.shared
+    # (its own memory again up to what the pool used, not the room a capture had)
+    assert pages.pool.mapped_bytes <= pages.pages_bytes[0]
     assert _same(plain, shared)
     stack.close()
+
+
+def test_a_stack_dropped_or_closed_with_a_gradient_held_gives_its_pages_back(regions):
+    """A stack dropped without close() gives its pool back at the next such stack's build
+    at the latest; one closed while its input's and parameters' .grad (lent from the pool)
+    are still held gives it back at once, the gradients keeping their values."""
+    import gc
+
+    b = regions
+    mapped = b.ledger.mapped_bytes
+    _, stack = _train(b, _layers(b), 1, share_pool_pages=True, mode="remap")
+    del stack
+    gc.collect()
+    layers = _layers(b)
+    x = _input(b).requires_grad_()
+    stack = GraphedLayers(layers, x, backend=b, layers_per_graph=1, mode="off", share_pool_pages=True)
+    stack(x).square().sum().backward()
+    held = [x.grad.clone()] + [p.grad.clone() for m in layers for p in m.parameters()]
+    stack.close()
+    assert b.ledger.mapped_bytes == mapped
+    assert _same(held, [x.grad] + [p.grad for m in layers for p in m.parameters()])
 
 
 def test_forwards_without_gradients_keep_the_pages_shared(regions):
@@ -134,9 +168,10 @@ def test_forwards_without_gradients_keep_the_pages_shared(regions):
 
     plain, plain_seen, stack = run()
     stack.close()
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
         shared, shared_seen, stack = run(share_pool_pages=True)
+    assert not _unshared(said)
     assert stack._pages.shared
     assert _same(plain, shared) and _same(plain_seen, shared_seen)
     stack.close()

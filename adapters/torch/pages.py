@@ -26,7 +26,7 @@ import warnings
 from typing import Any, Iterator
 
 from graphslot.backend import Backend, align_up
-from graphslot.errors import UsageError
+from graphslot.errors import GraphslotError, UsageError
 from graphslot.paged import PagedPool, PoolState
 from graphslot.regions import RegionGraph
 from graphslot.sizes import format_bytes
@@ -48,7 +48,6 @@ class PoolPages:
 
     Args:
         backend: the stack's backend; its graphs must draw pools from regions.
-        worker: the driver worker the pool's driver calls run on (the offload engine's).
         room_bytes: what one capture may take, as far as the caller can tell (what the
             largest layer's forward saves, say): the room mapped ahead of the first.
 
@@ -57,13 +56,16 @@ class PoolPages:
             cannot record their blocks.
     """
 
-    def __init__(self, backend: Backend, worker: Any, room_bytes: int = 0) -> None:
+    def __init__(self, backend: Backend, room_bytes: int = 0) -> None:
         if not backend.capabilities.region_graphs:
             raise UsageError(f"share_pool_pages=True needs graphs whose pool is a graphslot "
                              f"region; the {backend.name} backend's are not")
         self._backend = backend
+        _close_kept()
         total = backend.mem_info()[1]
-        self.pool = PagedPool(backend, align_up(total, backend.granularity), worker=worker)
+        # (a worker of the pool's own: a pool kept past its stack's close must still reach
+        # one, after the stack's engine closed its own)
+        self.pool = PagedPool(backend, align_up(total, backend.granularity))
         #: every graph made in the pool (each released before the pool closes)
         self.graphs: list[RegionGraph] = []
         self._grown = max(0, room_bytes) // 2  # the most one capture took (or may take)
@@ -86,10 +88,12 @@ class PoolPages:
         """Around a capture, or an allocation into the pool that is used at once: the
         pool mapped ahead by twice what a capture took at most (or ``room_bytes`` before
         the first; at least :data:`ROOM_BYTES`, leaving :data:`SPARE_BYTES` of the device
-        free), so the capture's nodes find their addresses mapped (on cpu it runs the work
-        in them); what the build maps beyond the pool's blocks goes when it shares them."""
-        free = self._backend.mem_info()[0]
-        extra = min(max(ROOM_BYTES, 2 * self._grown), max(0, free - SPARE_BYTES))
+        free), so the capture's nodes find their addresses mapped (on cpu it runs the
+        work in them). What the build maps beyond the pool's blocks goes when it shares
+        them. A capture that takes more than its room fails the build: on cpu at the
+        first byte past it, on cuda where a copy node's address is not mapped."""
+        free = max(0, self._backend.mem_info()[0] - SPARE_BYTES)
+        extra = min(max(ROOM_BYTES, 2 * self._grown), free)
         before = self.pool.used_bytes
         self.pool.grow(extra=extra)
         yield
@@ -103,7 +107,8 @@ class PoolPages:
         with self.pool.graph.recording() as blocks:
             yield
         self.pool.grow()
-        before = self.pool.mapped_bytes
+        # (before: the pool's bytes up to its high-water mark, as a plain pool holds them)
+        before = align_up(self.pool.used_bytes, self._backend.granularity)
         self.pool.share(blocks)
         self.pages_bytes = (before, self.pool.mapped_bytes)
 
@@ -144,9 +149,19 @@ class PoolPages:
         self.graphs = []
         if self.pool.close():
             _KEPT.append(self.pool)
-        for p in list(_KEPT):
+        else:
+            _close_kept()
+
+
+def _close_kept() -> None:
+    """Close the kept pools whose bytes no tensor holds any longer (a failure keeps the
+    pool for the next try: it is another stack's, not the caller's)."""
+    for p in list(_KEPT):
+        try:
             if p.state is PoolState.CLOSED or not p.close():
                 _KEPT.remove(p)
+        except GraphslotError:
+            pass
 
 
 def _said(last: tuple[str, int] | None) -> str:

@@ -277,6 +277,8 @@ class GraphedLayers(nn.Module):
             own memory back first, with a warning. Needs a backend whose graphs draw their
             pool from a region (cpu, cuda); on cuda it records torch's allocator history
             during the build (it refuses to start where that history is being recorded).
+            A stack dropped without ``close()`` keeps its pool until the next stack on
+            shared pages is built or closed.
 
     Raises:
         BudgetError: a budget below the least any plan reaches (the message names that
@@ -480,7 +482,9 @@ class GraphedLayers(nn.Module):
         self._frozen_at_build = list(frozen.values())
         self._warned_mode = False
         # Dropped without close(): the pages, host buffers and threads go with the stack.
-        self._finalizer = weakref.finalize(self, OffloadEngine.close, self.engine)
+        self._finalizer = (weakref.finalize(self, OffloadEngine.close, self.engine)
+                           if self._pages is None else
+                           weakref.finalize(self, _close_paged, self._pages, self.engine))
         self._finalizer.atexit = False
         # Each layer's look-ahead targets, once: a pass asks for them at every layer.
         offloaded = [r for r in self._runners if r.unit.offloads]
@@ -512,8 +516,7 @@ class GraphedLayers(nn.Module):
         self._runners = [GraphRunner(self, host, k, ls) for k, ls in enumerate(self.graph_layers)]
         if self.share_pool_pages:
             # (a layer's backward capture takes about twice what its forward saves)
-            self._pages = PoolPages(self.backend, self.engine.worker,
-                                    room_bytes=2 * max(saved or [0]))
+            self._pages = PoolPages(self.backend, room_bytes=2 * max(saved or [0]))
             with self._pages.building():
                 self._build(sample)
         else:
@@ -557,8 +560,7 @@ class GraphedLayers(nn.Module):
         self._lent.clear()
         self._input_grad = None
         if pages is not None:
-            # (the runners' buffers are the pool's: gone before it closes, which it does
-            # on the engine's driver worker, before the engine closes that)
+            # (the runners' buffers are the pool's: gone before it closes)
             gc.collect()
             try:
                 pages.close()
@@ -1196,6 +1198,9 @@ class GraphedLayers(nn.Module):
                                  f"after {timeout:g} s; close() once it is done")
             self._closed = True
         self._finalizer.detach()
+        if self._pages is not None:
+            # (a .grad lent from the pool gets bytes of its own: the pool can then close)
+            self._give_back(None)
         if self._state_watch is not None:
             self._state_watch.close()
         self._forget_draws()
@@ -1290,6 +1295,16 @@ def _check_nothing_given_back_in_use(layers: Iterable[nn.Module], runners: Seque
                     "the stack still uses it; later graphs may write there. This is a fault "
                     "of graphslot's, not of your layers: please report it with the layer's "
                     "code")
+
+
+def _close_paged(pages: PoolPages, engine: OffloadEngine) -> None:
+    """A stack on shared pages dropped without close(): its pool and its engine go (a
+    pool whose bytes tensors still hold stays until a later stack's build or close finds
+    them gone)."""
+    try:
+        pages.close()
+    finally:
+        engine.close()
 
 
 def _build_holds(b: Backend) -> int | None:

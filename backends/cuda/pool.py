@@ -283,6 +283,7 @@ class _Region:
         dev = self.backend.device
         index = dev.index if dev.index is not None else torch.cuda.current_device()
         traces = mem._snapshot(dev).get("device_traces") or []
+        # (history on with "state" only, or on with no event yet, is not seen here)
         if index < len(traces) and traces[index]:
             raise UsageError("recording a graph pool's blocks turns torch's allocator history "
                              "(torch.cuda.memory._record_memory_history) on and off, and it "
@@ -313,7 +314,11 @@ class _Region:
             elif ev["action"] == "free_completed" and addr in opened:
                 n, start = opened.pop(addr)
                 out.append((addr - lo, n, start, i + 1))
-        out.extend((addr - lo, n, start, None) for addr, (n, start) in sorted(opened.items()))
+        # (a block still handed out counts at the size the allocator gave it, which
+        # live_ranges() reads too; an event has the size asked for, rounded up there)
+        given = {lo + off: n for off, n in self.live_ranges()}
+        out.extend((addr - lo, max(n, given.get(addr, 0)), start, None)
+                   for addr, (n, start) in sorted(opened.items()))
 
     def live_ranges(self) -> list[tuple[int, int]]:
         """``(offset, size)`` of every block of the region's segments that torch has not

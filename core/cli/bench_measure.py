@@ -308,7 +308,8 @@ def _memory_step(r: Inputs, built: Built, saved_on_device: int, curve: list[tupl
     # reported apart: it grows with what ran before, here or elsewhere.
     parts = {"allocator_reserved_bytes": stats["peak_reserved_bytes"] - regions,
              "graphslot_pages_bytes": b.ledger.peak_allocated_bytes}
-    context = max(0, before.driver_used_bytes - before.allocator_reserved_bytes - before.allocated_bytes)
+    context = max(0, before.driver_used_bytes - before.allocator_reserved_bytes
+                  - before.allocated_bytes + regions)
     return parts, context, boundary
 
 
@@ -334,7 +335,12 @@ def memory_breakdown(b: Backend, layers: Sequence[torch.nn.Module], stack: Any =
     stats = b.allocator_stats()
     pool = stats["graph_pool_reserved_bytes"]
     segments = b.graph_pool_segments()
+    # (region pools' segments are graphslot's pages, counted in slot_bytes)
+    regions = b.region_reserved_bytes()
+    in_region = 0  # (gradient buffers in region pools: in slot_bytes)
     if segments is not None:
+        segments = [(a, n) for a, n in segments if b.ledger.find(a, n) is None]
+        in_region = sum(n for ptr, n in grads.items() if b.ledger.find(ptr, n) is not None)
         in_pool = sum(n for ptr, n in grads.items() if any(a <= ptr < a + size for a, size in segments))
     elif stack is not None:  # the stack knows its gradient buffers
         bufs = {buf.data_ptr() for buf in stack.gradient_buffers}
@@ -343,17 +349,21 @@ def memory_breakdown(b: Backend, layers: Sequence[torch.nn.Module], stack: Any =
         in_pool = 0
     if pool is None and stack is not None:
         pool = stack.pool_bytes or 0
+    elif pool is not None:
+        pool -= regions
     slot = b.ledger.mapped_bytes
     host = stack.engine.host_bytes if stack is not None else 0
     graph_pool = None if pool is None else max(0, pool - in_pool)
     reserved = stats["reserved_bytes"]
-    if reserved is None:  # a host "device": what the process holds, less graphslot's pages
+    if reserved is not None:
+        reserved -= regions
+    else:  # a host "device": what the process holds, less graphslot's pages
         fp = b.footprint_bytes()
         reserved = None if fp is None else fp - slot
     weights, grad = sum(params.values()), sum(grads.values())
     other = None
     if reserved is not None and graph_pool is not None:
         outside = reserved - graph_pool - in_pool  # the ordinary allocator's share
-        other = max(0, outside - weights - (grad - in_pool))
+        other = max(0, outside - weights - (grad - in_pool - in_region))
     return {"weights_bytes": weights, "grad_bytes": grad, "graph_pool_bytes": graph_pool,
             "slot_bytes": slot, "host_pinned_bytes": host, "other_bytes": other}
