@@ -326,12 +326,10 @@ def test_pages_never_live_at_once_share_memory_and_lasting_bytes_stay(pooled):
     assert pool.close() == 0 and b.ledger.mapped_bytes == ledger_before - mapped_before
 
 
-def test_graphs_replay_right_on_shared_pages(pooled):
-    """Two graphs whose temporaries are never live at once: shared, they replay as before
-    on less memory."""
-    b, make = pooled
-    pool = make()
-    xs = [_input(b, 1024, 2048), _input(b, 1024, 2048) + 1.0]
+def _two_captures(b: graphslot.Backend, pool: PagedPool, xs: list[torch.Tensor], keep: bool):
+    """A graph in the pool per input (:func:`_expected`'s work), and per graph its
+    temporaries and output: the temporaries held past its capture where ``keep``, else
+    let go inside it (the output alone then)."""
     graphs, held = [], []
     for x in xs:
         gr = b.new_graph(share_pool_with=pool.graph)
@@ -341,9 +339,21 @@ def test_graphs_replay_right_on_shared_pages(pooled):
             u = t + 1.0
             v = u * t
             out = v.sum(dim=1)
+            temps = (t, u, v) if keep else ()
+            del t, u, v
         pool.grow()
         graphs.append((gr, out))
-        held.append((t, u, v, out))
+        held.append((*temps, out))
+    return graphs, held
+
+
+def test_graphs_replay_right_on_shared_pages(pooled):
+    """Two graphs whose temporaries are never live at once: shared, they replay as before
+    on less memory."""
+    b, make = pooled
+    pool = make()
+    xs = [_input(b, 1024, 2048), _input(b, 1024, 2048) + 1.0]
+    graphs, held = _two_captures(b, pool, xs, keep=True)
     va, g = pool.reservation.va, b.granularity
     blocks = []
     for step, ts in enumerate(held):
@@ -361,7 +371,7 @@ def test_graphs_replay_right_on_shared_pages(pooled):
         for x, (gr, out) in zip(xs, graphs):
             torch.testing.assert_close(out, _expected(x), rtol=1e-5, atol=1e-3)
     pool.unshare()
-    del held, t, u, v, out
+    del held, t, out
     for gr, _ in graphs:
         gr.release_pool()
     del graphs
@@ -375,19 +385,8 @@ def test_a_pool_records_when_its_blocks_are_live_and_shares_by_that(pooled):
     b, make = pooled
     pool = make()
     xs = [_input(b, 1024, 2048), _input(b, 1024, 2048) + 1.0]
-    graphs = []
     with pool.graph.recording() as blocks:
-        for x in xs:
-            gr = b.new_graph(share_pool_with=pool.graph)
-            pool.grow(extra=64 * MiB)
-            with pool.lend(), gr.capture():
-                t = x * 2.0
-                u = t + 1.0
-                v = u * t
-                out = v.sum(dim=1)
-                del t, u, v
-            pool.grow()
-            graphs.append((gr, out))
+        graphs, _ = _two_captures(b, pool, xs, keep=False)
         assert not blocks, "blocks are listed when recording ends"
     assert blocks
     va, used = pool.reservation.va, pool.used_bytes
