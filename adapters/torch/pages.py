@@ -26,7 +26,7 @@ import warnings
 from typing import Any, Iterator
 
 from graphslot.backend import Backend, align_up
-from graphslot.errors import GraphslotError, UsageError
+from graphslot.errors import GraphslotError
 from graphslot.paged import PagedPool, PoolState
 from graphslot.regions import RegionGraph
 from graphslot.sizes import format_bytes
@@ -52,14 +52,11 @@ class PoolPages:
             largest layer's forward saves, say): the room mapped ahead of the first.
 
     Raises:
-        UsageError: the backend's graphs cannot draw their pool from a region, or its pools
-            cannot record their blocks.
+        UsageError: the backend's graphs cannot draw their pool from a region
+            (:class:`~graphslot.paged.PagedPool` says so).
     """
 
     def __init__(self, backend: Backend, room_bytes: int = 0) -> None:
-        if not backend.capabilities.region_graphs:
-            raise UsageError(f"share_pool_pages=True needs graphs whose pool is a graphslot "
-                             f"region; the {backend.name} backend's are not")
         self._backend = backend
         _close_kept()
         total = backend.mem_info()[1]

@@ -552,21 +552,18 @@ class GraphedLayers(nn.Module):
         """Give back what :meth:`_make` built (the graphs, their pool, slots and banks)."""
         engine = getattr(self, "engine", None)
         pages, self._pages = self._pages, None
-        if pages is None and engine is not None:
-            engine.close()
         self._runners = []
         self._ahead, self._behind = [], []
         self._pool_owner = None
         self._lent.clear()
         self._input_grad = None
-        if pages is not None:
-            # (the runners' buffers are the pool's: gone before it closes)
-            gc.collect()
-            try:
+        try:
+            if pages is not None:
+                gc.collect()  # (the runners' buffers are the pool's: gone before it closes)
                 pages.close()
-            finally:
-                if engine is not None:
-                    engine.close()
+        finally:
+            if engine is not None:
+                engine.close()
         release_unused(self.backend)
 
     def _make_planned(self, budget: int | str, modes: tuple[str, ...], layers_per_graph: int | None,
@@ -584,7 +581,6 @@ class GraphedLayers(nn.Module):
         count = state_to_come(b.device)
         pending = count.pending
         profile = self._profile(units, sample, section_bytes, pending)
-        mapped_before = b.ledger.mapped_bytes  # (other stacks' pages, say)
         builds = 0
 
         def build(plan: BudgetPlan) -> int | None:
@@ -612,9 +608,7 @@ class GraphedLayers(nn.Module):
             # (remap maps them only while a pass runs), and the copy of the output the
             # caller gets, as far as the allocator needs memory for it.
             banks = banks_bytes(profile, plan.detailed, plan.mode)
-            # (graphslot's pages the build mapped, less the graphs' pool's where it is on them)
-            pool = self._pages.pool.mapped_bytes if self._pages is not None else 0
-            unmapped = max(0, banks - (b.ledger.mapped_bytes - mapped_before - pool))
+            unmapped = max(0, banks - self.engine.mapped_bytes)
             return held + unmapped + self._output_copy_bytes(held) + pending
 
         try:

@@ -282,13 +282,14 @@ class _Region:
         mem = torch.cuda.memory
         dev = self.backend.device
         index = dev.index if dev.index is not None else torch.cuda.current_device()
-        traces = mem._snapshot(dev).get("device_traces") or []
+        first = mem._snapshot(dev)
+        traces = first.get("device_traces") or []
         # (history on with "state" only, or on with no event yet, is not seen here)
         if index < len(traces) and traces[index]:
             raise UsageError("recording a graph pool's blocks turns torch's allocator history "
                              "(torch.cuda.memory._record_memory_history) on and off, and it "
                              "is recording already: stop it before the build")
-        opened = {self.va + off: (n, 0) for off, n in self.live_ranges()}
+        opened = {self.va + off: (n, 0) for off, n in self._live_in(first.get("segments") or [])}
         out: list[Block] = []
         with torch.cuda.device(dev):
             mem._record_memory_history("all", context=None, stacks="python",
@@ -316,7 +317,7 @@ class _Region:
                 out.append((addr - lo, n, start, i + 1))
         # (a block still handed out counts at the size the allocator gave it, which
         # live_ranges() reads too; an event has the size asked for, rounded up there)
-        given = {lo + off: n for off, n in self.live_ranges()}
+        given = {lo + off: n for off, n in self._live_in(snap.get("segments") or [])}
         out.extend((addr - lo, max(n, given.get(addr, 0)), start, None)
                    for addr, (n, start) in sorted(opened.items()))
 
@@ -325,8 +326,12 @@ class _Region:
         freed (allocated, or freed but still waiting for a stream), from its snapshot."""
         import torch
 
+        return self._live_in(torch.cuda.memory_snapshot())
+
+    def _live_in(self, segments: list[dict[str, Any]]) -> list[tuple[int, int]]:
+        """:meth:`live_ranges` as ``segments`` (a memory snapshot's) say."""
         out = []
-        for seg in torch.cuda.memory_snapshot():
+        for seg in segments:
             addr = int(seg["address"])
             if not self.va <= addr < self.va + self.size:
                 continue

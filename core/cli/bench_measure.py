@@ -335,10 +335,11 @@ def memory_breakdown(b: Backend, layers: Sequence[torch.nn.Module], stack: Any =
     stats = b.allocator_stats()
     pool = stats["graph_pool_reserved_bytes"]
     segments = b.graph_pool_segments()
-    # (region pools' segments are graphslot's pages, counted in slot_bytes)
-    regions = b.region_reserved_bytes()
-    in_region = 0  # (gradient buffers in region pools: in slot_bytes)
+    # (region pools' segments, and gradient buffers in them, are graphslot's pages:
+    # counted in slot_bytes)
+    regions = in_region = 0
     if segments is not None:
+        regions = sum(n for a, n in segments if b.ledger.find(a, n) is not None)
         segments = [(a, n) for a, n in segments if b.ledger.find(a, n) is None]
         in_region = sum(n for ptr, n in grads.items() if b.ledger.find(ptr, n) is not None)
         in_pool = sum(n for ptr, n in grads.items() if any(a <= ptr < a + size for a, size in segments))

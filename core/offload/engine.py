@@ -87,9 +87,15 @@ class OffloadEngine:
         return g
 
     @property
+    def mapped_bytes(self) -> int:
+        """Device bytes of this engine's banks (and the slots in them) mapped now: its own
+        pages, not the process's (another stack's, a graph pool's on graphslot's pages)."""
+        return self.residency.mapped_bytes
+
+    @property
     def resident_device_bytes(self) -> int:
         """Device bytes graphslot holds for activations right now (banks, slots, stashes)."""
-        n = self.backend.ledger.mapped_bytes
+        n = self.mapped_bytes
         for t in self._pending.values():
             if t.stash is not None and t.stash.device is not None:
                 n += t.stash.device.numel()

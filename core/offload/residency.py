@@ -156,6 +156,11 @@ class Residency:
         self.engine = engine
         self.backend = engine.backend
 
+    @property
+    def mapped_bytes(self) -> int:
+        """Device bytes of its banks mapped now (none where it keeps no banks)."""
+        return 0
+
     def place(self, g: SlotGroup, bank_index: int) -> Reservation:
         """Outside capture: the VA ``g``'s slot lives at, mapped for the capture."""
         raise NotImplementedError
@@ -363,6 +368,10 @@ class ResidentBanks(Residency):
     @property
     def banks(self) -> list[Bank]:
         return [bank for cls in self.classes for bank in cls]
+
+    @property
+    def mapped_bytes(self) -> int:
+        return sum(m.size for bank in self.banks for m in bank.reservation.mappings.values())
 
     def bank_count(self, size: int) -> int:
         """How many banks a size class of ``size`` bytes gets."""
