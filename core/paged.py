@@ -38,6 +38,7 @@ region-graph interface are used.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import enum
 import threading
 from concurrent.futures import Future
@@ -114,6 +115,21 @@ def _runs(ranges: Sequence[tuple[int, int]], granule: int, limit: int) -> list[t
     """The granule-aligned ``(start, end)`` runs covering ``ranges`` (offset, size), merged."""
     return merge_intervals((o // granule * granule, min(limit, align_up(o + n, granule)))
                            for o, n in ranges if n > 0)
+
+
+def _own_page_each_untouched(sharing: PageSharing) -> PageSharing:
+    """``sharing`` with a physical page of its own for each page no block touches.
+
+    A device graph may touch any byte of what its pool used (cuda checks all of it before
+    a replay), and a segment's tail that no block of the list covers is still the pool's:
+    it keeps memory of its own, as it had, rather than none.
+    """
+    physical = list(sharing.physical)
+    n = sharing.physical_pages
+    for page, k in enumerate(physical):
+        if k < 0:
+            physical[page], n = n, n + 1
+    return dataclasses.replace(sharing, physical=tuple(physical), physical_pages=n)
 
 
 class PagedPool:
@@ -364,15 +380,16 @@ class PagedPool:
         # a capture goes too, and an unshare() maps no more than that)
         need = max([self.used_bytes] + [b[0] + b[1] for b in blocks if _is_block(b)])
         size = min(self._chunks[-1].end, align_up(need, g)) if self._chunks else 0
-        sharing = share_pages(blocks, size, g)
+        touched = share_pages(blocks, size, g)
         # Bytes the pool still hands out must be in a block (whose end says whether they
         # matter between steps): a page under none would lose its memory.
         for start, end in _runs(self.graph.live_ranges(), g, size):
-            bare = [p for p in range(start // g, end // g) if sharing.physical[p] < 0]
+            bare = [p for p in range(start // g, end // g) if touched.physical[p] < 0]
             if bare:
                 raise PlanError(f"paged pool: share(): bytes [{start}, {end}) of the pool are "
                                 f"still handed out, and no block covers page {bare[0]} of them; "
                                 "list every block still held (end None keeps its bytes)")
+        sharing = _own_page_each_untouched(touched)
         kept = _runs([(off, n) for off, n, _, end in blocks if end is None], g, size)
         saved = self._save_pages(kept)
         allocs: list[Allocation] = []

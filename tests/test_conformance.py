@@ -401,6 +401,30 @@ def test_ordinary_capture_arguments_follow_the_region_graphs_capability(clean, m
     assert b.ordinary_capture_kwargs() == {}
 
 
+def test_a_warmed_stream_keeps_its_library_state_in_memory_of_its_own(clean):
+    """vendor_warm_stream (run on the side stream when it is made): the matmul workspaces
+    a stream keeps for good take segments of their own, so a large block cached for the
+    stream before its first matmul goes back to the driver afterwards."""
+    b = clean
+    if b.name != "cuda":
+        pytest.skip("only the cuda backend has per-stream library state to make")
+    s = b.new_stream()
+    b.vendor_warm_stream(s)
+    with torch.cuda.stream(s):
+        big = torch.empty(512 << 20, dtype=torch.uint8, device=b.device)
+        del big  # (cached for the stream)
+        a = torch.ones(256, 256, device=b.device, dtype=torch.bfloat16, requires_grad=True)
+        torch.nn.functional.linear(a, a).float().sum().backward()
+        del a
+    s.synchronize()
+    torch.cuda.empty_cache()
+    mine = [seg for seg in torch.cuda.memory_snapshot() if seg["stream"] == s.cuda_stream]
+    assert mine, "the warm-up made no state for the stream"
+    held = sum(seg["total_size"] for seg in mine)
+    live = sum(blk["size"] for seg in mine for blk in seg["blocks"] if blk["state"] != "inactive")
+    assert held == live, f"{held - live} free bytes held for the stream"
+
+
 def test_timing_events_measure_queued_work(clean):
     b = clean
     s = b.new_stream()
@@ -597,6 +621,42 @@ def test_mapping_over_a_mapped_range_is_refused(clean):
     finally:
         b.release(other)
         b.unmap_release(res, 0)
+        b.free(res)
+
+
+def test_many_page_mappings_answer_overlap_and_access_after_every_change(clean):
+    """A reservation of page-sized mappings (as a pool with shared pages has): a map over
+    any one of them is refused, and whether a range is accessible follows every unmap,
+    map and access change, also when asked twice in a row."""
+    b = clean
+    g = b.granularity
+    n = 6
+    res = b.reserve(n * g)
+    allocs = [b.create(g) for _ in range(n)]
+    other = b.create(2 * g)
+    try:
+        for k in (3, 0, 5, 1, 4, 2):  # (out of order: the index keeps them sorted)
+            b.map(res, k * g, allocs[k])
+        assert not res.is_accessible(0, n * g)
+        b.set_access(res, 0, n * g)
+        assert res.is_accessible(0, n * g) and res.is_accessible(g + 10, g)
+        for at in (0, g, 4 * g):
+            with pytest.raises(UsageError, match=f"overlaps the mapping at offset {at}"):
+                b.map(res, at, other)
+        b.unmap(res, 2 * g, g)
+        assert not res.is_accessible(0, n * g) and not res.is_accessible(2 * g + 1, 1)
+        assert res.is_accessible(0, 2 * g) and res.is_accessible(3 * g, 3 * g)
+        with pytest.raises(UsageError, match=f"overlaps the mapping at offset {3 * g}"):
+            b.map(res, 2 * g, other)  # (the gap is one page; this needs two)
+        b.map(res, 2 * g, allocs[2])
+        assert not res.is_accessible(0, n * g), "mapped, but access not granted yet"
+        b.set_access(res, 2 * g, g)
+        assert res.is_accessible(0, n * g) and res.is_accessible(0, n * g)
+    finally:
+        for off in list(res.mappings):
+            b.unmap(res, off, g)
+        for a in allocs + [other]:
+            b.release(a)
         b.free(res)
 
 

@@ -326,6 +326,27 @@ def test_pages_never_live_at_once_share_memory_and_lasting_bytes_stay(pooled):
     assert pool.close() == 0 and b.ledger.mapped_bytes == ledger_before - mapped_before
 
 
+def test_a_page_no_block_touches_keeps_memory_of_its_own(pooled):
+    """A page under what the pool used that no block of the list covers (a segment's
+    tail the allocator never handed out) shares with nothing and stays mapped: a graph's
+    replay may be checked against, or touch, every byte its pool used."""
+    b, make = pooled
+    g = b.granularity
+    pool = _filled_pool(b, make, 4)
+    blocks = [(0, g, 0, 1), (2 * g, g, 1, 2), (3 * g, 64, 0, None)]  # page 1: no block
+    sharing = pool.share(blocks)
+    assert sharing.physical[0] == sharing.physical[2]
+    assert sharing.physical[1] not in (-1, sharing.physical[0], sharing.physical[3])
+    assert sharing.physical_pages == 3 and pool.mapped_bytes == 3 * g
+    assert pool.reservation.is_accessible(0, 4 * g)
+    _page(b, pool, 1).fill_(9)
+    _page(b, pool, 0).fill_(8)
+    b.synchronize()
+    assert torch.all(_page(b, pool, 1) == 9) and torch.all(_page(b, pool, 3) == 4)
+    pool.unshare()
+    assert pool.close() == 0
+
+
 def _two_captures(b: graphslot.Backend, pool: PagedPool, xs: list[torch.Tensor], keep: bool):
     """A graph in the pool per input (:func:`_expected`'s work), and per graph its
     temporaries and output: the temporaries held past its capture where ``keep``, else

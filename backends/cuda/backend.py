@@ -69,6 +69,11 @@ class CudaBackend(Backend):
     def vendor_empty_cache(self) -> None:
         torch.cuda.empty_cache()
 
+    def vendor_warm_stream(self, stream: Any) -> None:
+        from .pool import warm_up
+
+        warm_up(self, stream)  # (cuBLAS and cuBLASLt: a 32 MiB workspace each on Hopper)
+
     def vendor_allocator_stats(self, reset_peak: bool) -> dict[str, int | None]:
         stats = torch.cuda.memory_stats(self._torch_device)
         pool_reserved = pool_allocated = 0

@@ -55,6 +55,8 @@ _build_lock = threading.Lock()
 #: the most allocator events :meth:`_Region.recording` keeps (torch's history is a ring:
 #: past this, the start of what it recorded is lost, and it says so)
 _MAX_EVENTS = 4_000_000
+#: whether a region's recording has torch's allocator history on (one per process)
+_recording = False
 
 
 def _cache_dir() -> Path:
@@ -222,7 +224,10 @@ def warm_up(backend: Any, stream: Any) -> None:
     thread outside any graph pool; a no-op once they exist. See the module docstring."""
     import torch
 
-    with torch.cuda.stream(stream):
+    # (grad on and saved tensors kept as they are: the caller's no_grad or offload hooks
+    # have nothing to do with this)
+    with torch.cuda.stream(stream), torch.enable_grad(), \
+            torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
         for dtype in (torch.float32, torch.bfloat16, torch.float16):
             a = torch.ones(32, 32, device=backend.device, dtype=dtype, requires_grad=True)
             torch.nn.functional.linear(a, a, a[0]).float().sum().backward()
@@ -279,6 +284,10 @@ class _Region:
         block ends at its ``free_completed``, after every stream that used it)."""
         import torch
 
+        global _recording
+        if _recording:
+            raise UsageError("a graph pool's blocks are being recorded already (torch's "
+                             "allocator history is one per process): one recording at a time")
         mem = torch.cuda.memory
         dev = self.backend.device
         index = dev.index if dev.index is not None else torch.cuda.current_device()
@@ -294,10 +303,12 @@ class _Region:
         with torch.cuda.device(dev):
             mem._record_memory_history("all", context=None, stacks="python",
                                        max_entries=_MAX_EVENTS)
+        _recording = True
         try:
             yield out
             snap = mem._snapshot(dev)
         finally:
+            _recording = False
             with torch.cuda.device(dev):
                 mem._record_memory_history(None)
         traces = snap.get("device_traces") or []

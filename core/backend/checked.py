@@ -172,16 +172,16 @@ class Backend(DeviceVendor):
             if not isinstance(alloc, Allocation) or alloc.released or alloc not in self.ledger.allocations:
                 raise UsageError(f"map: {alloc!r} is not a live allocation of this backend")
             self._range(res, offset, alloc.size, "map")
-            for m in res.mappings.values():
-                if m.offset < offset + alloc.size and offset < m.offset + m.size:
-                    raise UsageError(
-                        f"map: [{offset}, {offset + alloc.size}) of the reservation at "
-                        f"0x{res.va:x} overlaps the mapping at offset {m.offset} "
-                        f"({_fmt(m.size)}); unmap it first")
+            m = res.overlapping(offset, alloc.size)
+            if m is not None:
+                raise UsageError(
+                    f"map: [{offset}, {offset + alloc.size}) of the reservation at "
+                    f"0x{res.va:x} overlaps the mapping at offset {m.offset} "
+                    f"({_fmt(m.size)}); unmap it first")
             va = res.va + offset
             self._call("map", f"map {_fmt(alloc.size)} at 0x{va:x}",
                        self.driver.map, va, alloc.size, alloc.handle)
-            res.mappings[offset] = Mapping(offset, alloc.size, alloc)
+            res.add_mapping(Mapping(offset, alloc.size, alloc))
             alloc.mapped_at.add((res.va, offset))
             if len(alloc.mapped_at) == 1:  # (mapped at a second address, it holds no more)
                 self.ledger._on_map(alloc.size)
@@ -196,8 +196,7 @@ class Backend(DeviceVendor):
             va = res.va + offset
             self._call("set_access", f"set read/write access on {_fmt(size)} at 0x{va:x}",
                        self.driver.set_access, va, size)
-            for m in covered:
-                m.accessible = True
+            res.grant_access(covered)
 
     def unmap(self, res: Reservation, offset: int, size: int) -> None:
         """Unmap ``[offset, offset + size)``; the address range stays reserved.
@@ -213,7 +212,7 @@ class Backend(DeviceVendor):
             va = res.va + offset
             self._call("unmap", f"unmap {_fmt(size)} at 0x{va:x}", self.driver.unmap, va, size)
             for m in covered:
-                del res.mappings[m.offset]
+                res.remove_mapping(m.offset)
                 m.allocation.mapped_at.discard((res.va, m.offset))
                 if not m.allocation.mapped_at:
                     self.ledger._on_unmap(m.size)
@@ -361,11 +360,15 @@ class Backend(DeviceVendor):
         Libraries keep state per stream for as long as the process lives (cuBLAS and
         cuBLASLt a workspace of tens of MiB for each stream and thread that ran a matmul),
         so work that needs a stream other than the current one, over and over (every
-        graphed stack built), shares this one and pays that state once."""
+        graphed stack built), shares this one and pays that state once: made at once,
+        before anything is cached for the stream, in memory of its own."""
         with self.driver_lock:
-            if self._side is None:
+            made = self._side is None
+            if made:
                 self._side = self.new_stream()
-            return self._side
+        if made and not self.vendor_is_capturing():
+            self.vendor_warm_stream(self._side)
+        return self._side
 
     def new_event(self, timing: bool = False) -> Any:
         """An event that nothing recorded yet; ``timing=True`` lets :meth:`elapsed_ms` read it.

@@ -7,6 +7,7 @@ sees it.
 
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -61,12 +62,21 @@ class Mapping:
 
 @dataclass(eq=False)
 class Reservation:
-    """A reserved virtual address range. ``va`` never changes while it lives."""
+    """A reserved virtual address range. ``va`` never changes while it lives.
+
+    ``mappings`` is read-only outside the checked backend, which changes it through
+    :meth:`add_mapping`, :meth:`remove_mapping` and :meth:`grant_access` so the sorted
+    index and ``version`` stay right (a pool of 2 MiB pages has thousands of mappings).
+    """
 
     va: int
     size: int
     freed: bool = False
     mappings: dict[int, Mapping] = field(default_factory=dict)  # offset -> Mapping
+    #: bumped by every change of the mappings or their access.
+    version: int = 0
+    _starts: list[int] = field(default_factory=list, repr=False)  # sorted mapping offsets
+    _accessible: dict[tuple[int, int], int] = field(default_factory=dict, repr=False)
 
     @property
     def end(self) -> int:
@@ -75,18 +85,59 @@ class Reservation:
     def mapping_at(self, offset: int) -> Mapping | None:
         return self.mappings.get(offset)
 
+    def covering(self, offset: int) -> Mapping | None:
+        """The mapping holding byte ``offset``, if any."""
+        k = bisect.bisect_right(self._starts, offset) - 1
+        if k < 0:
+            return None
+        m = self.mappings[self._starts[k]]
+        return m if offset < m.offset + m.size else None
+
+    def overlapping(self, offset: int, size: int) -> Mapping | None:
+        """The first mapping sharing a byte with ``[offset, offset + size)``, if any."""
+        m = self.covering(offset)
+        if m is not None:
+            return m
+        k = bisect.bisect_left(self._starts, offset)
+        if k < len(self._starts) and self._starts[k] < offset + size:
+            return self.mappings[self._starts[k]]
+        return None
+
+    def add_mapping(self, m: Mapping) -> None:
+        bisect.insort(self._starts, m.offset)
+        self.mappings[m.offset] = m
+        self._changed()
+
+    def remove_mapping(self, offset: int) -> Mapping:
+        m = self.mappings.pop(offset)
+        del self._starts[bisect.bisect_left(self._starts, offset)]
+        self._changed()
+        return m
+
+    def grant_access(self, ms: list[Mapping]) -> None:
+        for m in ms:
+            m.accessible = True
+        self._changed()
+
+    def _changed(self) -> None:
+        self.version += 1
+        self._accessible.clear()
+
     def is_accessible(self, offset: int, size: int) -> bool:
-        """True when every byte of ``[offset, offset + size)`` is mapped and accessible."""
+        """True when every byte of ``[offset, offset + size)`` is mapped and accessible
+        (answered from a cache until the mappings change: replays ask it every time)."""
+        if self._accessible.get((offset, size)) == self.version:
+            return True
         pos, end = offset, offset + size
+        hit = self.covering(pos)
         while pos < end:
-            hit = None
-            for m in self.mappings.values():
-                if m.offset <= pos < m.offset + m.size:
-                    hit = m
-                    break
             if hit is None or not hit.accessible:
                 return False
             pos = hit.offset + hit.size
+            hit = self.mappings.get(pos)  # (the next one starts where this one ends, or none)
+        if len(self._accessible) > 4096:
+            self._accessible.clear()
+        self._accessible[(offset, size)] = self.version
         return True
 
     def __repr__(self) -> str:

@@ -190,6 +190,12 @@ class DeviceVendor(abc.ABC):
     def vendor_empty_cache(self) -> None:
         """Give the framework allocator's cached, unused blocks back to the driver (``empty_cache``)."""
 
+    def vendor_warm_stream(self, stream: Any) -> None:
+        """Make the state libraries keep per stream (matmul workspaces) for ``stream`` now,
+        on a stream with nothing cached yet (``side_stream``). Such state lives as long as
+        the process: made later, amid cached blocks, it lands inside a larger block and
+        keeps that block's whole segment held. Default: nothing to make."""
+
     # ------------------------------------------------------------------ hooks of declared features
 
     def vendor_new_graph_event(self) -> Any:

@@ -379,6 +379,16 @@ def _run_child(b: Backend, argv: list[str]) -> dict[str, Any]:
     return dict(out)
 
 
+def _brief(c: dict[str, Any]) -> str:
+    """A finished configuration's figures for the progress line (what a run cut short by
+    a time limit still shows)."""
+    if "reason" in c:
+        return f" (not run: {c['reason']})"
+    return (f" (step {c['step_ms']:.1f} ms, peak "
+            f"{format_bytes(c['peak_device_bytes'])})" if c.get("step_ms") is not None
+            and c.get("peak_device_bytes") is not None else "")
+
+
 def _run_isolated(b: Backend, shape: BenchShape, names: list[str], sweep: bool,
                   trace_path: str | None, plot_path: str | None, o: _Options) -> dict[str, Any]:
     """:func:`run_bench` with every configuration in a process of its own (``isolate``).
@@ -410,7 +420,7 @@ def _run_isolated(b: Backend, shape: BenchShape, names: list[str], sweep: bool,
                     out.setdefault("write_errors", []).extend(child.pop("write_errors"))
                 c = child.get("configs", {}).get(name) if "reason" not in child else child
                 c = c or {"reason": "its process reported nothing for it"}
-                bar.update(f"{name}: round {rnd}/{o.rounds} done")
+                bar.update(f"{name}: round {rnd}/{o.rounds} done{_brief(c)}")
                 if first is not None:
                     _count_round(first, c, rnd)
                 else:

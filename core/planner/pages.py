@@ -118,32 +118,46 @@ def share_pages(blocks: Iterable[tuple[int, int, int, int | None]], size: int,
         for page in range(off // page_bytes, (off + n - 1) // page_bytes + 1):
             live[page] = live.get(page, 0) | bits
 
-    def first_fit(order: list[int]) -> dict[int, int]:
-        held: list[int] = []  # each physical page's liveness: its pages' union
-        got: dict[int, int] = {}
-        for page in order:
-            bits = live[page]
-            for k, h in enumerate(held):
-                if not h & bits:
-                    held[k] = h | bits
-                    got[page] = k
-                    break
-            else:
-                got[page] = len(held)
-                held.append(bits)
-        return got
+    # Pages live over the same steps conflict with one another and with the same others:
+    # first fit takes them as one group, and a page live over every step (most of a
+    # pool whose outputs are kept) shares with nothing, so it is never looked up.
+    groups: dict[int, list[int]] = {}
+    for page in sorted(live):
+        groups.setdefault(live[page], []).append(page)
 
-    pages = sorted(live)
+    def first_fit(order: list[int]) -> tuple[dict[int, int], int]:
+        held: list[int] = []  # each physical page's liveness: its pages' union
+        open_: list[int] = []  # the physical pages not yet live over every step
+        got: dict[int, int] = {}
+        for bits in order:
+            pages = groups[bits]
+            fits: list[int] = []
+            if bits != every:
+                for k in open_:
+                    if not held[k] & bits:
+                        fits.append(k)
+                        if len(fits) == len(pages):
+                            break
+            for k in fits:
+                held[k] |= bits
+            while len(fits) < len(pages):
+                fits.append(len(held))
+                held.append(bits)
+                open_.append(fits[-1])
+            for page, k in zip(pages, fits):
+                got[page] = k
+            open_ = [k for k in open_ if held[k] != every]
+        return got, len(held)
+
     orders = [
-        sorted(pages, key=lambda p: ((live[p] & -live[p]).bit_length(), -live[p].bit_count())),
-        sorted(pages, key=lambda p: (-live[p].bit_count(), (live[p] & -live[p]).bit_length())),
-        sorted(pages, key=lambda p: -live[p].bit_length()),
+        sorted(groups, key=lambda b: ((b & -b).bit_length(), -b.bit_count())),
+        sorted(groups, key=lambda b: (-b.bit_count(), (b & -b).bit_length())),
+        sorted(groups, key=lambda b: -b.bit_length()),
     ]
     best: dict[int, int] = {}
     best_n = -1
     for order in orders:
-        got = first_fit(order)
-        n = max(got.values(), default=-1) + 1
+        got, n = first_fit(order)
         if best_n < 0 or n < best_n:
             best, best_n = got, n
     change = [0] * (max(1, len(times)) + 1)  # pages live, as changes per step boundary
