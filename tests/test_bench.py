@@ -386,6 +386,25 @@ def test_isolated_rounds_gather_what_each_process_reported(backend, monkeypatch)
     assert a["step_median_round"] == pytest.approx((8.0 / 30.0 + 1.0 / 20.0) / 2)
 
 
+def test_an_isolated_configuration_s_progress_line_carries_its_figures(backend, monkeypatch, capsys):
+    """Each process's "done" line says its step and peak (or why it did not run): a log
+    that a time limit cuts off before the report still has the figures run so far."""
+    def fake(b, argv):
+        name = argv[argv.index("--configs") + 1]
+        if name == "graph":
+            return {"reason": "its process failed: out of luck"}
+        return {"configs": {name: {"fwd_ms": 1.0, "bwd_ms": 2.0, "step_ms": 23.25,
+                                   "peak_device_bytes": 3 << 30, "offloaded_bytes": 0}},
+                "saved_activation_bytes": 1, "copy": {"d2h_gbps": 1.0, "h2d_gbps": 1.0}}
+
+    monkeypatch.setattr(bench, "_run_child", fake)
+    run_bench(backend, BenchShape.preset("tiny"), progress=True, isolate=True,
+              configs=("eager", "graph"))
+    err = capsys.readouterr().err
+    assert "eager: round 1/1 done (step 23.2 ms, peak 3.00 GiB)" in err, err
+    assert "graph: round 1/1 done (not run: its process failed: out of luck)" in err, err
+
+
 def test_an_isolated_sweep_takes_its_budgets_from_the_checkpoint_and_graph_processes(backend, monkeypatch):
     """--budgets sweep --isolate: the checkpoint and graph processes run first, whatever
     the order asked; the budgets run after, one process each, from checkpoint's peak

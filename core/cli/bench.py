@@ -420,7 +420,7 @@ def _run_isolated(b: Backend, shape: BenchShape, names: list[str], sweep: bool,
                     out.setdefault("write_errors", []).extend(child.pop("write_errors"))
                 c = child.get("configs", {}).get(name) if "reason" not in child else child
                 c = c or {"reason": "its process reported nothing for it"}
-                bar.update(f"{name}: round {rnd}/{o.rounds} done{_brief(c)}")
+                bar.update(f"{name}: round {rnd}/{o.rounds} done{_brief(c)}", line=True)
                 if first is not None:
                     _count_round(first, c, rnd)
                 else:

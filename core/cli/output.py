@@ -97,14 +97,17 @@ class Progress:
             self._bar = tqdm.tqdm(total=total, file=sys.stderr, leave=False, dynamic_ncols=True,
                                   bar_format="{bar:24} {n_fmt}/{total_fmt} {desc}")
 
-    def update(self, label: str, advance: bool = True) -> None:
-        """Show ``label``; count one step done unless ``advance`` is false."""
+    def update(self, label: str, advance: bool = True, line: bool = False) -> None:
+        """Show ``label``; count one step done unless ``advance`` is false. As lines, a
+        label is printed when it counts nothing, names another configuration, comes a
+        while after the last, or ``line`` says so (a result)."""
         self._done += bool(advance)
         if self._lines:
             # (a configuration's name ends at the first ": "; names such as "budget:7GiB"
             # hold a colon of their own. A label that counts nothing marks a start.)
             now, what = time.monotonic(), label.split(": ", 1)[0]
-            if not advance or what != self._said or now - self._last >= self.LINE_EVERY_S:
+            if (line or not advance or what != self._said
+                    or now - self._last >= self.LINE_EVERY_S):
                 self._said, self._last = what, now
                 print(f"[{self._done}/{self._total}, {now - self._start:.0f} s] {label}",
                       file=self._err, flush=True)
