@@ -545,6 +545,37 @@ def test_the_side_stream_is_one_stream_of_its_own_for_the_backend(clean):
     assert float(x.sum()) == 3 * 1024
 
 
+def test_the_side_stream_is_warmed_once_before_any_thread_gets_it(clean, monkeypatch):
+    """side_stream() makes the stream's library state (vendor_warm_stream) once, before
+    it hands the stream to any thread; made under a capture, it waits for a call outside."""
+    b = clean
+    warmed: list = []
+
+    def warm(s) -> None:
+        time.sleep(0.05)  # (the other threads ask meanwhile)
+        warmed.append(s)
+
+    monkeypatch.setattr(b, "vendor_warm_stream", warm)
+    monkeypatch.setattr(b, "_side", None)
+    monkeypatch.setattr(b, "_side_warm", False)
+    got: list = []
+    ts = [threading.Thread(target=lambda: got.append((b.side_stream(), len(warmed))))
+          for _ in range(4)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    s = b.side_stream()
+    assert warmed == [s] and got == [(s, 1)] * 4
+    monkeypatch.setattr(b, "_side", None)
+    monkeypatch.setattr(b, "_side_warm", False)
+    monkeypatch.setattr(b, "vendor_is_capturing", lambda: True)
+    s = b.side_stream()
+    assert len(warmed) == 1, "warmed under a capture"
+    monkeypatch.setattr(b, "vendor_is_capturing", lambda: False)
+    assert b.side_stream() is s and warmed[1:] == [s]
+
+
 # --------------------------------------------------------------------------- memory returns
 
 

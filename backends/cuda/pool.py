@@ -55,8 +55,8 @@ _build_lock = threading.Lock()
 #: the most allocator events :meth:`_Region.recording` keeps (torch's history is a ring:
 #: past this, the start of what it recorded is lost, and it says so)
 _MAX_EVENTS = 4_000_000
-#: whether a region's recording has torch's allocator history on (one per process)
-_recording = False
+#: held while a region's recording has torch's allocator history on (one per process)
+_recording = threading.Lock()
 
 
 def _cache_dir() -> Path:
@@ -226,7 +226,7 @@ def warm_up(backend: Any, stream: Any) -> None:
 
     # (grad on and saved tensors kept as they are: the caller's no_grad or offload hooks
     # have nothing to do with this)
-    with torch.cuda.stream(stream), torch.enable_grad(), \
+    with torch.cuda.stream(stream), torch.inference_mode(False), torch.enable_grad(), \
             torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
         for dtype in (torch.float32, torch.bfloat16, torch.float16):
             a = torch.ones(32, 32, device=backend.device, dtype=dtype, requires_grad=True)
@@ -284,33 +284,34 @@ class _Region:
         block ends at its ``free_completed``, after every stream that used it)."""
         import torch
 
-        global _recording
-        if _recording:
+        if not _recording.acquire(blocking=False):
             raise UsageError("a graph pool's blocks are being recorded already (torch's "
                              "allocator history is one per process): one recording at a time")
-        mem = torch.cuda.memory
-        dev = self.backend.device
-        index = dev.index if dev.index is not None else torch.cuda.current_device()
-        first = mem._snapshot(dev)
-        traces = first.get("device_traces") or []
-        # (history on with "state" only, or on with no event yet, is not seen here)
-        if index < len(traces) and traces[index]:
-            raise UsageError("recording a graph pool's blocks turns torch's allocator history "
-                             "(torch.cuda.memory._record_memory_history) on and off, and it "
-                             "is recording already: stop it before the build")
-        opened = {self.va + off: (n, 0) for off, n in self._live_in(first.get("segments") or [])}
-        out: list[Block] = []
-        with torch.cuda.device(dev):
-            mem._record_memory_history("all", context=None, stacks="python",
-                                       max_entries=_MAX_EVENTS)
-        _recording = True
         try:
-            yield out
-            snap = mem._snapshot(dev)
-        finally:
-            _recording = False
+            mem = torch.cuda.memory
+            dev = self.backend.device
+            index = dev.index if dev.index is not None else torch.cuda.current_device()
+            first = mem._snapshot(dev)
+            traces = first.get("device_traces") or []
+            # (history on with "state" only, or on with no event yet, is not seen here)
+            if index < len(traces) and traces[index]:
+                raise UsageError("recording a graph pool's blocks turns torch's allocator "
+                                 "history (torch.cuda.memory._record_memory_history) on and "
+                                 "off, and it is recording already: stop it before the build")
+            opened = {self.va + off: (n, 0)
+                      for off, n in self._live_in(first.get("segments") or [])}
+            out: list[Block] = []
             with torch.cuda.device(dev):
-                mem._record_memory_history(None)
+                mem._record_memory_history("all", context=None, stacks="python",
+                                           max_entries=_MAX_EVENTS)
+            try:
+                yield out
+                snap = mem._snapshot(dev)
+            finally:
+                with torch.cuda.device(dev):
+                    mem._record_memory_history(None)
+        finally:
+            _recording.release()
         traces = snap.get("device_traces") or []
         events = traces[index] if index < len(traces) else []
         if len(events) >= _MAX_EVENTS:

@@ -58,6 +58,8 @@ class Backend(DeviceVendor):
         self.pinned_bytes = 0
         self._pinned_lock = threading.Lock()
         self._side: Any = None
+        self._side_warm = False
+        self._side_lock = threading.RLock()
         self._free_events: list[Any] = []  # events of dropped LentEvents, to record again
 
     # ------------------------------------------------------------------ helpers
@@ -362,13 +364,13 @@ class Backend(DeviceVendor):
         so work that needs a stream other than the current one, over and over (every
         graphed stack built), shares this one and pays that state once: made at once,
         before anything is cached for the stream, in memory of its own."""
-        with self.driver_lock:
-            made = self._side is None
-            if made:
+        with self._side_lock:  # (not the driver lock: the warm-up runs kernels)
+            if self._side is None:
                 self._side = self.new_stream()
-        if made and not self.vendor_is_capturing():
-            self.vendor_warm_stream(self._side)
-        return self._side
+            if not self._side_warm and not self.vendor_is_capturing():
+                self.vendor_warm_stream(self._side)  # (made under a capture: the next call)
+                self._side_warm = True
+            return self._side
 
     def new_event(self, timing: bool = False) -> Any:
         """An event that nothing recorded yet; ``timing=True`` lets :meth:`elapsed_ms` read it.

@@ -88,10 +88,8 @@ class Reservation:
     def covering(self, offset: int) -> Mapping | None:
         """The mapping holding byte ``offset``, if any."""
         k = bisect.bisect_right(self._starts, offset) - 1
-        if k < 0:
-            return None
-        m = self.mappings[self._starts[k]]
-        return m if offset < m.offset + m.size else None
+        m = self.mappings.get(self._starts[k]) if k >= 0 else None
+        return m if m is not None and offset < m.offset + m.size else None
 
     def overlapping(self, offset: int, size: int) -> Mapping | None:
         """The first mapping sharing a byte with ``[offset, offset + size)``, if any."""
@@ -100,17 +98,19 @@ class Reservation:
             return m
         k = bisect.bisect_left(self._starts, offset)
         if k < len(self._starts) and self._starts[k] < offset + size:
-            return self.mappings[self._starts[k]]
+            return self.mappings.get(self._starts[k])
         return None
 
+    # (changes come under the backend's driver lock; a reader without it, a replay's
+    # check, finds an offset in the index only while the dict has it)
     def add_mapping(self, m: Mapping) -> None:
-        bisect.insort(self._starts, m.offset)
         self.mappings[m.offset] = m
+        bisect.insort(self._starts, m.offset)
         self._changed()
 
     def remove_mapping(self, offset: int) -> Mapping:
-        m = self.mappings.pop(offset)
         del self._starts[bisect.bisect_left(self._starts, offset)]
+        m = self.mappings.pop(offset)
         self._changed()
         return m
 
@@ -126,7 +126,8 @@ class Reservation:
     def is_accessible(self, offset: int, size: int) -> bool:
         """True when every byte of ``[offset, offset + size)`` is mapped and accessible
         (answered from a cache until the mappings change: replays ask it every time)."""
-        if self._accessible.get((offset, size)) == self.version:
+        version = self.version  # (as of the start: a change meanwhile is not cached over)
+        if self._accessible.get((offset, size)) == version:
             return True
         pos, end = offset, offset + size
         hit = self.covering(pos)
@@ -137,7 +138,7 @@ class Reservation:
             hit = self.mappings.get(pos)  # (the next one starts where this one ends, or none)
         if len(self._accessible) > 4096:
             self._accessible.clear()
-        self._accessible[(offset, size)] = self.version
+        self._accessible[(offset, size)] = version
         return True
 
     def __repr__(self) -> str:

@@ -143,10 +143,12 @@ def share_pages(blocks: Iterable[tuple[int, int, int, int | None]], size: int,
             while len(fits) < len(pages):
                 fits.append(len(held))
                 held.append(bits)
-                open_.append(fits[-1])
+                if bits != every:
+                    # (a page live over a bounded span never reaches the last step
+                    # boundary's bit, so only a page live for good is ever full)
+                    open_.append(fits[-1])
             for page, k in zip(pages, fits):
                 got[page] = k
-            open_ = [k for k in open_ if held[k] != every]
         return got, len(held)
 
     orders = [
