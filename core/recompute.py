@@ -18,6 +18,8 @@ Device neutral: the ops are aten's, whatever the device.
 from __future__ import annotations
 
 import contextlib
+import weakref
+from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
 import torch
@@ -211,6 +213,66 @@ def recompute_parts(module: torch.nn.Module) -> list[torch.nn.Module]:
         m = found[0]
 
 
+class _NoteCost(TorchDispatchMode):
+    """Notes whether a forward ran an op that keeps it from being run again for a later
+    part's input: an expensive one (:func:`is_expensive`), one that draws random numbers,
+    or one whose results may differ in their last bits from run to run."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.costly = False
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        tags = getattr(func, "tags", ())
+        if (is_expensive(func) or torch.Tag.nondeterministic_seeded in tags
+                or torch.Tag.nondeterministic_bitwise in tags):
+            self.costly = True
+        return func(*args, **(kwargs or {}))
+
+
+#: per part module: whether its output may be made again from its inputs for a later
+#: part (decided at its first call: only cheap, seedless, bitwise-stable ops, no buffers)
+_remakeable: weakref.WeakKeyDictionary[torch.nn.Module, bool] = weakref.WeakKeyDictionary()
+
+
+@dataclass
+class _Made:
+    """A cheap part's output as it left the part, and how to make it again: ``call``
+    over ``inputs`` (the tensors the part's checkpoint got)."""
+
+    out: weakref.ref[torch.Tensor]
+    version: int
+    call: Callable[..., Any]
+    inputs: list[weakref.ref[torch.Tensor]]
+
+    def inputs_for(self, t: torch.Tensor) -> list[torch.Tensor] | None:
+        """The inputs to make ``t`` again from, if ``t`` is this output, unchanged since."""
+        if self.out() is not t or t._version != self.version:
+            return None
+        ts = [r() for r in self.inputs]
+        return [x for x in ts if x is not None] if all(x is not None for x in ts) else None
+
+
+def _sources(given: list[torch.Tensor], made: dict[int, _Made]
+             ) -> tuple[list[torch.Tensor], list[tuple[Callable[..., Any] | None, int, bool]]]:
+    """The tensors a part's checkpoint gets for the tensors it was ``given`` (for a cheap
+    part's output: that part's inputs), and per given tensor how its recompute gets it
+    back from them: ``(None, 1, _)`` itself; ``(call, n, requires_grad)`` made again by
+    ``call`` from ``n`` of them (each distinct output's inputs go in once)."""
+    tensors: list[torch.Tensor] = []
+    sources: list[tuple[Callable[..., Any] | None, int, bool]] = []
+    for t in given:
+        how = made.get(id(t))
+        ins = how.inputs_for(t) if how is not None else None
+        if how is not None and ins is not None:
+            sources.append((how.call, len(ins), t.requires_grad))
+            tensors += ins
+        else:
+            sources.append((None, 1, False))
+            tensors.append(t)
+    return tensors, sources
+
+
 @contextlib.contextmanager
 def checkpointing_parts(parts: list[torch.nn.Module],
                         changed: list[str] | None = None) -> Iterator[None]:
@@ -223,6 +285,12 @@ def checkpointing_parts(parts: list[torch.nn.Module],
     that swaps them for aliases of the same memory is read alike). Random numbers are not
     restored (``preserve_rng_state=False``: a part that draws them is not recomputed this
     way), nor module state its forward changes (a caller refuses those).
+
+    A part given the output of a cheap part (no matrix product, attention, random numbers
+    or run-to-run differences, no buffers: a norm), unchanged, saves that part's inputs
+    instead, and its recompute makes the output again from them: a pre-norm block keeps
+    its residual inputs, not also the norms' outputs. Gradients still flow through the
+    output the forward made, so they are summed as without this.
 
     Every tensor a part is given, keyword arguments and tensors inside tuples included,
     goes to the checkpoint as an input of its own, so what saves it (an offload slot, a
@@ -237,28 +305,63 @@ def checkpointing_parts(parts: list[torch.nn.Module],
     """
     had = [(m, m.__dict__.get("forward")) for m in parts]
     given: list[tuple[str, list[tuple[torch.Tensor, int]]]] = []
+    made: dict[int, _Made] = {}  # id of a cheap part's output -> how to make it again
     try:
         for m in parts:
             forward = m.forward
 
-            def run(*args: Any, _forward: Any = forward, _name: str = type(m).__name__,
+            def run(*args: Any, _forward: Any = forward, _m: torch.nn.Module = m,
                     **kwargs: Any) -> Any:
                 flat, spec = tree_flatten((args, kwargs))
                 at = [i for i, v in enumerate(flat) if isinstance(v, torch.Tensor)]
-                tensors = [flat[i] for i in at]
-                if changed is not None:
-                    given.append((_name, [(t, t._version) for t in tensors]))
                 rest = [None if isinstance(v, torch.Tensor) else v for v in flat]  # (no reference kept)
+                # (the closures keep counts, not tensors: what saves the checkpoint's
+                # inputs decides where they live)
+                tensors, sources = _sources([flat[i] for i in at], made)
+                if changed is not None:
+                    given.append((type(_m).__name__, [(t, t._version) for t in tensors]))
+                # the forward reads the tensors as given (their gradients flow as they
+                # would); only the recompute makes a cheap part's output again
+                first: list[list[torch.Tensor] | None] = [[flat[i] for i in at]]
+
+                def given_back(ts: tuple[torch.Tensor, ...]) -> list[torch.Tensor]:
+                    held, first[0] = first[0], None
+                    if held is not None:
+                        return held
+                    out: list[torch.Tensor] = []
+                    k = 0
+                    for again, n, grad in sources:
+                        if again is None:
+                            out.append(ts[k])
+                        else:
+                            with torch.no_grad():
+                                t = again(*ts[k:k + n])
+                            # (as given: an op saves what it saves by what needs a gradient)
+                            out.append(t.requires_grad_() if grad else t)
+                        k += n
+                    return out
 
                 def call(*ts: torch.Tensor) -> Any:
                     leaves = list(rest)
-                    for i, t in zip(at, ts):
+                    for i, t in zip(at, given_back(ts)):
                         leaves[i] = t
                     a, k = tree_unflatten(leaves, spec)
                     return _forward(*a, **k)
 
-                return torch.utils.checkpoint.checkpoint(
-                    call, *tensors, use_reentrant=False, preserve_rng_state=False)
+                judge = _m not in _remakeable
+                noting: Any = _NoteCost() if judge else contextlib.nullcontext()
+                try:
+                    with noting:
+                        out = torch.utils.checkpoint.checkpoint(
+                            call, *tensors, use_reentrant=False, preserve_rng_state=False)
+                finally:
+                    first[0] = None
+                if judge:
+                    _remakeable[_m] = not noting.costly and next(_m.buffers(), None) is None
+                if isinstance(out, torch.Tensor) and _remakeable[_m]:
+                    made[id(out)] = _Made(weakref.ref(out), out._version, call,
+                                          [weakref.ref(t) for t in tensors])
+                return out
 
             m.forward = run  # (an instance attribute: hooks still run around it)
         yield
@@ -267,6 +370,7 @@ def checkpointing_parts(parts: list[torch.nn.Module],
                                          if any(t._version != v for t, v in ts)))
     finally:
         given.clear()
+        made.clear()
         for m, own in reversed(had):
             if own is None:
                 m.__dict__.pop("forward", None)
