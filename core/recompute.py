@@ -18,9 +18,10 @@ Device neutral: the ops are aten's, whatever the device.
 from __future__ import annotations
 
 import contextlib
+import functools
 import weakref
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -213,8 +214,18 @@ def recompute_parts(module: torch.nn.Module) -> list[torch.nn.Module]:
         m = found[0]
 
 
+#: Ops whose results may differ in their last bits from run to run on a device (atomic
+#: accumulation): a part running one is not made again for a later part's input.
+#: (torch's ``nondeterministic_bitwise`` tag is checked too, where an op carries it.)
+_UNSTABLE_OPS = _packets(
+    "index_add", "index_add_", "index_reduce", "index_reduce_", "index_put", "index_put_",
+    "_index_put_impl_", "put", "put_", "scatter_add", "scatter_add_", "scatter_reduce",
+    "scatter_reduce_", "embedding_bag", "_embedding_bag", "_embedding_bag_forward_only",
+    "histc", "bincount", "_unsafe_index_put")
+
+
 class _NoteCost(TorchDispatchMode):
-    """Notes whether a forward ran an op that keeps it from being run again for a later
+    """Notes whether a forward ran an op that keeps it from being made again for a later
     part's input: an expensive one (:func:`is_expensive`), one that draws random numbers,
     or one whose results may differ in their last bits from run to run."""
 
@@ -224,7 +235,8 @@ class _NoteCost(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         tags = getattr(func, "tags", ())
-        if (is_expensive(func) or torch.Tag.nondeterministic_seeded in tags
+        if (is_expensive(func) or getattr(func, "overloadpacket", func) in _UNSTABLE_OPS
+                or torch.Tag.nondeterministic_seeded in tags
                 or torch.Tag.nondeterministic_bitwise in tags):
             self.costly = True
         return func(*args, **(kwargs or {}))
@@ -235,30 +247,45 @@ class _NoteCost(TorchDispatchMode):
 _remakeable: weakref.WeakKeyDictionary[torch.nn.Module, bool] = weakref.WeakKeyDictionary()
 
 
+def _autocast_state(device_type: str) -> tuple[Any, ...]:
+    """Autocast as it stands for ``device_type`` and the cpu: a remake runs under the
+    state of the part that reads the output, which must be the one it was made under."""
+    return tuple((d, torch.is_autocast_enabled(d), torch.get_autocast_dtype(d))
+                 for d in dict.fromkeys(("cpu", device_type))
+                 if torch.amp.is_autocast_available(d))
+
+
 @dataclass
 class _Made:
     """A cheap part's output as it left the part, and how to make it again: ``call``
-    over ``inputs`` (the tensors the part's checkpoint got)."""
+    over ``inputs`` (the tensors the part's checkpoint got), as they were then."""
 
     out: weakref.ref[torch.Tensor]
     version: int
     call: Callable[..., Any]
     inputs: list[weakref.ref[torch.Tensor]]
+    versions: list[int]
+    autocast: tuple[Any, ...]
 
     def inputs_for(self, t: torch.Tensor) -> list[torch.Tensor] | None:
-        """The inputs to make ``t`` again from, if ``t`` is this output, unchanged since."""
-        if self.out() is not t or t._version != self.version:
+        """The inputs to make ``t`` again from: where ``t`` is this output and neither it
+        nor they changed since, under the same autocast."""
+        if (self.out() is not t or t._version != self.version
+                or _autocast_state(t.device.type) != self.autocast):
             return None
         ts = [r() for r in self.inputs]
-        return [x for x in ts if x is not None] if all(x is not None for x in ts) else None
+        live = [x for x in ts if x is not None]
+        if len(live) < len(ts) or any(x._version != v for x, v in zip(live, self.versions)):
+            return None
+        return live
 
 
 def _sources(given: list[torch.Tensor], made: dict[int, _Made]
              ) -> tuple[list[torch.Tensor], list[tuple[Callable[..., Any] | None, int, bool]]]:
-    """The tensors a part's checkpoint gets for the tensors it was ``given`` (for a cheap
-    part's output: that part's inputs), and per given tensor how its recompute gets it
-    back from them: ``(None, 1, _)`` itself; ``(call, n, requires_grad)`` made again by
-    ``call`` from ``n`` of them (each distinct output's inputs go in once)."""
+    """The tensors a part's checkpoint gets for the distinct tensors it was ``given``
+    (for a cheap part's output: that part's inputs), and per given tensor how its
+    recompute gets it back from them: ``(None, 1, _)`` itself; ``(call, n,
+    requires_grad)`` made again by ``call`` from the next ``n`` of them."""
     tensors: list[torch.Tensor] = []
     sources: list[tuple[Callable[..., Any] | None, int, bool]] = []
     for t in given:
@@ -271,6 +298,10 @@ def _sources(given: list[torch.Tensor], made: dict[int, _Made]
             sources.append((None, 1, False))
             tensors.append(t)
     return tensors, sources
+
+
+def _nbytes(ts: Iterable[torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in ts)
 
 
 @contextlib.contextmanager
@@ -287,25 +318,32 @@ def checkpointing_parts(parts: list[torch.nn.Module],
     way), nor module state its forward changes (a caller refuses those).
 
     A part given the output of a cheap part (no matrix product, attention, random numbers
-    or run-to-run differences, no buffers: a norm), unchanged, saves that part's inputs
-    instead, and its recompute makes the output again from them: a pre-norm block keeps
-    its residual inputs, not also the norms' outputs. Gradients still flow through the
-    output the forward made, so they are summed as without this.
+    or run-to-run differences, no buffers: a norm), unchanged and needing a gradient,
+    saves that part's inputs instead where they are no larger (the cheap part's own
+    checkpoint keeps them anyway), and its recompute makes the output again from them: a
+    pre-norm block keeps its residual inputs, not also the norms' outputs. The forward
+    reads the output as made, so gradients flow and sum as without this.
 
     Every tensor a part is given, keyword arguments and tensors inside tuples included,
-    goes to the checkpoint as an input of its own, so what saves it (an offload slot, a
-    microbatch's parked copy) sees it; torch's checkpoint would keep the others by
-    reference only.
+    goes to the checkpoint as an input of its own (one given twice, once), so what saves
+    it (an offload slot, a microbatch's parked copy) sees it; torch's checkpoint would
+    keep the others by reference only.
 
     Args:
         parts: the modules (:func:`recompute_parts`).
         changed: where given, gets on exit the name of each part whose input was changed
             in place after the part was given it (``nn.ReLU(inplace=True)`` as a part, say):
-            its checkpoint saved that input, so the backward would fail on its version.
+            its checkpoint saved that input, or its recompute would change the input it
+            made again, so the backward would fail.
     """
     had = [(m, m.__dict__.get("forward")) for m in parts]
     given: list[tuple[str, list[tuple[torch.Tensor, int]]]] = []
     made: dict[int, _Made] = {}  # id of a cheap part's output -> how to make it again
+
+    def forget(key: int, ref: weakref.ref[torch.Tensor]) -> None:
+        if key in made and made[key].out is ref:
+            del made[key]
+
     try:
         for m in parts:
             forward = m.forward
@@ -315,14 +353,26 @@ def checkpointing_parts(parts: list[torch.nn.Module],
                 flat, spec = tree_flatten((args, kwargs))
                 at = [i for i, v in enumerate(flat) if isinstance(v, torch.Tensor)]
                 rest = [None if isinstance(v, torch.Tensor) else v for v in flat]  # (no reference kept)
+                # Each distinct tensor once: one given twice (attention's query, key and
+                # value alike) is one object again in the recompute.
+                index: dict[int, int] = {}
+                distinct: list[torch.Tensor] = []
+                for i in at:
+                    if index.setdefault(id(flat[i]), len(distinct)) == len(distinct):
+                        distinct.append(flat[i])
+                where = [index[id(flat[i])] for i in at]
                 # (the closures keep counts, not tensors: what saves the checkpoint's
-                # inputs decides where they live)
-                tensors, sources = _sources([flat[i] for i in at], made)
+                # inputs decides where they live; without grad nothing is recomputed)
+                grad = torch.is_grad_enabled()
+                tensors, sources = (_sources(distinct, made) if grad else
+                                    (list(distinct), [(None, 1, False)] * len(distinct)))
+                remade = [(t, t._version) for t, (again, _, _) in zip(distinct, sources)
+                          if again is not None]
                 if changed is not None:
                     given.append((type(_m).__name__, [(t, t._version) for t in tensors]))
                 # the forward reads the tensors as given (their gradients flow as they
                 # would); only the recompute makes a cheap part's output again
-                first: list[list[torch.Tensor] | None] = [[flat[i] for i in at]]
+                first: list[list[torch.Tensor] | None] = [distinct]
 
                 def given_back(ts: tuple[torch.Tensor, ...]) -> list[torch.Tensor]:
                     held, first[0] = first[0], None
@@ -330,23 +380,24 @@ def checkpointing_parts(parts: list[torch.nn.Module],
                         return held
                     out: list[torch.Tensor] = []
                     k = 0
-                    for again, n, grad in sources:
+                    for again, n, needs_grad in sources:
                         if again is None:
                             out.append(ts[k])
                         else:
                             with torch.no_grad():
                                 t = again(*ts[k:k + n])
                             # (as given: an op saves what it saves by what needs a gradient)
-                            out.append(t.requires_grad_() if grad else t)
+                            out.append(t.requires_grad_() if needs_grad else t)
                         k += n
                     return out
 
                 def call(*ts: torch.Tensor) -> Any:
+                    back = given_back(ts)
                     leaves = list(rest)
-                    for i, t in zip(at, given_back(ts)):
-                        leaves[i] = t
-                    a, k = tree_unflatten(leaves, spec)
-                    return _forward(*a, **k)
+                    for i, k in zip(at, where):
+                        leaves[i] = back[k]
+                    a, kw = tree_unflatten(leaves, spec)
+                    return _forward(*a, **kw)
 
                 judge = _m not in _remakeable
                 noting: Any = _NoteCost() if judge else contextlib.nullcontext()
@@ -358,9 +409,16 @@ def checkpointing_parts(parts: list[torch.nn.Module],
                     first[0] = None
                 if judge:
                     _remakeable[_m] = not noting.costly and next(_m.buffers(), None) is None
-                if isinstance(out, torch.Tensor) and _remakeable[_m]:
-                    made[id(out)] = _Made(weakref.ref(out), out._version, call,
-                                          [weakref.ref(t) for t in tensors])
+                if changed is not None and any(t._version != v for t, v in remade):
+                    # (changed in place by this part: its recompute would change a leaf)
+                    given.append((type(_m).__name__, remade))
+                if (grad and isinstance(out, torch.Tensor) and _remakeable[_m]
+                        and out.requires_grad and _nbytes(tensors) <= _nbytes([out])):
+                    key = id(out)
+                    made[key] = _Made(weakref.ref(out, functools.partial(forget, key)),
+                                      out._version, call, [weakref.ref(t) for t in tensors],
+                                      [t._version for t in tensors],
+                                      _autocast_state(out.device.type))
                 return out
 
             m.forward = run  # (an instance attribute: hooks still run around it)

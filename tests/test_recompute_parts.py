@@ -5,6 +5,7 @@ eager's; the planner offers it where a layer's profile has its figures."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import random
@@ -131,6 +132,67 @@ def test_a_cheap_parts_output_is_made_again_and_gradients_sum_as_eager(scale_in_
     # from n2's, made from the sum. Changed in place: act keeps g as it is (out makes
     # act's output again from it).
     assert saved == (3 if scale_in_place else 2) * act, saved / act
+
+
+def _grads_with_parts(m: nn.Module, x: torch.Tensor, parts: bool, ctx=None) -> list:
+    """Every gradient (the input's first) of one forward and backward of ``m``, its parts
+    checkpointed or not, under ``ctx`` (autocast, say)."""
+    x.grad = None
+    m.zero_grad(set_to_none=True)
+    with (ctx if ctx is not None else contextlib.nullcontext()):
+        if parts:
+            with checkpointing_parts(recompute_parts(m)):
+                y = m(x)
+        else:
+            y = m(x)
+    y.float().square().sum().backward()
+    return [t.grad.clone() for t in (x, *m.parameters()) if t.grad is not None]
+
+
+class _PReLUThenLinear(nn.Module):
+    """A cheap part run under the caller's autocast, the next part with autocast off
+    (bfloat16 input and linear; the activation's weight in float32)."""
+
+    def __init__(self, n: int = 16) -> None:
+        super().__init__()
+        self.act, self.lin = nn.PReLU(), nn.Linear(n, n).bfloat16()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.act(x)
+        with torch.autocast("cpu", enabled=False):
+            return x + self.lin(h)
+
+
+@pytest.mark.parametrize("case", ["same-tensor-thrice", "autocast-changed"])
+def test_a_made_again_output_is_what_the_part_read(case):
+    """A part given one norm output three times (attention's query, key and value: it
+    takes another path for one object than for three) gets one object again in its
+    recompute; an output made under another autocast than the part reading it runs
+    under is not made again. Either way the gradients are eager's, bit for bit."""
+    torch.manual_seed(0)
+    if case == "same-tensor-thrice":
+        m = nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, norm_first=True, batch_first=True)
+        x, ctx = torch.randn(2, 5, 16, requires_grad=True), None
+    else:
+        m = _PReLUThenLinear()
+        x = torch.randn(4, 16, dtype=torch.bfloat16, requires_grad=True)
+        ctx = torch.autocast("cpu", dtype=torch.bfloat16)
+    assert_bitwise(_grads_with_parts(m, x, True, ctx), _grads_with_parts(m, x, False, ctx))
+
+
+def test_parts_that_change_a_made_again_input_in_place_are_named_and_inference_runs():
+    """A part that changes in place the norm output it was given is named (its recompute
+    would change the output made again); a forward under inference_mode keeps nothing to
+    make again and runs."""
+    m = nn.Sequential(nn.LayerNorm(16), nn.ReLU(inplace=True), nn.Linear(16, 16))
+    x = torch.randn(4, 16, requires_grad=True)
+    changed: list[str] = []
+    with checkpointing_parts(recompute_parts(m), changed):
+        m(x)
+    assert changed == ["ReLU"]
+    with torch.inference_mode(), checkpointing_parts(recompute_parts(m)):
+        y = m(x)
+    torch.testing.assert_close(y, m(x), rtol=0, atol=0)
 
 
 def test_drawing_ops_are_noted():
