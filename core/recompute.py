@@ -258,12 +258,16 @@ def _autocast_state(device_type: str) -> tuple[Any, ...]:
 @dataclass
 class _Made:
     """A cheap part's output as it left the part, and how to make it again: ``call``
-    over ``inputs`` (the tensors the part's checkpoint got), as they were then."""
+    over ``inputs`` (the tensors the part's checkpoint got), as they were then.
+
+    The inputs are held while the output lives (the entry goes with it): whether a later
+    part makes the output again must not hang on when an offload hook let an input go,
+    or a capture would save other tensors than its discovery did."""
 
     out: weakref.ref[torch.Tensor]
     version: int
     call: Callable[..., Any]
-    inputs: list[weakref.ref[torch.Tensor]]
+    inputs: list[torch.Tensor]
     versions: list[int]
     autocast: tuple[Any, ...]
 
@@ -271,13 +275,10 @@ class _Made:
         """The inputs to make ``t`` again from: where ``t`` is this output and neither it
         nor they changed since, under the same autocast."""
         if (self.out() is not t or t._version != self.version
-                or _autocast_state(t.device.type) != self.autocast):
+                or _autocast_state(t.device.type) != self.autocast
+                or any(x._version != v for x, v in zip(self.inputs, self.versions))):
             return None
-        ts = [r() for r in self.inputs]
-        live = [x for x in ts if x is not None]
-        if len(live) < len(ts) or any(x._version != v for x, v in zip(live, self.versions)):
-            return None
-        return live
+        return list(self.inputs)
 
 
 def _sources(given: list[torch.Tensor], made: dict[int, _Made]
@@ -416,7 +417,7 @@ def checkpointing_parts(parts: list[torch.nn.Module],
                         and out.requires_grad and _nbytes(tensors) <= _nbytes([out])):
                     key = id(out)
                     made[key] = _Made(weakref.ref(out, functools.partial(forget, key)),
-                                      out._version, call, [weakref.ref(t) for t in tensors],
+                                      out._version, call, list(tensors),
                                       [t._version for t in tensors],
                                       _autocast_state(out.device.type))
                 return out

@@ -15,7 +15,7 @@ from torch import nn
 
 import graphslot
 from graphslot.adapters.torch import GraphedLayers
-from graphslot.errors import UsageError
+from graphslot.errors import BudgetError, UsageError
 
 
 def _layers(b: graphslot.Backend, n: int = 4, width: int = 64) -> list[nn.Module]:
@@ -208,6 +208,17 @@ def test_a_budget_builds_on_shared_pages(regions):
     plain, stack = _train(b, layers, 2, **kw)
     stack.close()
     assert _same(plain, shared)
+
+
+def test_a_refused_budget_points_to_shared_pages_where_they_are_off(regions):
+    """A budget no plan reaches is refused naming the least that builds; where the
+    graphs' pool could be on shared pages and is not, the refusal says so."""
+    b = regions
+    for share in (False, True):
+        with pytest.raises(BudgetError, match="fits it") as e:
+            GraphedLayers(_layers(b), _input(b).requires_grad_(), backend=b,
+                          memory_budget=1, share_pool_pages=share)
+        assert ("share_pool_pages=True may fit less" in str(e.value)) is not share, str(e.value)
 
 
 def test_share_pool_pages_must_be_a_bool(clean):

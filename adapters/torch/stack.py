@@ -626,9 +626,13 @@ class GraphedLayers(nn.Module):
             # (the least plan named per layer, as stack.plan names a plan)
             least = _per_layer(e.least_plan, units) if isinstance(e.least_plan, BudgetPlan) else None
             said = str(e) if least is None else refusal_message(e.budget_bytes, least)
+            pages = ("; share_pool_pages=True may fit less: the graphs' pool then holds what "
+                     "its blocks need at once" if not self.share_pool_pages
+                     and b.capabilities.region_graphs else "")
             raise BudgetError(f"{said}; a budget of {format_bytes(room)} ({room} bytes) fits "
                               "it, with room for what the process holds moving between builds "
-                              "(built at that budget, the stack takes the fastest plan that fits)",
+                              "(built at that budget, the stack takes the fastest plan that "
+                              f"fits){pages}",
                               budget_bytes=e.budget_bytes, least_bytes=room,
                               least_plan=least) from None
         self.plan = _per_layer(plan, units)
