@@ -400,11 +400,9 @@ class PagedPool:
             self._unmap(self._chunks)
             for _ in range(sharing.physical_pages):
                 allocs.append(b.create(g))
-            for page, k in enumerate(sharing.physical):
-                if k >= 0:
-                    b.map(res, page * g, allocs[k])
-            for start, end in _runs([(p * g, g) for p, k in enumerate(sharing.physical) if k >= 0],
-                                    g, size):
+            for page, k in enumerate(sharing.physical):  # (every page has one)
+                b.map(res, page * g, allocs[k])
+            for start, end in _runs([(0, size)], g, size):
                 b.set_access(res, start, end - start)
 
         try:
@@ -439,8 +437,7 @@ class PagedPool:
             return
         g = self._granule
         saved = self._save_pages(
-            _runs([(p * g, g) for p, k in enumerate(shared.sharing.physical) if k >= 0], g, shared.size)
-            if keep_all else shared.kept)
+            _runs([(0, shared.size)], g, shared.size) if keep_all else shared.kept)
 
         def remap() -> None:
             self._unmap_shared(shared)
@@ -491,8 +488,8 @@ class PagedPool:
     def _unmap_shared(self, shared: _Shared) -> None:
         """Unmap every shared page and release the physical pages (driver worker)."""
         b, res, g = self._backend, self.reservation, self._granule
-        for page, k in enumerate(shared.sharing.physical):
-            if k >= 0 and page * g in res.mappings:  # (a retry after a failure: some are gone)
+        for page in range(len(shared.sharing.physical)):
+            if page * g in res.mappings:  # (a retry after a failure: some are gone)
                 b.unmap(res, page * g, g)
         for a in shared.allocs:
             if not a.released:

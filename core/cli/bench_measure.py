@@ -302,10 +302,11 @@ def _memory_step(r: Inputs, built: Built, saved_on_device: int, curve: list[tupl
     if stats["peak_reserved_bytes"] is None or before.allocator_reserved_bytes is None:
         return None, None, boundary  # this backend's allocator keeps no peak
     # What this configuration holds at most: the allocator's peak reserved bytes (outside
-    # graphslot's regions) plus graphslot's peak physical pages (each peak on its own, so never less than the real
-    # peak). Device memory in use outside both (this process's context, library handles
-    # and kernels loaded so far, and whatever other processes hold on the device) is
-    # reported apart: it grows with what ran before, here or elsewhere.
+    # graphslot's regions) plus graphslot's peak physical pages (each peak on its own, so
+    # never less than the real peak). Device memory in use outside both (this process's
+    # context, library handles and kernels loaded so far, and whatever other processes
+    # hold on the device) is reported apart: it grows with what ran before, here or
+    # elsewhere.
     parts = {"allocator_reserved_bytes": stats["peak_reserved_bytes"] - regions,
              "graphslot_pages_bytes": b.ledger.peak_allocated_bytes}
     context = max(0, before.driver_used_bytes - before.allocator_reserved_bytes
