@@ -219,6 +219,9 @@ def profile_units(b: Backend, units: Sequence[torch.nn.Module], sample: torch.Te
         if these:
             inplace: list[str] = []  # (a part's saved input changed in place: not offered)
             with checkpointing_parts(these, inplace), naming_refusals(label):
+                y = m(x)  # (judges which parts are cheap, for what is counted next)
+            del y
+            with checkpointing_parts(these), naming_refusals(label):
                 y, parts_saved = run_counting_saved(lambda: m(x), x.device.type, [m])
             del y
             if parts_saved < saved and not inplace:

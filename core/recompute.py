@@ -242,9 +242,29 @@ class _NoteCost(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-#: per part module: whether its output may be made again from its inputs for a later
-#: part (decided at its first call: only cheap, seedless, bitwise-stable ops, no buffers)
-_remakeable: weakref.WeakKeyDictionary[torch.nn.Module, bool] = weakref.WeakKeyDictionary()
+@dataclass(frozen=True)
+class _Verdict:
+    """What an eager call of a part (:func:`checkpointing_parts` with ``changed``) found,
+    for the train/eval modes its modules had then."""
+
+    modes: tuple[bool, ...]  #: ``training`` of the part's modules, in ``modules()`` order
+    cheap: bool  #: its output may be made again from its inputs for a later part
+    changes_given: bool  #: it changes in place a cheap part's output it is given
+
+
+#: per part module: what its last eager check found (a remake needs a verdict for the
+#: modes the part and the part reading its output are in: dropout draws only in training)
+_verdicts: weakref.WeakKeyDictionary[torch.nn.Module, _Verdict] = weakref.WeakKeyDictionary()
+
+
+def _modes(m: torch.nn.Module) -> tuple[bool, ...]:
+    return tuple(x.training for x in m.modules())
+
+
+def _verdict(m: torch.nn.Module) -> _Verdict | None:
+    """``m``'s verdict where it was judged in the modes it is in now."""
+    v = _verdicts.get(m)
+    return v if v is not None and v.modes == _modes(m) else None
 
 
 def _autocast_state(device_type: str) -> tuple[Any, ...]:
@@ -253,6 +273,26 @@ def _autocast_state(device_type: str) -> tuple[Any, ...]:
     return tuple((d, torch.is_autocast_enabled(d), torch.get_autocast_dtype(d))
                  for d in dict.fromkeys(("cpu", device_type))
                  if torch.amp.is_autocast_available(d))
+
+
+#: a tensor's layout: size, stride, storage offset
+_Layout = tuple[tuple[int, ...], tuple[int, ...], int]
+
+
+def _layout(t: torch.Tensor) -> _Layout:
+    return tuple(t.shape), t.stride(), int(t.storage_offset())
+
+
+def _laid_out(t: torch.Tensor, layout: _Layout) -> torch.Tensor:
+    """``t``'s values in ``layout`` (``t`` itself where it has it): a saved-tensor hook may
+    give an input back packed otherwise (``save_on_cpu`` makes it contiguous), and a
+    reduction over it would then add in another order than the forward's did."""
+    size, stride, offset = layout
+    if t.stride() == stride and t.storage_offset() == offset:
+        return t
+    span = 1 + sum((n - 1) * s for n, s in zip(size, stride)) if all(size) else 0
+    out = t.new_empty(offset + span).as_strided(size, stride, offset)
+    return out.copy_(t)
 
 
 @dataclass
@@ -269,6 +309,7 @@ class _Made:
     call: Callable[..., Any]
     inputs: list[torch.Tensor]
     versions: list[int]
+    layouts: list[_Layout]
     autocast: tuple[Any, ...]
 
     def inputs_for(self, t: torch.Tensor) -> list[torch.Tensor] | None:
@@ -281,22 +322,27 @@ class _Made:
         return list(self.inputs)
 
 
+#: how a part's recompute gets a tensor it was given back: ``(None, 1, False, [])`` as
+#: saved; ``(call, n, requires_grad, layouts)`` made again by ``call`` from the next
+#: ``n`` tensors saved, laid out as they were
+_Source = tuple[Callable[..., Any] | None, int, bool, list[_Layout]]
+
+
 def _sources(given: list[torch.Tensor], made: dict[int, _Made]
-             ) -> tuple[list[torch.Tensor], list[tuple[Callable[..., Any] | None, int, bool]]]:
+             ) -> tuple[list[torch.Tensor], list[_Source]]:
     """The tensors a part's checkpoint gets for the distinct tensors it was ``given``
-    (for a cheap part's output: that part's inputs), and per given tensor how its
-    recompute gets it back from them: ``(None, 1, _)`` itself; ``(call, n,
-    requires_grad)`` made again by ``call`` from the next ``n`` of them."""
+    (for a cheap part's output: that part's inputs), and per given tensor its
+    :data:`_Source`."""
     tensors: list[torch.Tensor] = []
-    sources: list[tuple[Callable[..., Any] | None, int, bool]] = []
+    sources: list[_Source] = []
     for t in given:
         how = made.get(id(t))
         ins = how.inputs_for(t) if how is not None else None
         if how is not None and ins is not None:
-            sources.append((how.call, len(ins), t.requires_grad))
+            sources.append((how.call, len(ins), t.requires_grad, how.layouts))
             tensors += ins
         else:
-            sources.append((None, 1, False))
+            sources.append((None, 1, False, []))
             tensors.append(t)
     return tensors, sources
 
@@ -323,7 +369,9 @@ def checkpointing_parts(parts: list[torch.nn.Module],
     saves that part's inputs instead where they are no larger (the cheap part's own
     checkpoint keeps them anyway), and its recompute makes the output again from them: a
     pre-norm block keeps its residual inputs, not also the norms' outputs. The forward
-    reads the output as made, so gradients flow and sum as without this.
+    reads the output as made, so gradients flow and sum as without this. Which parts are
+    cheap, an eager call with ``changed`` given judges, for the train/eval modes the
+    parts are in then; until one has, every part saves what it is given.
 
     Every tensor a part is given, keyword arguments and tensors inside tuples included,
     goes to the checkpoint as an input of its own (one given twice, once), so what saves
@@ -332,14 +380,20 @@ def checkpointing_parts(parts: list[torch.nn.Module],
 
     Args:
         parts: the modules (:func:`recompute_parts`).
-        changed: where given, gets on exit the name of each part whose input was changed
-            in place after the part was given it (``nn.ReLU(inplace=True)`` as a part, say):
-            its checkpoint saved that input, or its recompute would change the input it
-            made again, so the backward would fail.
+        changed: where given, the call is a check run eagerly (not under a capture: it
+            reads values back at its exit). It judges which parts are cheap (and makes
+            nothing again itself: each part saves what it is given), and gets on exit
+            the name of each part whose input was changed in place after the part was
+            given it (``nn.ReLU(inplace=True)`` as a part, say): its checkpoint saved
+            that input, so its backward would fail.
     """
     had = [(m, m.__dict__.get("forward")) for m in parts]
     given: list[tuple[str, list[tuple[torch.Tensor, int]]]] = []
     made: dict[int, _Made] = {}  # id of a cheap part's output -> how to make it again
+    judging = changed is not None
+    # (judging: per part, whether it is cheap and whether it changes a cheap part's output
+    # it is given, so far, and its inputs with their values' fingerprints)
+    judged: dict[torch.nn.Module, tuple[bool, bool, list[tuple[torch.Tensor, torch.Tensor]]]] = {}
 
     def forget(key: int, ref: weakref.ref[torch.Tensor]) -> None:
         if key in made and made[key].out is ref:
@@ -365,10 +419,14 @@ def checkpointing_parts(parts: list[torch.nn.Module],
                 # (the closures keep counts, not tensors: what saves the checkpoint's
                 # inputs decides where they live; without grad nothing is recomputed)
                 grad = torch.is_grad_enabled()
-                tensors, sources = (_sources(distinct, made) if grad else
-                                    (list(distinct), [(None, 1, False)] * len(distinct)))
-                remade = [(t, t._version) for t, (again, _, _) in zip(distinct, sources)
-                          if again is not None]
+                mine = None if judging or not grad else _verdict(_m)
+                tensors, sources = (
+                    _sources(distinct, made) if mine is not None and not mine.changes_given
+                    else (list(distinct), [(None, 1, False, [])] * len(distinct)))
+                # (judging: the tensors given that a later call would make again)
+                again = ([(t, t._version) for t in distinct
+                          if id(t) in made and made[id(t)].inputs_for(t) is not None]
+                         if judging and grad else [])
                 if changed is not None:
                     given.append((type(_m).__name__, [(t, t._version) for t in tensors]))
                 # the forward reads the tensors as given (their gradients flow as they
@@ -381,12 +439,12 @@ def checkpointing_parts(parts: list[torch.nn.Module],
                         return held
                     out: list[torch.Tensor] = []
                     k = 0
-                    for again, n, needs_grad in sources:
-                        if again is None:
+                    for make, n, needs_grad, layouts in sources:
+                        if make is None:
                             out.append(ts[k])
                         else:
                             with torch.no_grad():
-                                t = again(*ts[k:k + n])
+                                t = make(*(_laid_out(x, lay) for x, lay in zip(ts[k:k + n], layouts)))
                             # (as given: an op saves what it saves by what needs a gradient)
                             out.append(t.requires_grad_() if needs_grad else t)
                         k += n
@@ -400,36 +458,47 @@ def checkpointing_parts(parts: list[torch.nn.Module],
                     a, kw = tree_unflatten(leaves, spec)
                     return _forward(*a, **kw)
 
-                judge = _m not in _remakeable
-                noting: Any = _NoteCost() if judge else contextlib.nullcontext()
+                noting: Any = _NoteCost() if judging and grad else contextlib.nullcontext()
                 try:
                     with noting:
                         out = torch.utils.checkpoint.checkpoint(
                             call, *tensors, use_reentrant=False, preserve_rng_state=False)
                 finally:
                     first[0] = None
-                if judge:
-                    _remakeable[_m] = not noting.costly and next(_m.buffers(), None) is None
-                if changed is not None and any(t._version != v for t, v in remade):
-                    # (changed in place by this part: its recompute would change a leaf)
-                    given.append((type(_m).__name__, remade))
-                if (grad and isinstance(out, torch.Tensor) and _remakeable[_m]
-                        and out.requires_grad and _nbytes(tensors) <= _nbytes([out])):
+                if judging and grad:
+                    cheap = not noting.costly and next(_m.buffers(), None) is None
+                    changes = any(t._version != v for t, v in again)
+                    was_cheap, was_changing, prints = judged.get(_m, (True, False, []))
+                    judged[_m] = (cheap and was_cheap, changes or was_changing,
+                                  prints + [(t, values_fingerprint(t)) for t in tensors] if cheap else prints)
+                    cheap_now = cheap
+                else:
+                    v = _verdict(_m) if grad else None
+                    cheap_now = v is not None and v.cheap
+                if (cheap_now and isinstance(out, torch.Tensor) and out.requires_grad
+                        and _nbytes(tensors) <= _nbytes([out])
+                        and all(torch._debug_has_internal_overlap(t) == 0 for t in tensors)):
                     key = id(out)
                     made[key] = _Made(weakref.ref(out, functools.partial(forget, key)),
                                       out._version, call, list(tensors),
-                                      [t._version for t in tensors],
+                                      [t._version for t in tensors], [_layout(t) for t in tensors],
                                       _autocast_state(out.device.type))
                 return out
 
             m.forward = run  # (an instance attribute: hooks still run around it)
         yield
         if changed is not None:
+            # A cheap part's input changed where its version did not move (a view that
+            # shares no version counter, unsafe_chunk's) would be made again otherwise.
+            for m, (cheap, changes, prints) in judged.items():
+                unchanged = all(same_values(values_fingerprint(t), fp) for t, fp in prints)
+                _verdicts[m] = _Verdict(_modes(m), cheap and unchanged, changes)
             changed.extend(dict.fromkeys(name for name, ts in given
                                          if any(t._version != v for t, v in ts)))
     finally:
         given.clear()
         made.clear()
+        judged.clear()
         for m, own in reversed(had):
             if own is None:
                 m.__dict__.pop("forward", None)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import functools
 import random
 
 import pytest
@@ -44,6 +45,15 @@ class Decoder(nn.Module):
         return x if self.extra is None else self.extra(x)
 
 
+def judge(m: nn.Module, *args: torch.Tensor) -> list[str]:
+    """The eager check that judges which of ``m``'s parts are cheap (in the modes they
+    are in); returns what it names as changed in place."""
+    changed: list[str] = []
+    with checkpointing_parts(recompute_parts(m), changed):
+        m(*args)
+    return changed
+
+
 class Wrapper(nn.Module):
     def __init__(self, inner: nn.Module) -> None:
         super().__init__()
@@ -74,6 +84,12 @@ def test_parts_run_under_checkpoints_only_within_and_save_their_inputs():
     own = d.mlp.forward = d.mlp.forward  # (an instance attribute of its own stays)
     x = torch.randn(4, 16, requires_grad=True)
     whole = run_counting_saved(lambda: d(x), "cpu", [d])[1]
+    # (until an eager check judged the parts, each saves what it is given: the norms'
+    # inputs and outputs)
+    with checkpointing_parts(recompute_parts(d)):
+        unjudged = run_counting_saved(lambda: d(x), "cpu", [d])[1]
+    assert unjudged == 4 * x.numel() * x.element_size()
+    assert judge(d, x) == []
     with checkpointing_parts(recompute_parts(d)):
         parts = run_counting_saved(lambda: d(x), "cpu", [d])[1]
         y = d(x)
@@ -120,6 +136,7 @@ def test_a_cheap_parts_output_is_made_again_and_gradients_sum_as_eager(scale_in_
     d = Parallel(scale_in_place=scale_in_place)
     x = torch.randn(8, 16, requires_grad=True)
     act = x.numel() * x.element_size()
+    judge(d, x)
     with checkpointing_parts(recompute_parts(d)):
         saved = run_counting_saved(lambda: d(x), "cpu", [d])[1]
         d(x).square().sum().backward()
@@ -141,6 +158,7 @@ def _grads_with_parts(m: nn.Module, x: torch.Tensor, parts: bool, ctx=None) -> l
     m.zero_grad(set_to_none=True)
     with (ctx if ctx is not None else contextlib.nullcontext()):
         if parts:
+            judge(m, x)
             with checkpointing_parts(recompute_parts(m)):
                 y = m(x)
         else:
@@ -186,13 +204,128 @@ def test_parts_that_change_a_made_again_input_in_place_are_named_and_inference_r
     make again and runs."""
     m = nn.Sequential(nn.LayerNorm(16), nn.ReLU(inplace=True), nn.Linear(16, 16))
     x = torch.randn(4, 16, requires_grad=True)
-    changed: list[str] = []
-    with checkpointing_parts(recompute_parts(m), changed):
-        m(x)
-    assert changed == ["ReLU"]
+    assert judge(m, x) == ["ReLU"]
+    # (the ReLU keeps the norm output it changes as given: torch's own check names it)
+    with checkpointing_parts(recompute_parts(m)):
+        y = m(x)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.sum().backward()
     with torch.inference_mode(), checkpointing_parts(recompute_parts(m)):
         y = m(x)
     torch.testing.assert_close(y, m(x), rtol=0, atol=0)
+
+
+class _Noise(nn.Module):
+    """Cheap in eval (no draws), drawing in training."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + torch.randn_like(x) * 0.1 if self.training else x * 1.0
+
+
+class _Shift(nn.Module):
+    """A cheap part whose own backward saves nothing."""
+
+    def __init__(self, n: int = 16) -> None:
+        super().__init__()
+        self.b = nn.Parameter(torch.zeros(n))
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        return x * 2.0 + self.b
+
+
+class _ChunkWrite(nn.Module):
+    """Changes the cheap part's input after it ran, through a chunk that shares no
+    version counter with it (a GRU cell's gates)."""
+
+    def __init__(self, n: int = 16) -> None:
+        super().__init__()
+        self.shift, self.lin = _Shift(n), nn.Linear(n, n)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x * 1.0
+        h = self.shift(x)
+        x.unsafe_chunk(2, 0)[0].sigmoid_()
+        return self.lin(h) + x
+
+
+class _Center(nn.Module):
+    """A cheap part with a reduction, whose own backward saves nothing."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        return x - x.mean(-1, keepdim=True)
+
+
+class _Strided(nn.Module):
+    """The cheap part given a transposed input: its mean adds in the layout's order."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.shift, self.lin = _Center(), nn.Linear(512, 64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(self.shift(x.transpose(0, 1)))
+
+
+def _grads(m: nn.Module, x: torch.Tensor, parts: bool, ctx=None, seed: int = 1) -> list[torch.Tensor]:
+    x.grad = None
+    m.zero_grad(set_to_none=True)
+    torch.manual_seed(seed)
+    with (ctx if ctx is not None else contextlib.nullcontext()), \
+            (checkpointing_parts(recompute_parts(m)) if parts else contextlib.nullcontext()):
+        y = m(x)
+    y.square().sum().backward()
+    return [t.grad.clone() for t in (x, *m.parameters()) if t.grad is not None]
+
+
+def test_a_verdict_holds_for_the_modes_it_was_judged_in():
+    """A part judged cheap in eval (it draws nothing there) is not made again in
+    training, where it draws: its output is kept until a check in training judges it."""
+    torch.manual_seed(0)
+    m = nn.Sequential(_Noise(), nn.Linear(16, 16))
+    x = torch.randn(8, 16, requires_grad=True)
+    m.eval()
+    judge(m, x)
+    m.train()
+    assert_bitwise(_grads(m, x, True), _grads(m, x, False))
+    judge(m, x)  # (in training: it draws, so it is not cheap)
+    assert_bitwise(_grads(m, x, True), _grads(m, x, False))
+    m.eval()  # (the eval verdict was replaced: nothing to make again, still eager's bits)
+    assert_bitwise(_grads(m, x, True), _grads(m, x, False))
+
+
+def test_a_part_whose_input_changes_unseen_by_its_version_is_not_made_again():
+    """The eager check reads the cheap part's input back at its end: changed through a
+    view that shares no version counter, the part's output is kept, not made again."""
+    torch.manual_seed(0)
+    m = _ChunkWrite()
+    x = torch.randn(8, 16, requires_grad=True)
+    judge(m, x)
+    m.shift.calls = 0
+    assert_bitwise(_grads(m, x, True), _grads(m, x, False))
+    assert m.shift.calls == 2  # (the two forwards: never again in a backward)
+
+
+def test_a_made_again_output_is_made_from_its_inputs_laid_out_as_given():
+    """Under a saved-tensor hook that gives a transposed input back contiguous
+    (``save_on_cpu``), the cheap part is made again from it laid out as the forward had
+    it, so a reduction over its output adds in the forward's order: eager's bits."""
+    torch.manual_seed(0)
+    m = _Strided()
+    x = torch.randn(512, 256, requires_grad=True)
+    hook = functools.partial(torch.autograd.graph.save_on_cpu, pin_memory=True)
+    with hook():
+        judge(m, x)
+    m.shift.calls = 0
+    got = _grads(m, x, True, hook())
+    assert m.shift.calls == 2  # (the forward, and once made again in the backward)
+    assert_bitwise(got, _grads(m, x, False, hook()))
 
 
 @pytest.mark.parametrize("share", [False, True], ids=["pool", "shared-pages"])
