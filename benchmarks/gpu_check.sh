@@ -4,6 +4,8 @@
 #
 #   benchmarks/gpu_check.sh PART
 #
+#   files F...  the test modules named, each in a process of its own, all at once (the
+#           areas a change touched; each limited to SUITE_LIMIT seconds, default 300)
 #   a       test_offload, test_graphed_grads, test_arena, test_conformance, test_cpu_strict,
 #           test_cli_args, test_bench
 #   b       test_cuda_capture, test_reliability, test_adapter_megatron (needs .wheels/)
@@ -65,7 +67,7 @@
 # A bench's log says, a line each, which configuration it started and when, then ends with
 # its JSON.
 set -uo pipefail
-part=${1:?"which part: abc, suite, a, b, c, te, megatron_te, weakrefs, bench, launch, llama, peers, sweep, budgets, probe, held, pools, parts, pages, memory or grads"}
+part=${1:?"which part: abc, suite, files, a, b, c, te, megatron_te, weakrefs, bench, launch, llama, peers, sweep, budgets, probe, held, pools, parts, pages, memory or grads"}
 out=${OUT:-/tmp/graphslot-gpu-check}
 mkdir -p "$out"
 cd "$(dirname "$0")/.."
@@ -137,6 +139,21 @@ case $part in
     done > "$out/summary.txt"
     tar -czf "$out/suite_logs.tar.gz" -C "$out" suite && rm -rf "$out/suite"
     cat "$out/summary.txt"
+    exit $rc ;;
+  files)  # the test modules named, each in a process of its own, all at once, each
+          # limited to SUITE_LIMIT seconds (default 300): the areas a change touched
+    shift
+    limit=${SUITE_LIMIT:-300}
+    pids=(); names=()
+    for f in "$@"; do
+      n=$(basename "$f" .py); names+=("$n")
+      timeout "$limit" python3 -m pytest -q -rs "$f" > "$out/$n.log" 2>&1 & pids+=($!)
+    done
+    rc=0
+    for p in "${pids[@]}"; do wait "$p" || rc=1; done
+    for n in "${names[@]}"; do
+      echo "=== $n"; tail -n 1 "$out/$n.log"; grep -E "^(FAILED|ERROR) " "$out/$n.log" | head -n 20
+    done | tee "$out/summary.txt"
     exit $rc ;;
   a) run a python3 -m pytest -x -q -rs "${a[@]}" ;;
   b) run b python3 -m pytest -x -q -rs "${b[@]}" ;;
@@ -227,5 +244,5 @@ PY
     for c in eager graph graph_resident graph_remap; do configs+="$c,$c@keep@acc4,"; done
     run "grads_$preset" python3 -m graphslot.cli bench --preset "$preset" --isolate --json \
       --steps 3 --warmup 1 --configs "${configs%,}" ;;
-  *) echo "unknown part '$part': choose abc, suite, a, b, c, te, megatron_te, weakrefs, bench, launch, llama, peers, sweep, budgets, probe, held, pools, parts, pages, memory or grads" >&2; exit 2 ;;
+  *) echo "unknown part '$part': choose abc, suite, files, a, b, c, te, megatron_te, weakrefs, bench, launch, llama, peers, sweep, budgets, probe, held, pools, parts, pages, memory or grads" >&2; exit 2 ;;
 esac
