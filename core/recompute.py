@@ -20,7 +20,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Iterator
 
 import torch
@@ -257,6 +257,19 @@ class _Verdict:
 _verdicts: weakref.WeakKeyDictionary[torch.nn.Module, _Verdict] = weakref.WeakKeyDictionary()
 
 
+@dataclass
+class _Judged:
+    """What a judging call saw of a part so far (:func:`checkpointing_parts`)."""
+
+    modes: tuple[bool, ...]
+    cheap: bool = True
+    changes_given: bool = False
+    #: its inputs and output, each with a copy as it was when the part ran: a cheap
+    #: part's are read back at the end (a view that shares no version counter changes
+    #: them unseen)
+    copies: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
+
+
 def _modes(m: torch.nn.Module) -> tuple[bool, ...]:
     return tuple(x.training for x in m.modules())
 
@@ -275,24 +288,39 @@ def _autocast_state(device_type: str) -> tuple[Any, ...]:
                  if torch.amp.is_autocast_available(d))
 
 
-#: a tensor's layout: size, stride, storage offset
+#: a tensor's layout: size, stride, and its address modulo :data:`_ALIGN`
 _Layout = tuple[tuple[int, ...], tuple[int, ...], int]
+
+#: bytes of address alignment a layout keeps (a device's vectorized reduction may take
+#: another path over data aligned otherwise, and add in another order)
+_ALIGN = 64
 
 
 def _layout(t: torch.Tensor) -> _Layout:
-    return tuple(t.shape), t.stride(), int(t.storage_offset())
+    return tuple(t.shape), t.stride(), t.data_ptr() % _ALIGN
 
 
 def _laid_out(t: torch.Tensor, layout: _Layout) -> torch.Tensor:
     """``t``'s values in ``layout`` (``t`` itself where it has it): a saved-tensor hook may
     give an input back packed otherwise (``save_on_cpu`` makes it contiguous), and a
     reduction over it would then add in another order than the forward's did."""
-    size, stride, offset = layout
-    if t.stride() == stride and t.storage_offset() == offset:
+    size, stride, align = layout
+    if t.stride() == stride and t.data_ptr() % _ALIGN == align:
         return t
     span = 1 + sum((n - 1) * s for n, s in zip(size, stride)) if all(size) else 0
-    out = t.new_empty(offset + span).as_strided(size, stride, offset)
-    return out.copy_(t)
+    pad = align // t.element_size()  # (a new block's address is aligned to _ALIGN at least)
+    return t.new_empty(pad + span).as_strided(size, stride, pad).copy_(t)
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s values as integers of its width: equal bits, NaNs and signed zeros alike."""
+    t = t.detach()
+    if t.is_complex():
+        t = torch.view_as_real(t.resolve_conj())
+    return t.view(_INT_OF_WIDTH[t.element_size()]) if t.dtype != torch.bool else t
+
+
+_INT_OF_WIDTH = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
 @dataclass
@@ -391,9 +419,10 @@ def checkpointing_parts(parts: list[torch.nn.Module],
     given: list[tuple[str, list[tuple[torch.Tensor, int]]]] = []
     made: dict[int, _Made] = {}  # id of a cheap part's output -> how to make it again
     judging = changed is not None
-    # (judging: per part, whether it is cheap and whether it changes a cheap part's output
-    # it is given, so far, and its inputs with their values' fingerprints)
-    judged: dict[torch.nn.Module, tuple[bool, bool, list[tuple[torch.Tensor, torch.Tensor]]]] = {}
+    # (judging: per part, the modes it ran in, whether it is cheap and whether it changes
+    # a cheap part's output it is given, so far, and its inputs and output with copies
+    # of them as they were when it ran)
+    judged: dict[torch.nn.Module, _Judged] = {}
 
     def forget(key: int, ref: weakref.ref[torch.Tensor]) -> None:
         if key in made and made[key].out is ref:
@@ -466,12 +495,14 @@ def checkpointing_parts(parts: list[torch.nn.Module],
                 finally:
                     first[0] = None
                 if judging and grad:
-                    cheap = not noting.costly and next(_m.buffers(), None) is None
-                    changes = any(t._version != v for t, v in again)
-                    was_cheap, was_changing, prints = judged.get(_m, (True, False, []))
-                    judged[_m] = (cheap and was_cheap, changes or was_changing,
-                                  prints + [(t, values_fingerprint(t)) for t in tensors] if cheap else prints)
-                    cheap_now = cheap
+                    j = judged.setdefault(_m, _Judged(_modes(_m)))
+                    j.cheap &= (not noting.costly and next(_m.buffers(), None) is None
+                                and j.modes == _modes(_m))
+                    j.changes_given |= any(t._version != v for t, v in again)
+                    if j.cheap:
+                        j.copies += [(t, t.detach().clone())
+                                     for t in [*tensors, *([out] if isinstance(out, torch.Tensor) else [])]]
+                    cheap_now = j.cheap
                 else:
                     v = _verdict(_m) if grad else None
                     cheap_now = v is not None and v.cheap
@@ -488,11 +519,16 @@ def checkpointing_parts(parts: list[torch.nn.Module],
             m.forward = run  # (an instance attribute: hooks still run around it)
         yield
         if changed is not None:
-            # A cheap part's input changed where its version did not move (a view that
-            # shares no version counter, unsafe_chunk's) would be made again otherwise.
-            for m, (cheap, changes, prints) in judged.items():
-                unchanged = all(same_values(values_fingerprint(t), fp) for t, fp in prints)
-                _verdicts[m] = _Verdict(_modes(m), cheap and unchanged, changes)
+            # A cheap part's input or output changed where its version did not move (a
+            # view that shares no version counter, unsafe_chunk's) would be made again
+            # otherwise; a verdict in the same modes stands with this one (a part two
+            # layers share is made again only where both allow it).
+            for m, j in judged.items():
+                cheap = j.cheap and all(torch.equal(_bits(t), _bits(was)) for t, was in j.copies)
+                last = _verdicts.get(m)
+                if last is not None and last.modes == j.modes:  # (a part shared by layers: all alike)
+                    cheap, j.changes_given = cheap and last.cheap, j.changes_given or last.changes_given
+                _verdicts[m] = _Verdict(j.modes, cheap, j.changes_given)
             changed.extend(dict.fromkeys(name for name, ts in given
                                          if any(t._version != v for t, v in ts)))
     finally:

@@ -312,6 +312,61 @@ def test_a_part_whose_input_changes_unseen_by_its_version_is_not_made_again():
     assert m.shift.calls == 2  # (the two forwards: never again in a backward)
 
 
+class _UnseenChange(nn.Module):
+    """A cheap part whose output (``out``), or whose input with its values moved around
+    (``flip``: every value kept, its sum too), changes through a view that shares no
+    version counter after it ran."""
+
+    def __init__(self, what: str) -> None:
+        super().__init__()
+        self.what, self.norm, self.lin = what, _Center(), nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x * 1.0
+        h = self.norm(x)
+        if self.what == "out":
+            h.unsafe_chunk(2, 0)[0].sigmoid_()
+        else:
+            c = x.unsafe_chunk(2, 0)[0]
+            c.copy_(c.flip(-1))
+        return self.lin(h) + x
+
+
+@pytest.mark.parametrize("what", ["out", "flip"])
+def test_a_cheap_parts_output_or_input_changed_unseen_is_kept(what):
+    torch.manual_seed(0)
+    m = _UnseenChange(what)
+    x = torch.randn(8, 16, requires_grad=True)
+    assert judge(m, x) == []
+    assert_bitwise(_grads(m, x, True), _grads(m, x, False))
+
+
+def test_a_part_two_layers_share_is_made_again_only_where_both_allow():
+    """The norm is shared by a layer that changes its input unseen and one that does not:
+    judged in either order, the first layer keeps the norm's output."""
+    torch.manual_seed(0)
+    norm, lin = _Center(), nn.Linear(16, 16)
+    plain = nn.Sequential(norm, lin)
+    changing = _UnseenChange("flip")
+    changing.norm, changing.lin = norm, lin
+    x = torch.randn(8, 16, requires_grad=True)
+    judge(changing, x)
+    judge(plain, x)
+    assert_bitwise(_grads(changing, x, True), _grads(changing, x, False))
+
+
+def test_a_verdict_takes_the_modes_a_part_ran_in():
+    """Modes switched before the judging context ends: the verdict is the eval one."""
+    torch.manual_seed(0)
+    m = nn.Sequential(_Noise(), nn.Linear(16, 16))
+    x = torch.randn(8, 16, requires_grad=True)
+    m.eval()
+    with checkpointing_parts(recompute_parts(m), []):
+        m(x)
+        m.train()
+    assert_bitwise(_grads(m, x, True), _grads(m, x, False))
+
+
 def test_a_made_again_output_is_made_from_its_inputs_laid_out_as_given():
     """Under a saved-tensor hook that gives a transposed input back contiguous
     (``save_on_cpu``), the cheap part is made again from it laid out as the forward had
@@ -326,6 +381,32 @@ def test_a_made_again_output_is_made_from_its_inputs_laid_out_as_given():
     got = _grads(m, x, True, hook())
     assert m.shift.calls == 2  # (the forward, and once made again in the backward)
     assert_bitwise(got, _grads(m, x, False, hook()))
+    # a few rows at the end of a large input: laid out again in as many elements
+    m, big = nn.Sequential(_Center(), nn.Linear(16, 16)), torch.randn(100_000, 16, requires_grad=True)
+
+    class Tail(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.m = m
+
+        def forward(self, t: torch.Tensor) -> torch.Tensor:
+            return self.m(t[-4:])
+
+    tail = Tail()
+    made: list[int] = []
+    real = torch.Tensor.new_empty
+
+    def counting(self, *size, **kw):  # (what _laid_out allocates, in elements)
+        made.append(int(torch.Size(size[0] if len(size) == 1 and not isinstance(size[0], int) else size).numel()))
+        return real(self, *size, **kw)
+
+    with hook():
+        assert judge(tail, big) == []
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(torch.Tensor, "new_empty", counting)
+        got = _grads(tail, big, True, hook())
+    assert max(made, default=0) <= 64, made  # (none here: the rows keep their alignment)
+    assert_bitwise(got, _grads(tail, big, False, hook()))
 
 
 @pytest.mark.parametrize("share", [False, True], ids=["pool", "shared-pages"])

@@ -156,7 +156,9 @@ def values_fingerprint(t: torch.Tensor) -> torch.Tensor:
     int64): what tells a change made through a way the version counter does not see."""
     with torch.no_grad():
         t = t.detach()
-        return t.sum(dtype=torch.float64 if t.is_floating_point() or t.is_complex() else torch.int64)
+        if t.is_complex():  # (summed as complex, the imaginary parts would be dropped)
+            t = torch.view_as_real(t.resolve_conj())
+        return t.sum(dtype=torch.float64 if t.is_floating_point() else torch.int64)
 
 
 def same_values(a: torch.Tensor, b: torch.Tensor) -> bool:
