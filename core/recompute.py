@@ -500,8 +500,8 @@ def checkpointing_parts(parts: list[torch.nn.Module],
                                 and j.modes == _modes(_m))
                     j.changes_given |= any(t._version != v for t, v in again)
                     if j.cheap:
-                        j.copies += [(t, t.detach().clone())
-                                     for t in [*tensors, *([out] if isinstance(out, torch.Tensor) else [])]]
+                        seen = [*tensors, *([out] if isinstance(out, torch.Tensor) else [])]
+                        j.copies += [(t, t.detach().clone()) for t in seen]
                     cheap_now = j.cheap
                 else:
                     v = _verdict(_m) if grad else None

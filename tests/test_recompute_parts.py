@@ -397,7 +397,8 @@ def test_a_made_again_output_is_made_from_its_inputs_laid_out_as_given():
     real = torch.Tensor.new_empty
 
     def counting(self, *size, **kw):  # (what _laid_out allocates, in elements)
-        made.append(int(torch.Size(size[0] if len(size) == 1 and not isinstance(size[0], int) else size).numel()))
+        shape = size[0] if len(size) == 1 and not isinstance(size[0], int) else size
+        made.append(torch.Size(shape).numel())
         return real(self, *size, **kw)
 
     with hook():
